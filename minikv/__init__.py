@@ -1,0 +1,12 @@
+"""minikv: a GPT-2 small enough to read in an afternoon, and the KV cache that makes it fast."""
+from .cache import KVCache, kv_cache_bytes
+from .config import PRESETS, GPTConfig
+from .device import default_device, describe_device, resolve_device
+from .generate import GenerationOutput, generate
+from .model import GPT
+from .trace import KVCounter, Stats, TraceEvent
+
+__all__ = [
+    "GPT", "GPTConfig", "PRESETS", "KVCache", "kv_cache_bytes", "generate", "GenerationOutput",
+    "Stats", "TraceEvent", "KVCounter", "default_device", "describe_device", "resolve_device",
+]

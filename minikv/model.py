@@ -1,0 +1,201 @@
+"""A GPT-2 from scratch, in GPT-2's parameter layout, with an optional KV cache.
+
+Without a cache the model is the plain GPT-2 forward pass. The cache adds three marked lines
+(`# KV-CACHE`): append this step's keys and values, attend over everything cached, and start
+position embeddings where the cache ends.
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .cache import KVCache
+from .config import GPTConfig
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hs)) v where query i (the last T of L positions) sees keys 0..L-T+i."""
+    T, L = q.size(-2), k.size(-2)
+    if T == L:  # no cache, or an empty one: the usual lower triangle
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if T == 1:  # one new token may see every cached key: a single unmasked row
+        return F.scaled_dot_product_attention(q, k, v)
+    mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(diagonal=L - T)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # Q, K and V for every head in one matmul
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        if cache is not None:
+            k, v = cache.update(k, v, layer_idx)  # KV-CACHE: (B, nh, past + T, hs), old K/V reused, not recomputed
+        y = causal_attention(q, k, v)  # (B, nh, T, hs)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # GPT-2 uses the tanh GELU
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer_idx)  # pre-LayerNorm residual blocks
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),  # token embeddings
+            wpe=nn.Embedding(config.block_size, config.n_embd),  # learned position embeddings
+            h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+            ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2 scales residual projections by depth
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # the tied head is counted once
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, positions: torch.Tensor | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        """Logits (B, T, vocab) for token ids `idx` (B, T); (B, 1, vocab) with `last_only`.
+
+        With a cache, K/V of `idx` are appended to it and attention covers every cached position.
+        `positions` overrides the position ids; leave it None except to reproduce seed 003's bug
+        (`torch.arange(T)`: every step restarts at position 0).
+        """
+        past = self._check_inputs(idx, cache, positions)
+        T = idx.shape[1]
+        if positions is None:
+            positions = torch.arange(past, past + T, device=idx.device)  # KV-CACHE: continue where the cache ends
+        x = self.transformer.wte(idx) + self.transformer.wpe(positions)  # (B, T, C)
+        for layer_idx, block in enumerate(self.transformer.h):
+            x = block(x, cache, layer_idx)
+        x = self.transformer.ln_f(x)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(x)  # (B, T, vocab)
+
+    def _check_inputs(self, idx: torch.Tensor, cache: KVCache | None, positions: torch.Tensor | None) -> int:
+        """Validate everything before any cache slot is written; return the cached length."""
+        cfg = self.config
+        if not isinstance(idx, torch.Tensor) or idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+            raise TypeError(f"idx must be an integer tensor of token ids, got "
+                            f"{idx.dtype if isinstance(idx, torch.Tensor) else type(idx).__name__}; "
+                            f"use torch.tensor([ids], dtype=torch.long)")
+        if idx.dim() != 2 or idx.shape[1] == 0:
+            raise ValueError(f"idx must have shape (batch, T) with T >= 1, got {tuple(idx.shape)}; "
+                             f"add a batch dimension with idx[None]")
+        if idx.device != self.device:
+            raise ValueError(f"idx is on {idx.device} but the model is on {self.device}; move it with idx.to(model.device)")
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= cfg.vocab_size:
+            raise ValueError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {cfg.vocab_size}); "
+                             f"encode with the model's own tokenizer")
+        B, T = idx.shape
+        past = 0
+        if cache is not None:
+            if not isinstance(cache, KVCache):
+                raise TypeError(f"cache must be a minikv.KVCache, got {type(cache).__name__}")
+            want = (cfg.n_layer, cfg.n_head, cfg.head_dim)
+            if (cache.n_layer, cache.n_head, cache.head_dim) != want:
+                raise ValueError(f"cache has (n_layer, n_head, head_dim) = {(cache.n_layer, cache.n_head, cache.head_dim)} "
+                                 f"but the model needs {want}; build it with KVCache.for_model(model)")
+            if cache.batch_size != B:
+                raise ValueError(f"cache holds batch {cache.batch_size} but idx has batch {B}; "
+                                 f"use KVCache.for_model(model, batch_size={B})")
+            if cache.device != self.device or cache.dtype != self.dtype:
+                raise ValueError(f"cache is {cache.dtype} on {cache.device} but the model is {self.dtype} on "
+                                 f"{self.device}; build it with KVCache.for_model(model)")
+            past = cache._uniform_length("run a forward pass")
+            cache.check_room(T)
+        if positions is None:
+            if past + T > cfg.block_size:
+                raise ValueError(f"sequence of {past + T} positions exceeds block_size={cfg.block_size}: "
+                                 f"shorten the prompt or generate fewer tokens")
+        elif (not isinstance(positions, torch.Tensor) or positions.shape != (T,) or positions.dtype.is_floating_point
+              or int(positions.min()) < 0 or int(positions.max()) >= cfg.block_size):
+            raise ValueError(f"positions must be an integer tensor of shape ({T},) with values in [0, {cfg.block_size})")
+        return past
+
+    @classmethod
+    def from_gpt2_state_dict(cls, state_dict: Mapping[str, torch.Tensor], config: GPTConfig | None = None) -> "GPT":
+        """Load weights in Hugging Face GPT-2 layout (`transformer.h.0.attn.c_attn.weight`, ...).
+
+        GPT-2 stores its linear layers as Conv1D, (in, out); nn.Linear wants (out, in), so those
+        are transposed. Without `config`, shapes are read off the tensors and n_head = n_embd / 64
+        (every released GPT-2 uses 64-dimensional heads).
+        """
+        sd = {k.removeprefix("transformer."): v for k, v in state_dict.items()
+              if not k.endswith((".attn.bias", ".attn.masked_bias"))}  # causal-mask buffers, not weights
+        head = sd.pop("lm_head.weight", None)
+        if "wte.weight" not in sd:
+            raise ValueError("state dict has no 'transformer.wte.weight': is this a GPT-2 state dict?")
+        if head is not None and not torch.equal(head, sd["wte.weight"]):
+            raise ValueError("lm_head.weight differs from wte.weight, but GPT-2 ties them; this model cannot load it")
+        if config is None:
+            vocab, n_embd = sd["wte.weight"].shape
+            n_layer = len({k.split(".")[1] for k in sd if k.startswith("h.")})
+            config = GPTConfig(vocab_size=vocab, block_size=sd["wpe.weight"].shape[0], n_layer=n_layer,
+                               n_head=max(1, n_embd // 64), n_embd=n_embd)
+        model = cls(config)
+        ours = {k.removeprefix("transformer."): v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        missing, unexpected = sorted(set(ours) - set(sd)), sorted(set(sd) - set(ours))
+        if missing or unexpected:
+            raise ValueError(f"state dict does not match {config}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+        with torch.no_grad():
+            for name, target in ours.items():
+                source = sd[name].t() if name.endswith(conv1d) else sd[name]
+                if source.shape != target.shape:
+                    raise ValueError(f"{name}: got shape {tuple(source.shape)}, expected {tuple(target.shape)} "
+                                     f"for {config}")
+                target.copy_(source)
+        return model
