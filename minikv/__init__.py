@@ -4,9 +4,11 @@ from .config import PRESETS, GPTConfig
 from .device import default_device, describe_device, resolve_device
 from .generate import GenerationOutput, generate
 from .model import GPT
+from .tokenizer import EOT, load_tokenizer
 from .trace import KVCounter, Stats, TraceEvent
 
 __all__ = [
     "GPT", "GPTConfig", "PRESETS", "KVCache", "kv_cache_bytes", "generate", "GenerationOutput",
     "Stats", "TraceEvent", "KVCounter", "default_device", "describe_device", "resolve_device",
+    "load_tokenizer", "EOT",
 ]
