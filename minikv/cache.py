@@ -77,6 +77,21 @@ class KVCache:
     def layer_lengths(self) -> list[int]:
         return list(self._lengths)
 
+    def check_fits(self, cfg: GPTConfig, batch_size: int, n_new: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Raise, before anything is written, unless a model of `cfg` can append (batch_size, n_new) tokens."""
+        want = (cfg.n_layer, cfg.n_head, cfg.head_dim)
+        if (self.n_layer, self.n_head, self.head_dim) != want:
+            raise ValueError(f"cache has (n_layer, n_head, head_dim) = {(self.n_layer, self.n_head, self.head_dim)} "
+                             f"but the model needs {want}; build it with KVCache.for_model(model)")
+        if self.batch_size != batch_size:
+            raise ValueError(f"cache holds batch {self.batch_size} but idx has batch {batch_size}; "
+                             f"use KVCache.for_model(model, batch_size={batch_size})")
+        if self.device != device or self.dtype != dtype:
+            raise ValueError(f"cache is {self.dtype} on {self.device} but the model is {dtype} on {device}; "
+                             f"build it with KVCache.for_model(model)")
+        self._uniform_length("run a forward pass")
+        self.check_room(n_new)
+
     def check_room(self, n_new: int) -> None:
         """Raise before anything is written if `n_new` more positions would not fit."""
         length = self.get_seq_length()

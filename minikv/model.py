@@ -7,7 +7,7 @@ position embeddings where the cache ends.
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 import torch.nn as nn
@@ -15,6 +15,8 @@ import torch.nn.functional as F
 
 from .cache import KVCache
 from .config import GPTConfig
+
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -35,13 +37,13 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # Q, K and V for every head in one matmul
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, attention: Attention) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         if cache is not None:
             k, v = cache.update(k, v, layer_idx)  # KV-CACHE: (B, nh, past + T, hs), old K/V reused, not recomputed
-        y = causal_attention(q, k, v)  # (B, nh, T, hs)
+        y = attention(q, k, v)  # (B, nh, T, hs)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -63,8 +65,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer_idx)  # pre-LayerNorm residual blocks
+    def forward(self, x: torch.Tensor, cache: KVCache | None, layer_idx: int, attention: Attention) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer_idx, attention)  # pre-LayerNorm residual blocks
         return x + self.mlp(self.ln_2(x))
 
 
@@ -104,12 +106,13 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())  # the tied head is counted once
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None, positions: torch.Tensor | None = None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, attention: Attention = causal_attention) -> torch.Tensor:
         """Logits (B, T, vocab) for token ids `idx` (B, T); (B, 1, vocab) with `last_only`.
 
         With a cache, K/V of `idx` are appended to it and attention covers every cached position.
-        `positions` overrides the position ids; leave it None except to reproduce seed 003's bug
-        (`torch.arange(T)`: every step restarts at position 0).
+        `positions` ((T,) or (B, T)) overrides the position ids: a batch of requests at different
+        lengths needs it, and `torch.arange(T)` reproduces seed 003's bug (restarting at position 0).
+        `attention` swaps the attention kernel (the batched server's split-KV decode uses it).
         """
         past = self._check_inputs(idx, cache, positions)
         T = idx.shape[1]
@@ -117,14 +120,15 @@ class GPT(nn.Module):
             positions = torch.arange(past, past + T, device=idx.device)  # KV-CACHE: continue where the cache ends
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)  # (B, T, C)
         for layer_idx, block in enumerate(self.transformer.h):
-            x = block(x, cache, layer_idx)
+            x = block(x, cache, layer_idx, attention)
         x = self.transformer.ln_f(x)
         if last_only:
             x = x[:, -1:]
         return self.lm_head(x)  # (B, T, vocab)
 
-    def _check_inputs(self, idx: torch.Tensor, cache: KVCache | None, positions: torch.Tensor | None) -> int:
-        """Validate everything before any cache slot is written; return the cached length."""
+    def _check_inputs(self, idx: torch.Tensor, cache: KVCache | None, positions: torch.Tensor | None) -> int | None:
+        """Validate everything before any cache slot is written; return the cached length (None when
+        explicit positions make it irrelevant)."""
         cfg = self.config
         if not isinstance(idx, torch.Tensor) or idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
             raise TypeError(f"idx must be an integer tensor of token ids, got "
@@ -140,30 +144,21 @@ class GPT(nn.Module):
             raise ValueError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {cfg.vocab_size}); "
                              f"encode with the model's own tokenizer")
         B, T = idx.shape
-        past = 0
         if cache is not None:
-            if not isinstance(cache, KVCache):
+            if not hasattr(cache, "check_fits"):
                 raise TypeError(f"cache must be a minikv.KVCache, got {type(cache).__name__}")
-            want = (cfg.n_layer, cfg.n_head, cfg.head_dim)
-            if (cache.n_layer, cache.n_head, cache.head_dim) != want:
-                raise ValueError(f"cache has (n_layer, n_head, head_dim) = {(cache.n_layer, cache.n_head, cache.head_dim)} "
-                                 f"but the model needs {want}; build it with KVCache.for_model(model)")
-            if cache.batch_size != B:
-                raise ValueError(f"cache holds batch {cache.batch_size} but idx has batch {B}; "
-                                 f"use KVCache.for_model(model, batch_size={B})")
-            if cache.device != self.device or cache.dtype != self.dtype:
-                raise ValueError(f"cache is {cache.dtype} on {cache.device} but the model is {self.dtype} on "
-                                 f"{self.device}; build it with KVCache.for_model(model)")
-            past = cache._uniform_length("run a forward pass")
-            cache.check_room(T)
+            cache.check_fits(cfg, B, T, self.device, self.dtype)
         if positions is None:
+            past = 0 if cache is None else cache.get_seq_length()
             if past + T > cfg.block_size:
                 raise ValueError(f"sequence of {past + T} positions exceeds block_size={cfg.block_size}: "
                                  f"shorten the prompt or generate fewer tokens")
-        elif (not isinstance(positions, torch.Tensor) or positions.shape != (T,) or positions.dtype.is_floating_point
-              or int(positions.min()) < 0 or int(positions.max()) >= cfg.block_size):
-            raise ValueError(f"positions must be an integer tensor of shape ({T},) with values in [0, {cfg.block_size})")
-        return past
+            return past
+        if (not isinstance(positions, torch.Tensor) or positions.shape not in ((T,), (B, T))
+                or positions.dtype.is_floating_point or int(positions.min()) < 0 or int(positions.max()) >= cfg.block_size):
+            raise ValueError(f"positions must be an integer tensor of shape ({T},) or ({B}, {T}) "
+                             f"with values in [0, {cfg.block_size})")
+        return None
 
     @classmethod
     def from_gpt2_state_dict(cls, state_dict: Mapping[str, torch.Tensor], config: GPTConfig | None = None) -> "GPT":

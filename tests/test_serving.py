@@ -1,0 +1,144 @@
+"""Deterministic requests: the fast path depends on the batch, the verified output does not."""
+import random
+
+import pytest
+import torch
+
+import minikv
+from minikv.serving import num_kv_splits, split_kv_attention
+from conftest import varied_model
+
+MODEL32 = varied_model("small", seed=0)
+MODEL16 = varied_model("small", seed=0).to(torch.bfloat16)  # servers run in 16-bit; differences are larger
+
+
+def companions(k: int, n: int) -> list[minikv.Request]:
+    """n other requests of different lengths, budgets and sampling seeds (companion set number k)."""
+    rng = random.Random(k)
+    return [minikv.Request(prompt=[rng.randrange(2048) for _ in range(rng.randrange(1, 40))],
+                           max_new_tokens=rng.randrange(5, 40), temperature=1.0, seed=100 * k + j) for j in range(n)]
+
+
+def det_request(seed: int = 1, n: int = 30, temperature: float = 0.8) -> minikv.Request:
+    return minikv.Request(prompt=[5, 6, 7, 8], max_new_tokens=n, deterministic=True, temperature=temperature, seed=seed)
+
+
+def run(model, request, k, n, verify=True, **kw):
+    """Serve `request` with companion set k of size n, placed in the middle of the batch."""
+    others = companions(k, n)
+    batch = others[: n // 2] + [request] + others[n // 2:]
+    return minikv.serve(model, batch, verify=verify, **kw)[n // 2]
+
+
+SETTINGS = [(k, n) for k, n in zip(range(12), [0, 1, 2, 3, 5, 7, 1, 2, 4, 6, 9, 3])]  # 12 companion sets
+
+
+def test_fast_path_logits_depend_on_the_batch():
+    """fp32, CPU: the same request's first fast-path logits, alone vs with companions, differ in bits."""
+    alone = run(MODEL32, det_request(), 0, 0, verify=False, record_logits=True).fast_logits
+    differing = 0
+    for k, n in SETTINGS[1:]:
+        other = run(MODEL32, det_request(), k, n, verify=False, record_logits=True).fast_logits
+        torch.testing.assert_close(other[0], alone[0], atol=1e-4, rtol=0)  # same math...
+        differing += not torch.equal(other[0], alone[0])  # ...different rounding
+    assert differing >= len(SETTINGS) - 3
+
+
+def test_fast_path_tokens_depend_on_the_batch():
+    """bf16, seed 1: the fast path alone gives different tokens with different companions."""
+    outputs = {tuple(run(MODEL16, det_request(seed=1), k, n, verify=False).tokens) for k, n in SETTINGS[:6]}
+    assert len(outputs) > 1
+
+
+@pytest.mark.parametrize("model, temperature", [(MODEL16, 0.8), (MODEL16, 0.0), (MODEL32, 0.8)],
+                         ids=["bf16-sampled", "bf16-greedy", "fp32-sampled"])
+def test_verified_output_is_bit_identical_across_batches(model, temperature):
+    request = det_request(seed=1, temperature=temperature)
+    outputs = [run(model, request, k, n) for k, n in SETTINGS]
+    assert all(o.tokens == outputs[0].tokens for o in outputs)
+    assert len(outputs[0].tokens) == 30
+
+
+def test_verification_is_what_makes_it_deterministic():
+    """Same settings with verify=False disagree somewhere; with verify=True they never do."""
+    fast = {tuple(run(MODEL16, det_request(seed=1), k, n, verify=False).tokens) for k, n in SETTINGS[:6]}
+    verified = {tuple(run(MODEL16, det_request(seed=1), k, n).tokens) for k, n in SETTINGS[:6]}
+    assert len(fast) > 1 and len(verified) == 1
+
+
+def rounds(out):
+    """(verify, rollback-or-None, commit) events of each verification round in a trace."""
+    events = out.trace
+    for i, e in enumerate(events):
+        if e.kind == "verify":
+            rollback = events[i + 1] if events[i + 1].kind == "rollback" else None
+            yield e, rollback, events[i + 2 if rollback else i + 1]
+
+
+def find_seed(predicate, seeds=range(100)):
+    """The first (seed, round) whose round satisfies `predicate`: pictures are found, never forced."""
+    for seed in seeds:
+        out = run(MODEL16, det_request(seed=seed, n=30), 3, 3, trace=True)
+        for rnd in rounds(out):
+            if predicate(*rnd):
+                return seed, rnd
+    raise AssertionError("no seed in range shows the picture")
+
+
+def test_seed_001_picture_no_rollback():
+    """Found by search: a window's three fast-path tokens all verified; the verifier adds the fourth."""
+    seed, (verify, rollback, commit) = find_seed(lambda v, r, c: len(v.detail["accepted"]) == 3)
+    p = verify.positions[0]
+    assert verify.detail["accepted"] == [p, p + 1, p + 2] and rollback is None
+    assert commit.kind == "commit" and commit.detail["rollback"] is False
+    assert commit.positions == (p, p + 1, p + 2, p + 3)  # T1, T2, T3 and the verifier's own T4
+    assert verify.cache_len_after == commit.cache_len_after == p + 3  # nothing cropped: K/V up to T3
+
+
+def test_seed_004_picture_rollback_to_last_accepted():
+    """Found by search: T1' accepted, T2' rejected; sequence and cache restored to T1, then T2 committed."""
+    seed, (verify, rollback, commit) = find_seed(
+        lambda v, r, c: len(v.positions) == 3 and len(v.detail["accepted"]) == 1)
+    p = verify.positions[0]
+    assert verify.detail["rejected"] == [p + 1, p + 2]
+    assert rollback.kind == "rollback" and (rollback.cache_len_before, rollback.cache_len_after) == (p + 3, p + 1)
+    assert commit.positions == (p, p + 1) and commit.detail["rollback"] is True
+
+
+def test_split_kv_attention_is_attention():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 4, 1, 16), torch.randn(3, 4, 20, 16), torch.randn(3, 4, 20, 16)
+    lengths = torch.tensor([20, 7, 13])
+    results = []
+    for n_splits in (1, 2, 3, 5, 20):
+        out = split_kv_attention(q, k, v, lengths, n_splits)
+        for b, n in enumerate(lengths.tolist()):
+            ref = torch.nn.functional.scaled_dot_product_attention(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n])
+            torch.testing.assert_close(out[b:b + 1], ref, atol=1e-6, rtol=0)
+        results.append(out)
+    assert any(not torch.equal(results[0], r) for r in results[1:])  # same value, different bits
+
+
+def test_number_of_splits_follows_the_batch():
+    assert num_kv_splits(1, 4, 1000) == 33 and num_kv_splits(8, 4, 1000) == 5 and num_kv_splits(64, 4, 1000) == 1
+    assert num_kv_splits(1, 4, 10) == 2  # short sequences are not split finer than 8 keys
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(window=0), "window must be an int >= 1"),
+    (dict(requests=[minikv.Request([1] * 500, 10, deterministic=True)]), "block_size"),
+    (dict(requests=[minikv.Request([1], 10, temperature=-1)]), "temperature"),
+    (dict(requests=[minikv.Request([], 10)]), "prompt is empty"),
+    (dict(requests=[minikv.Request([1], 0)]), "max_new_tokens"),
+    (dict(requests=[]), "no requests"),
+])
+def test_bad_input(kwargs, message):
+    args = dict(requests=[det_request()], window=4) | kwargs
+    with pytest.raises(ValueError, match=message):
+        minikv.serve(MODEL32, **args)
+
+
+def test_window_one_verifies_every_token():
+    out = run(MODEL32, det_request(n=10), 2, 2, window=1)
+    assert out.stats.fast_steps == 0 and out.stats.rounds == 9  # the prefill gives the first token
+    assert out.tokens == run(MODEL32, det_request(n=10), 0, 0).tokens
