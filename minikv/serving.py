@@ -235,5 +235,5 @@ def _verify(st: _State, window: int, verifier, step: int) -> None:
     st.stats.proposed += proposed
     st.stats.accepted += rnd.verdict.accepted
     st.stats.rejected += proposed - rnd.verdict.accepted
-    st.stats.rollbacks += rnd.verdict.accepted < proposed
+    st.stats.rollbacks += rnd.rolled_back
     st.events.extend(round_events(step, rnd, len(st.seq)))

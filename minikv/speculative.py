@@ -104,7 +104,7 @@ def speculative_generate(target, draft, ids, max_new_tokens: int, gamma: int = 4
             stats.proposed += g
             stats.accepted += rnd.verdict.accepted
             stats.rejected += g - rnd.verdict.accepted
-            stats.rollbacks += any(b > a for b, a in rnd.cache_lens.values())
+            stats.rollbacks += rnd.rolled_back
             events.extend(round_events(step, rnd, len(seq)))
             if adaptive_gamma:
                 gamma = min(gamma + 1, max_gamma) if rnd.verdict.accepted == g else max(gamma - 1, 1)

@@ -100,6 +100,10 @@ class Round:
     verdict: Verdict
     cache_lens: dict = field(default_factory=dict)  # name -> (before crop, after crop)
 
+    @property
+    def rolled_back(self) -> bool:
+        return any(before > after for before, after in self.cache_lens.values())
+
 
 def verify_and_commit(sequence: list[int], proposals: list[int], cache: KVCache, verifier: Verifier, judge: Judge,
                       *, start: int | None = None, rows: int | None = None, pad_id: int = 0,
@@ -118,6 +122,7 @@ def verify_and_commit(sequence: list[int], proposals: list[int], cache: KVCache,
     cache.crop(min(cache.get_seq_length(), start))
     replay = inputs + [pad_id] * ((rows or len(inputs)) - len(inputs))
     logits = verifier(replay, cache)
+    cache.crop(start + len(inputs))  # padding rows only fixed the pass's shape: their K/V go at once
     first = len(sequence) - 1 - start  # the row whose output is judged against the first proposal
     verdict = judge(logits[first:len(inputs)], proposals)
     sequence.extend(proposals[:verdict.accepted] + [verdict.token])
@@ -139,13 +144,13 @@ def round_events(step: int, rnd: Round, sequence_len: int) -> list[TraceEvent]:
                          positions=tuple(range(first_pos, first_pos + len(rnd.proposals))),
                          cache_len_before=rnd.start, cache_len_after=before, kv_computed=rnd.replayed,
                          token=rnd.verdict.token, detail={"accepted": accepted, "rejected": rejected, "replay_start": rnd.start})]
-    if any(b > a for b, a in rnd.cache_lens.values()):
+    if rnd.rolled_back:
         events.append(TraceEvent(step=step, kind="rollback", input_ids=(), positions=tuple(rejected),
                                  cache_len_before=before, cache_len_after=after, kv_computed=0,
                                  detail={"caches": dict(rnd.cache_lens)}))
     events.append(TraceEvent(step=step, kind="commit", input_ids=tuple(rnd.proposals[:rnd.verdict.accepted]) +
                              (rnd.verdict.token,), positions=tuple(range(first_pos, sequence_len)),
                              cache_len_before=after, cache_len_after=after, kv_computed=0, token=rnd.verdict.token,
-                             detail={"rollback": any(b > a for b, a in rnd.cache_lens.values()),
+                             detail={"rollback": rnd.rolled_back,
                                      "sequence_len": sequence_len}))
     return events

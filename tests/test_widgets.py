@@ -1,0 +1,117 @@
+"""Steppers driven like a student would, without a browser: set the slider, click, read caption and image."""
+import pytest
+import torch
+
+import minikv
+from minikv.draw import attention_weights, draw_attention, draw_step, png
+from minikv.trace import replay
+from minikv.widgets import CompareStepper, TraceStepper
+from conftest import varied_model
+from test_serving import MODEL16, find_seed, run, det_request
+from test_speculative import FAR, TARGET
+
+
+def spec_trace():
+    return minikv.speculative_generate(TARGET, FAR, [1, 2, 3], 14, gamma=3, trace=True).trace
+
+
+def check_against_trace(stepper, trace):
+    """Walk every step with Next and check what is shown against the trace itself."""
+    stepper.go(0)
+    seen_images = set()
+    for i, event in enumerate(trace):
+        snap = stepper.snapshot
+        assert snap.event is event and stepper.slider.value == i
+        assert event.kind in stepper.caption.value
+        expected_len = event.cache_len_after if event.kind != "draft" else snap.cache_len
+        assert snap.cache_len == expected_len
+        if event.kind == "rollback":
+            assert f"cache {event.cache_len_before} → {event.cache_len_after}" in stepper.caption.value
+            stale = snap.live(snap.cache, snap.cache_len)[event.cache_len_after:event.cache_len_before]
+            assert stale and set(stale) == {"stale"}
+        if event.kind == "verify":
+            for p in event.detail["accepted"]:
+                assert snap.status[p] == "accepted"
+            for p in event.detail["rejected"]:
+                assert snap.status[p] == "rejected"
+            assert (" rejected" in stepper.caption.value) == bool(event.detail["rejected"])
+        if event.kind == "commit":
+            assert len(snap.tokens) == event.detail["sequence_len"]
+            assert all(s != "unverified" for s in snap.cache[: snap.cache_len])
+        seen_images.add(stepper.image.value)
+        assert stepper.next_button.disabled == (i == len(trace) - 1)
+        stepper.next_button.click()
+    assert len(seen_images) == len(trace)  # every step draws something different
+
+
+def test_stepper_walks_a_speculative_trace():
+    trace = spec_trace()
+    assert {"draft", "verify", "rollback", "commit"} <= {e.kind for e in trace}
+    check_against_trace(TraceStepper(trace), trace)
+
+
+def test_stepper_walks_a_deterministic_trace():
+    seed, _ = find_seed(lambda v, r, c: r is not None)
+    out = run(MODEL16, det_request(seed=seed, n=30), 3, 3, trace=True)
+    trace = out.trace
+    assert {"prefill", "decode", "verify", "rollback", "commit"} <= {e.kind for e in trace}
+    stepper = TraceStepper(trace)
+    check_against_trace(stepper, trace)
+    decode_step = next(i for i, e in enumerate(trace) if e.kind == "decode")
+    stepper.go(decode_step)
+    assert "unverified" in stepper.caption.value and "KV splits" in stepper.caption.value
+    assert stepper.snapshot.cache[trace[decode_step].positions[0]] == "unverified"  # yellow, as in seed 001
+
+
+def test_prev_and_bounds():
+    stepper = TraceStepper(spec_trace())
+    assert stepper.prev_button.disabled
+    stepper.go(3)
+    before = stepper.image.value
+    stepper.prev_button.click()
+    assert stepper.slider.value == 2 and stepper.image.value != before
+    stepper.go(10_000)
+    assert stepper.slider.value == stepper.slider.max
+
+
+def test_compare_view_counts_the_seed_003_work():
+    model = varied_model()
+    naive = minikv.generate(model, [10, 11, 12], 5, mode="naive", trace=True).trace
+    cached = minikv.generate(model, [10, 11, 12], 5, mode="cached", trace=True).trace
+    view = CompareStepper(naive, cached)
+    view.slider.value = 4
+    assert view.cached.slider.value == 4
+    assert "naive <b>25</b>, cached <b>7</b>" in view.work.value
+    assert "recompute K/V for all 7 positions" in view.naive.caption.value
+
+
+def test_saved_notebook_gets_a_static_picture():
+    bundle = TraceStepper(spec_trace())._repr_mimebundle_()
+    assert bundle["image/png"] and bundle["text/plain"].startswith("TraceStepper:")
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+
+
+def test_pictures_follow_the_engine():
+    """Change the prompt and the drawing changes: nothing is a canned image."""
+    a = minikv.generate(TARGET, [1, 2, 3], 4, trace=True).trace
+    b = minikv.generate(TARGET, [1, 2, 9], 4, trace=True).trace
+    assert png(draw_step(replay(a)[2])) != png(draw_step(replay(b)[2]))
+
+
+def test_attention_weights_full_triangle_vs_one_row():
+    model = varied_model()
+    ids = [3, 4, 5, 6, 7]
+    full = attention_weights(model, ids)                    # (nh, 5, 5)
+    assert full.shape[1:] == (5, 5) and torch.equal(full.triu(1), torch.zeros_like(full))
+    cache = minikv.KVCache.for_model(model, max_len=8)
+    with torch.no_grad():
+        model(torch.tensor([ids[:-1]]), cache=cache)
+    row = attention_weights(model, ids[-1:], cache=cache)   # (nh, 1, 5): the cached step's single row
+    assert row.shape[1:] == (1, 5)
+    torch.testing.assert_close(row[:, 0], full[:, -1], atol=1e-6, rtol=0)
+    assert png(draw_attention(row.mean(0))) != png(draw_attention(full.mean(0)))
+
+
+def test_empty_trace_is_refused():
+    with pytest.raises(ValueError, match="trace=True"):
+        TraceStepper([])
