@@ -37,7 +37,7 @@ def _label(token: int, decode) -> str:
 
 
 def draw_step(snap: Snapshot, decode=None, bytes_per_slot: int | None = None, max_positions: int = 28,
-              title: str | None = None) -> plt.Figure:
+              title: str | None = None, ax=None, legend: bool = True) -> plt.Figure:
     """The token strip above the KV cache (and the draft's cache, when there is one) after one event."""
     n = max(len(snap.tokens), len(snap.cache), len(snap.draft_cache), 1)
     first = max(0, n - max_positions)
@@ -46,7 +46,8 @@ def draw_step(snap: Snapshot, decode=None, bytes_per_slot: int | None = None, ma
         rows.append(("draft cache", snap.live(snap.draft_cache, snap.draft_cache_len)))
     if snap.event.kind == "recompute":
         rows[1] = ("no cache", ["unverified" if p in snap.computed else "empty" for p in range(len(snap.tokens) - 1)])
-    fig, ax = plt.subplots(figsize=(10, 1.3 + 0.8 * len(rows)))
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 1.3 + 0.8 * len(rows)))
     for r, (name, slots) in enumerate(rows):
         y = -r * 1.15
         ax.text(first - 0.3, y + 0.4, name, ha="right", va="center", fontsize=9)
@@ -70,9 +71,24 @@ def draw_step(snap: Snapshot, decode=None, bytes_per_slot: int | None = None, ma
     ax.set_ylim(-1.15 * (len(rows) - 1) - 0.9, 1.4)
     ax.axis("off")
     ax.set_title(title or caption(snap, decode), fontsize=9, loc="left", wrap=True)
-    ax.legend(handles=[Patch(facecolor=c, edgecolor="#777777", label=l) for l, c in LEGEND], loc="lower center",
-              bbox_to_anchor=(0.5, 0.0), ncol=6, fontsize=7, frameon=False)
-    fig.tight_layout()
+    if legend:
+        ax.legend(handles=[Patch(facecolor=c, edgecolor="#777777", label=l) for l, c in LEGEND], loc="lower center",
+                  bbox_to_anchor=(0.5, 0.0), ncol=6, fontsize=7, frameon=False)
+    ax.figure.tight_layout()
+    return ax.figure
+
+
+def draw_steps(snaps: list[Snapshot], decode=None, bytes_per_slot: int | None = None, max_positions: int = 28,
+               suptitle: str = "") -> plt.Figure:
+    """Several steps stacked top to bottom, one legend: a static version of a stepper."""
+    heights = [2 + (1 if s.draft_cache else 0) for s in snaps]
+    fig, axes = plt.subplots(len(snaps), 1, figsize=(10, 0.95 * sum(heights) + 0.6), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    for i, (snap, ax) in enumerate(zip(snaps, axes[:, 0])):
+        draw_step(snap, decode, bytes_per_slot, max_positions, ax=ax, legend=i == len(snaps) - 1)
+    if suptitle:
+        fig.suptitle(suptitle, fontsize=11, x=0.02, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight() if suptitle else 1))
     return fig
 
 
