@@ -1,0 +1,260 @@
+"""`python -m minikv.bench`: how fast the engine is, each number a ratio against a baseline in the same run.
+
+Machines are noisy, so every comparison alternates candidate and baseline run by run and reports medians.
+Writes benchmarks/results.json, benchmarks/README.md (tables) and plots. `--quick` checks the machinery on
+tiny models in well under a minute; its numbers mean nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+from tqdm import tqdm
+
+from .config import GPTConfig
+from .device import default_device, describe_device
+from .generate import generate
+from .model import GPT
+from .serving import Request, serve
+from .speculative import speculative_generate
+
+OUT_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def alternate(runs: dict, repeats: int, device: torch.device) -> dict[str, float]:
+    """Median seconds of each callable, run in turn (A, B, A, B, ...) so drift hits all alike."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def random_model(preset: str, device, dtype=torch.float32, **overrides) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig.preset(preset, **overrides)).to(device, dtype).eval()
+
+
+PROMPT = [1, 2, 3, 4]  # 4 tokens; every preset's vocabulary has these ids
+
+
+def bench_naive_vs_cached(model, ns, naive_max, repeats, device) -> list[dict]:
+    """Wall time, naive vs cached, from a 4-token prompt (naive only up to naive_max new tokens)."""
+    rows = []
+    for n in tqdm(ns, desc="naive vs cached"):
+        runs = {"cached": lambda: generate(model, PROMPT, n, mode="cached")}
+        if n <= naive_max:
+            runs["naive"] = lambda: generate(model, PROMPT, n, mode="naive")
+        t = alternate(runs, repeats, device)
+        row = {"n": n, "cached_s": t["cached"]}
+        if "naive" in t:
+            row |= {"naive_s": t["naive"], "speedup": t["naive"] / t["cached"]}
+        rows.append(row)
+    return rows
+
+
+def counted_kv(model, ns) -> list[dict]:
+    """K/V vectors per layer as the engine's own counters report them (weights don't change the counts),
+    next to the prediction: N·P + N(N−1)/2 without a cache, P + N − 1 with one (P = prompt length)."""
+    p = len(PROMPT)
+    return [{"n": n, "naive": generate(model, PROMPT, n, mode="naive").stats.kv_computed,
+             "cached": generate(model, PROMPT, n, mode="cached").stats.kv_computed,
+             "naive_predicted": n * p + n * (n - 1) // 2, "cached_predicted": p + n - 1} for n in ns]
+
+
+def read_bandwidth(device, mbytes: int, repeats: int) -> float:
+    """Streaming read bandwidth in bytes/s: the median time to sum a large tensor."""
+    x = torch.ones(mbytes * 2**20 // 4, device=device)
+    t = alternate({"sum": lambda: x.sum().item()}, repeats, device)["sum"]
+    return x.numel() * 4 / t
+
+
+def bench_roofline(model, n_tokens, repeats, bandwidth, device) -> dict:
+    """Cached decode tokens/s against the memory-bandwidth bound: bytes read per token / bandwidth."""
+    t = alternate({"decode": lambda: generate(model, PROMPT, n_tokens),
+                   "prefill": lambda: generate(model, PROMPT, 1)}, repeats, device)
+    per_token = (t["decode"] - t["prefill"]) / (n_tokens - 1)
+    cfg = model.config
+    weight_bytes = (model.num_params() - cfg.block_size * cfg.n_embd) * model.dtype.itemsize  # wpe: one row read
+    mean_len = len(PROMPT) + n_tokens / 2
+    kv_bytes = 2 * cfg.n_layer * mean_len * cfg.n_embd * model.dtype.itemsize
+    bound = bandwidth / (weight_bytes + kv_bytes)
+    return {"tokens_per_s": 1 / per_token, "roofline_tokens_per_s": bound, "fraction": (1 / per_token) / bound,
+            "bytes_per_token": weight_bytes + kv_bytes, "bandwidth_GBps": bandwidth / 1e9}
+
+
+def bench_vs_transformers(n_tokens, repeats, device, preset="gpt2") -> dict | None:
+    """Our cached decode against Hugging Face's GPT-2 generate(use_cache=True), same weights and prompt."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    cfg = GPTConfig.preset(preset)
+    torch.manual_seed(0)
+    hf_cfg = transformers.GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd,
+                                     n_layer=cfg.n_layer, n_head=cfg.n_head, bos_token_id=0, eos_token_id=0)
+    hf = transformers.GPT2LMHeadModel(hf_cfg).to(device).eval()
+    ours = GPT.from_gpt2_state_dict(hf.state_dict(), cfg).to(device).eval()
+    ids = torch.tensor([PROMPT], device=device)
+
+    def run_hf():
+        with torch.inference_mode():
+            return hf.generate(ids, max_new_tokens=n_tokens, min_new_tokens=n_tokens, do_sample=False,
+                               use_cache=True, pad_token_id=0)[0, len(PROMPT):].tolist()
+
+    same = run_hf() == generate(ours, PROMPT, n_tokens).tokens
+    t = alternate({"minikv": lambda: generate(ours, PROMPT, n_tokens), "transformers": run_hf}, repeats, device)
+    return {"same_tokens": same, "minikv_s": t["minikv"], "transformers_s": t["transformers"],
+            "speedup": t["transformers"] / t["minikv"], "transformers_version": transformers.__version__}
+
+
+def bench_speculative(target, draft, prompts, n_tokens, gammas, repeats, device) -> dict:
+    """Speed-up over target-only cached greedy for each γ, against (1 − α^(γ+1)) / ((1 − α)(γc + 1))."""
+    step = alternate({"target": lambda: generate(target, prompts[0], 33), "draft": lambda: generate(draft, prompts[0], 33),
+                      "target1": lambda: generate(target, prompts[0], 1), "draft1": lambda: generate(draft, prompts[0], 1)},
+                     repeats, device)
+    c = (step["draft"] - step["draft1"]) / (step["target"] - step["target1"])
+    rows = []
+    for gamma in tqdm(gammas, desc="speculative"):
+        base = lambda: [generate(target, p, n_tokens) for p in prompts]  # noqa: E731
+        spec = lambda: [speculative_generate(target, draft, p, n_tokens, gamma=gamma) for p in prompts]  # noqa: E731
+        outs = spec()
+        same = [o.tokens for o in outs] == [o.tokens for o in base()]
+        accepted, proposed = sum(o.stats.accepted for o in outs), sum(o.stats.proposed for o in outs)
+        alpha = accepted / max(proposed, 1)
+        t = alternate({"cached": base, "speculative": spec}, repeats, device)
+        predicted = (1 - alpha ** (gamma + 1)) / ((1 - alpha) * (gamma * c + 1)) if alpha < 1 else (gamma + 1) / (gamma * c + 1)
+        rows.append({"gamma": gamma, "alpha": alpha, "identical": same, "speedup": t["cached"] / t["speculative"],
+                     "predicted": predicted,
+                     "tokens_per_target_pass": sum(o.stats.new_tokens for o in outs) / sum(o.stats.target_passes for o in outs)})
+    return {"c": c, "rows": rows}
+
+
+def bench_deterministic(model, prompts, n_tokens, windows, repeats, device) -> list[dict]:
+    """One deterministic request among others: throughput with verification vs the fast path alone."""
+    def batch():
+        det = Request(prompts[0], n_tokens, deterministic=True)
+        return [det] + [Request(p, n_tokens, temperature=1.0, seed=i) for i, p in enumerate(prompts[1:])]
+    rows = []
+    for w in tqdm(windows, desc="deterministic"):
+        t = alternate({"fast": lambda: serve(model, batch(), window=w, verify=False),
+                       "verified": lambda: serve(model, batch(), window=w)}, repeats, device)
+        stats = serve(model, batch(), window=w)[0].stats
+        rows.append({"window": w, "fast_s": t["fast"], "verified_s": t["verified"],
+                     "throughput_fraction": t["fast"] / t["verified"], "rollbacks": stats.rollbacks, "rounds": stats.rounds})
+    return rows
+
+
+def write_report(results: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    m = results["machine"]
+    lines = [f"# Benchmarks ({'quick check: numbers mean nothing' if results['quick'] else 'full run'})", "",
+             f"{m['date']}, {m['device']}, torch {m['torch']}, {m['threads']} threads, {m['platform']}. "
+             "Medians of alternating runs; every ratio is against a baseline measured in the same run.", "",
+             "## Naive vs cached decoding", "",
+             "| N | cached s | naive s | speed-up | K/V naive (counted / predicted) | K/V cached (counted / predicted) | K/V ratio |",
+             "|---|---|---|---|---|---|---|"]
+    for r, kv in zip(results["naive_vs_cached"], results["kv_counted"]):
+        naive = f"{r['naive_s']:.2f} | {r['speedup']:.1f}x" if "naive_s" in r else "not timed | —"
+        lines.append(f"| {r['n']} | {r['cached_s']:.2f} | {naive} | {kv['naive']:,} / {kv['naive_predicted']:,} | "
+                     f"{kv['cached']:,} / {kv['cached_predicted']:,} | {kv['naive'] / kv['cached']:.1f}x |")
+    rf = results["roofline"]
+    lines += ["", "## Cached decode against the memory-bandwidth roofline", "",
+              f"{rf['tokens_per_s']:.1f} tokens/s measured; bound {rf['roofline_tokens_per_s']:.1f} tokens/s "
+              f"({rf['bytes_per_token'] / 1e6:.0f} MB read per token at {rf['bandwidth_GBps']:.1f} GB/s): "
+              f"**{100 * rf['fraction']:.0f}% of the roofline**."]
+    hf = results.get("vs_transformers")
+    if hf:
+        lines += ["", "## Against Hugging Face transformers", "",
+                  f"Same weights, prompt and greedy tokens ({'identical' if hf['same_tokens'] else 'DIFFERENT'}): "
+                  f"minikv {hf['minikv_s']:.2f} s, transformers {hf['transformers_version']} {hf['transformers_s']:.2f} s: "
+                  f"**{hf['speedup']:.2f}x**."]
+    sp = results["speculative"]
+    lines += ["", f"## Speculative decoding (course target/draft, draft/target step cost c = {sp['c']:.3f})", "",
+              "| γ | α | tokens / target pass | identical | speed-up | predicted |", "|---|---|---|---|---|---|"]
+    for r in sp["rows"]:
+        lines.append(f"| {r['gamma']} | {r['alpha']:.2f} | {r['tokens_per_target_pass']:.2f} | {r['identical']} | "
+                     f"{r['speedup']:.2f}x | {r['predicted']:.2f}x |")
+    lines += ["", "## Deterministic request: verified vs fast path alone", "",
+              "| window | fast s | verified s | throughput kept | rollbacks / rounds |", "|---|---|---|---|---|"]
+    for r in results["deterministic"]:
+        lines.append(f"| {r['window']} | {r['fast_s']:.2f} | {r['verified_s']:.2f} | {100 * r['throughput_fraction']:.0f}% | "
+                     f"{r['rollbacks']} / {r['rounds']} |")
+    (out / "README.md").write_text("\n".join(lines) + "\n")
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    rows = results["naive_vs_cached"]
+    a.loglog([r["n"] for r in rows], [r["cached_s"] for r in rows], "o-", label="cached")
+    timed = [r for r in rows if "naive_s" in r]
+    a.loglog([r["n"] for r in timed], [r["naive_s"] for r in timed], "o-", label="naive")
+    a.set(xlabel="new tokens N", ylabel="seconds", title="Wall time")
+    a.legend()
+    b.plot([r["gamma"] for r in sp["rows"]], [r["speedup"] for r in sp["rows"]], "o-", label="measured")
+    b.plot([r["gamma"] for r in sp["rows"]], [r["predicted"] for r in sp["rows"]], "--", label="formula")
+    b.set(xlabel="γ", ylabel="speed-up over cached", title="Speculative decoding")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(out / "plots.png", dpi=90)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minikv.bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="tiny models, one repeat: checks the machinery only")
+    parser.add_argument("--out", type=Path, default=OUT_DIR)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--naive-max", type=int, default=256, help="longest N to time naive decoding at")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device) if args.device else default_device()
+    repeats = args.repeats or (1 if args.quick else 5)
+    preset = "tiny" if args.quick else "gpt2"
+    big = random_model(preset, device)
+    ns = [8, 16] if args.quick else [32, 64, 128, 200, 256, 512, 1024]
+    results = {"quick": args.quick, "machine": {
+        "date": datetime.date.today().isoformat(), "device": describe_device(device), "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "platform": platform.platform(), "processor": platform.processor()}}
+    results["naive_vs_cached"] = bench_naive_vs_cached(big, ns, 16 if args.quick else args.naive_max, repeats, device)
+    results["kv_counted"] = counted_kv(random_model("tiny", device, block_size=1100), ns)
+    bandwidth = read_bandwidth(device, 16 if args.quick else 256, repeats)
+    results["roofline"] = bench_roofline(big, 16 if args.quick else 128, repeats, bandwidth, device)
+    results["vs_transformers"] = bench_vs_transformers(8 if args.quick else 200, repeats, device, preset)
+    if args.quick:
+        target, draft = random_model("tiny", device), random_model("tiny", device, n_layer=1)
+        tok = None
+    else:
+        from .checkpoint import load_course_model
+        target, tok = load_course_model("target", device)
+        draft, _ = load_course_model("draft", device)
+    prompts = ([[1, 2, 3], [4, 5]] if tok is None else
+               [tok.encode(t) for t in ("Once upon a time", "The color of dog", "A coin's state is heads. Alice flips")])
+    n_tokens = 12 if args.quick else 100
+    results["speculative"] = bench_speculative(target, draft, prompts, n_tokens, [1, 2] if args.quick else list(range(1, 9)),
+                                               repeats, device)
+    results["deterministic"] = bench_deterministic(target, prompts, n_tokens, [2, 4] if args.quick else [2, 4, 8, 16],
+                                                   repeats, device)
+    write_report(results, args.out)
+    print((args.out / "README.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

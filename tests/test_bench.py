@@ -1,0 +1,17 @@
+"""The benchmark's machinery runs end to end (--quick: tiny models, no timing asserted)."""
+import json
+
+from minikv import bench
+
+
+def test_quick_benchmark_writes_its_report(tmp_path):
+    assert bench.main(["--quick", "--out", str(tmp_path), "--device", "cpu"]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert {"machine", "naive_vs_cached", "kv_counted", "roofline", "speculative", "deterministic"} <= set(results)
+    for row in results["kv_counted"]:  # the engine's counters agree with N·P + N(N−1)/2 and P + N − 1
+        assert row["naive"] == row["naive_predicted"] and row["cached"] == row["cached_predicted"]
+    assert all(r["identical"] for r in results["speculative"]["rows"])
+    if results["vs_transformers"]:
+        assert results["vs_transformers"]["same_tokens"]
+    assert (tmp_path / "plots.png").stat().st_size > 0
+    assert "| window |" in (tmp_path / "README.md").read_text()
