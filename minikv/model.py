@@ -26,7 +26,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if T == 1:  # one new token may see every cached key: a single unmasked row
         return F.scaled_dot_product_attention(q, k, v)
-    mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(diagonal=L - T)
+    mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(diagonal=L - T)  # KV-CACHE: queries after L-T cached keys
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
