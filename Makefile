@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
-.PHONY: lab test
+.PHONY: lab test exercises check-exercises figures bench
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,4 +18,18 @@ lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/
 
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest tests $(wildcard notebooks/*.ipynb solutions/*.ipynb) $(NBVAL)
+
+# Regenerate exercises/ from solutions/ (never edit exercises by hand).
+exercises: $(STAMP)
+	$(PY) -m minikv.course exercises
+
+# A student's check: passes once every exercise in exercises/ is solved.
+check-exercises: $(STAMP)
+	$(PY) -m pytest exercises $(NBVAL)
+
+figures: $(STAMP)
+	$(PY) -m minikv.figures
+
+bench: $(STAMP)
+	$(PY) -m minikv.bench
