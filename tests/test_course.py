@@ -1,0 +1,29 @@
+"""Exercises are generated from solutions: the generator strips exactly the solution regions, and
+exercises/ is always what the generator makes of solutions/."""
+import pytest
+
+from minikv import course
+
+
+def test_strip_keeps_everything_but_the_solution():
+    source = "def area(w, h):\n    \"\"\"Doc.\"\"\"\n    ### BEGIN SOLUTION\n    a = w * h\n    return a\n    ### END SOLUTION\n\nx = 1"
+    stub = course.strip_solutions(source)
+    assert stub.splitlines() == ["def area(w, h):", '    """Doc."""', "    # YOUR CODE HERE", f"    {course.STUB}",
+                                 "", "x = 1"]
+    namespace = {}
+    exec(stub, namespace)  # defining the stub is fine ...
+    with pytest.raises(NotImplementedError):
+        namespace["area"](2, 3)  # ... calling it is not
+
+
+@pytest.mark.parametrize("broken", ["### BEGIN SOLUTION\nx", "x\n### END SOLUTION",
+                                    "### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION"])
+def test_unbalanced_markers_are_refused(broken):
+    with pytest.raises(ValueError):
+        course.strip_solutions(broken)
+
+
+def test_exercises_are_in_sync_with_solutions():
+    stale = course.write_exercises(check=True)
+    assert not stale, f"run `python -m minikv.course exercises`: {stale}"
+    assert len(list((course.ROOT / "exercises").glob("*.ipynb"))) == len(course.exercise_pairs())
