@@ -44,5 +44,5 @@ PRESETS: dict[str, dict] = {
     # The shipped course models (minikv/models/, `python -m minikv.train --preset all`), vocab = the course
     # tokenizer's. The draft is several times cheaper per decode step, for speculative decoding.
     "target": dict(vocab_size=1024, block_size=256, n_layer=6, n_head=8, n_embd=256),
-    "draft": dict(vocab_size=1024, block_size=256, n_layer=2, n_head=4, n_embd=128),
+    "draft": dict(vocab_size=1024, block_size=256, n_layer=1, n_head=4, n_embd=128),
 }

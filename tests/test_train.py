@@ -1,0 +1,96 @@
+"""Training: batches start at document starts and are seeded, the schedule warms up then decays,
+and a short CPU run lowers the loss and saves a checkpoint that loads back."""
+import math
+
+import pytest
+import torch
+
+import minikv
+from minikv import train as T
+from minikv.checkpoint import load_checkpoint, read_metadata
+
+SMALL_DOCS = {"coinflip": 300, "facts": 300, "stories": 300}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return minikv.load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def data(tok):
+    return T.load_corpora(tok, SMALL_DOCS)
+
+
+def test_batches_start_at_documents_and_are_seeded(tok, data):
+    starts = {n: T.document_starts(t, tok.eot_token, 33) for n, t in data.items()}
+    mix = {"coinflip": 0.5, "stories": 0.5}
+    x, y = T.get_batch(data, starts, mix, 8, 32, torch.Generator().manual_seed(1))
+    assert x.shape == y.shape == (8, 32) and torch.equal(x[:, 1:], y[:, :-1])
+    openings = [tok.decode(row.tolist()).startswith(("A coin's state is", "Once upon a time")) for row in x]
+    assert all(openings)  # as a prompt does, every row starts a document
+    x2, _ = T.get_batch(data, starts, mix, 8, 32, torch.Generator().manual_seed(1))
+    assert torch.equal(x, x2)
+
+
+def test_every_row_is_a_document_start(tok, data):
+    for name, tokens in data.items():
+        starts = T.document_starts(tokens, tok.eot_token, 10)
+        assert starts[0] == 0 and (tokens[starts[1:] - 1] == tok.eot_token).all()
+        assert int(starts.max()) + 10 <= len(tokens)
+
+
+def test_learning_rate_schedule():
+    tc = T.TrainConfig(steps=100, lr=1e-3, min_lr=1e-4, warmup=10)
+    lrs = [T.lr_at(s, tc) for s in range(tc.steps)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)  # linear warmup
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))  # then only decays
+    assert lrs[-1] == pytest.approx(1e-4) and lrs[(10 + 99) // 2] == pytest.approx(5.5e-4, rel=0.02)
+    assert all(math.isfinite(lr) and lr > 0 for lr in lrs)
+
+
+def test_course_presets_match_the_course_tokenizer(tok):
+    for name in ("target", "draft"):
+        assert minikv.GPTConfig.preset(name).vocab_size == tok.n_vocab
+
+
+def test_short_cpu_run_lowers_the_loss_and_saves(tmp_path, tok):
+    tc = T.TrainConfig(steps=40, batch_size=8, lr=3e-3, min_lr=3e-4, warmup=5, docs=SMALL_DOCS, seed=0)
+    torch.manual_seed(0)
+    fresh = minikv.GPT(minikv.GPTConfig.preset("tiny", vocab_size=tok.n_vocab))  # untrained
+    val = T.load_corpora(tok, {"stories": 50}, split="val")["stories"]
+    before = T.corpus_loss(fresh, val, tok.eot_token)
+    model, meta = T.train("tiny", tc, device="cpu", progress=False)
+    after = T.corpus_loss(model, val, tok.eot_token)
+    assert before > math.log(1024) - 0.5 and after < before - 1.5, (before, after)
+    assert meta["tokens_seen"] == 40 * 8 * 256 and meta["preset"] == "tiny" and meta["config"]["vocab_size"] == 1024
+    assert set(meta["val_loss"]) == set(SMALL_DOCS) and meta["final_train_loss"] < before
+    for key in ("wall_time_s", "torch", "device", "date", "num_params", "train"):
+        assert key in meta
+    T.save_checkpoint(model, tmp_path / "run", meta)
+    loaded = load_checkpoint(tmp_path / "run", device="cpu")
+    ids = torch.tensor([tok.encode("Once upon a time")])
+    with torch.no_grad():
+        assert torch.equal(model(ids), loaded(ids))
+    assert read_metadata(tmp_path / "run")["final_train_loss"] == meta["final_train_loss"]
+
+
+def test_training_is_seeded(tok):
+    tc = T.TrainConfig(steps=3, batch_size=2, warmup=1, docs=SMALL_DOCS, seed=7)
+    a, _ = T.train("tiny", tc, device="cpu", progress=False)
+    b, _ = T.train("tiny", tc, device="cpu", progress=False)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_command_line_trains_and_saves(tmp_path, monkeypatch):
+    monkeypatch.setitem(T.TRAINING, "tiny", T.TrainConfig(steps=2, batch_size=2, warmup=1, docs=SMALL_DOCS))
+    assert T.main(["--preset", "tiny", "--steps", "2", "--device", "cpu", "--out", str(tmp_path / "cli")]) == 0
+    assert read_metadata(tmp_path / "cli")["train"]["steps"] == 2
+    load_checkpoint(tmp_path / "cli", device="cpu")
+
+
+@pytest.mark.cuda
+def test_trains_on_cuda(tok):
+    tc = T.TrainConfig(steps=3, batch_size=2, warmup=1, docs=SMALL_DOCS)
+    model, meta = T.train("tiny", tc, device="cuda", progress=False)
+    assert model.device.type == "cuda" and "cuda" in meta["device"]
