@@ -100,7 +100,14 @@ def replay(trace: list[TraceEvent]) -> list[Snapshot]:
     for e in trace:
         status = ["generated" if s == "new" else s for s in status]
         computed = list(e.positions)
-        if e.kind in ("prefill", "recompute"):
+        if e.kind == "prefill" and 0 < e.cache_len_before <= len(tokens):
+            # A prefill that continues a cache (generate(..., cache=c) on a filled or forked cache): the first
+            # cache_len_before positions are the ones this trace already holds, reused as they are.
+            keep = e.cache_len_before
+            tokens = tokens[:keep] + list(e.input_ids) + [e.token]
+            status = status[:keep] + ["prompt"] * len(e.input_ids) + ["new"]
+            cache, cache_len = ["cached"] * keep + ["prefill"] * len(e.input_ids), e.cache_len_after
+        elif e.kind in ("prefill", "recompute"):
             tokens, status = list(e.input_ids), (["prompt"] * len(e.input_ids) if e.step == 0 or e.kind == "prefill"
                                                  else status[: len(e.input_ids)])
             if e.kind == "prefill":
