@@ -1,6 +1,7 @@
 """Command line.
 
-    python -m minikv generate --prompt "The color of dog" --mode cached --max-new-tokens 20
+    python -m minikv generate --prompt "The color of dog" --mode cached --max-new-tokens 20   # the course target
+    python -m minikv generate --prompt "Once upon a" --preset gpt2 --mode naive --trace     # random weights
     python -m minikv tokenizer --check      # retrain the course BPE in memory, compare with the shipped ranks
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 
 import torch
 
+from .checkpoint import COURSE_MODELS, load_course_model
 from .config import PRESETS, GPTConfig
 from .device import describe_device, resolve_device
 from .generate import MODES, generate
@@ -27,8 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--prompt", required=True, help="text to continue")
     gen.add_argument("--mode", choices=MODES, default="cached")
     gen.add_argument("--max-new-tokens", type=int, default=20)
-    gen.add_argument("--preset", choices=sorted(PRESETS), default="small",
-                     help="shape of the randomly initialised model (its vocabulary is the course tokenizer's)")
+    which = gen.add_mutually_exclusive_group()
+    which.add_argument("--model", choices=COURSE_MODELS, default=None,
+                       help="a shipped, trained course model (the default: target)")
+    which.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                       help="a randomly initialised model of this shape instead (its vocabulary is the course tokenizer's)")
     gen.add_argument("--init-seed", type=int, default=0, help="seed for the random weights")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=None)
@@ -64,8 +69,13 @@ def run_generate(args: argparse.Namespace) -> int:
     try:
         device = resolve_device(args.device)
         tok = load_tokenizer()
-        torch.manual_seed(args.init_seed)
-        model = GPT(GPTConfig.preset(args.preset, vocab_size=tok.n_vocab)).to(device).eval()
+        if args.preset is None:
+            model, _ = load_course_model(args.model or "target", device)
+            name = f"course {args.model or 'target'}"
+        else:
+            torch.manual_seed(args.init_seed)
+            model = GPT(GPTConfig.preset(args.preset, vocab_size=tok.n_vocab)).to(device).eval()
+            name = f"random {args.preset}"
         ids = tok.encode(args.prompt, allowed_special="all")
         start = time.perf_counter()
         out = generate(model, ids, args.max_new_tokens, mode=args.mode, temperature=args.temperature,
@@ -75,7 +85,7 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    print(f"model: random {args.preset} ({model.num_params():,} parameters) on {describe_device(device)}")
+    print(f"model: {name} ({model.num_params():,} parameters) on {describe_device(device)}")
     print(f"prompt tokens: {out.prompt}")
     print(f"new tokens:    {out.tokens}")
     print(f"new pieces:    {[tok.decode([t]) for t in out.tokens]}")

@@ -1,4 +1,4 @@
-"""The command line works end to end on a random model, and bad input exits with a clear message."""
+"""The command line works end to end on the course model and on random ones, and bad input exits with a clear message."""
 import subprocess
 import sys
 
@@ -25,3 +25,10 @@ def test_module_entry_point_runs():
     assert result.returncode == 0, result.stderr
     assert "mode=cached forward_passes=3 positions_processed=6" in result.stdout  # 4-token prefill + 2 decodes
     assert "Warning" not in result.stderr
+
+
+def test_generate_with_the_course_model(capsys):
+    assert cli.main(["generate", "--prompt", "The color of dog", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "model: course target (5,066,752 parameters)" in out
+    assert "text:          'The color of dog " in out
