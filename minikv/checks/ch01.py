@@ -1,0 +1,76 @@
+"""Checkers for chapter 01 (seed 002, prefill and decode).
+
+The learner's decode loop is compared with `minikv.generate` on a small random model and on the course
+target, with the K/V work counted by `KVCounter` (a loop that recomputes the prompt fails); the positions
+exercise is compared with the positions in the engine's own trace.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..checkpoint import load_course_model
+from ..config import GPTConfig
+from ..generate import generate
+from ..model import GPT
+from ..trace import KVCounter
+from . import expect, fail, passed
+
+
+def _call(exercise: str, case: str, fn, *args):
+    try:
+        return fn(*args)
+    except NotImplementedError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any crash is reported as a wrong answer for this case
+        fail(exercise, case, "a result", f"{type(e).__name__}: {e}", "your function raised on this input")
+
+
+def _random_model() -> GPT:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = GPT(GPTConfig.preset("tiny")).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.normal_(0.0, 0.1)  # larger weights than the default init: varied greedy tokens
+    return model
+
+
+def check_greedy_decode(greedy_decode) -> None:
+    """greedy_decode(model, prompt_ids, max_new_tokens, eos_id) == generate(..., mode="cached")."""
+    name = "greedy_decode"
+    model = _random_model()
+    target, tok = load_course_model("target", "cpu")
+    cases = [(model, [1, 2, 3], 12, None), (model, [7], 1, None), (model, [5, 9, 11, 2, 4], 20, None)]
+    eos = generate(model, [1, 2, 3], 12).tokens[5]  # stops at the first time this token appears
+    cases.append((model, [1, 2, 3], 12, eos))
+    cases.append((target, tok.encode("The color of dog"), 10, tok.eot_token))
+    cases.append((target, tok.encode("Once upon a time"), 8, tok.eot_token))
+    for m, prompt, n, eos_id in cases:
+        case = f"prompt {prompt}, max_new_tokens={n}, eos_id={eos_id}" + (" (course target)" if m is target else "")
+        expected = generate(m, prompt, n, eos_id=eos_id).tokens
+        with KVCounter(m) as counter:
+            got = _call(name, case, greedy_decode, m, list(prompt), n, eos_id)
+        got_list = [int(t) for t in got] if isinstance(got, (list, tuple)) else got
+        expect(got_list == expected, name, case, expected, got_list,
+               "prefill the whole prompt once, then feed only the newest token; stop right after eos_id")
+        work = len(prompt) + len(expected) - 1
+        expect(counter.count == work, name, case, f"{work} K/V vectors computed per layer (cached)",
+               f"{counter.count}", "feed the prompt once; after that, one token per pass, and never feed the last token")
+    passed(name, len(cases))
+
+
+def check_positions_fed(positions_fed) -> None:
+    """positions_fed(prompt_len, new_tokens) == the positions in generate's trace."""
+    name = "positions_fed"
+    model = _random_model()
+    cases = [(4, 4), (1, 1), (3, 5), (7, 2), (2, 10)]
+    for prompt_len, new in cases:
+        trace = generate(model, list(range(1, prompt_len + 1)), new, trace=True).trace
+        expected = [list(e.positions) for e in trace]
+        got = _call(name, f"prompt_len={prompt_len}, new_tokens={new}", positions_fed, prompt_len, new)
+        got_list = [list(map(int, p)) for p in got] if isinstance(got, (list, tuple)) else got
+        expect(got_list == expected, name, f"prompt_len={prompt_len}, new_tokens={new}", expected, got_list,
+               "the prefill feeds positions 0..prompt_len-1; each decode pass feeds the next single position; "
+               "the last new token is never fed")
+    passed(name, len(cases))
