@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
-.PHONY: lab test exercises check-exercises figures bench
+.PHONY: lab test chromium exercises check-exercises figures bench
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,7 +17,12 @@ $(STAMP): requirements.txt pyproject.toml
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/
 
-test: $(STAMP)
+# The browser tests drive Debian's chromium (never a downloaded browser); apt needs root.
+chromium:
+	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || \
+		echo "could not install chromium: tests/test_browser.py will fail (MINIKV_SKIP_BROWSER=1 skips it)"
+
+test: $(STAMP) chromium
 	$(PY) -m pytest tests $(wildcard notebooks/*.ipynb solutions/*.ipynb) $(NBVAL)
 
 # Regenerate exercises/ from solutions/ (never edit exercises by hand).

@@ -10,6 +10,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import platform
 import statistics
 import time
@@ -167,7 +168,8 @@ def write_report(results: dict, out: Path) -> None:
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     m = results["machine"]
     lines = [f"# Benchmarks ({'quick check: numbers mean nothing' if results['quick'] else 'full run'})", "",
-             f"{m['date']}, {m['device']}, torch {m['torch']}, {m['threads']} threads, {m['platform']}. "
+             f"{m['date']}, {m['device']}, torch {m['torch']}, {m['threads']} threads, {m['platform']}"
+             + (f", load average {m['load_average_at_start']:.1f} at the start" if "load_average_at_start" in m else "") + ". "
              "Medians of alternating runs; every ratio is against a baseline measured in the same run.", "",
              "## Naive vs cached decoding", "",
              "| N | cached s | naive s | speed-up | K/V naive (counted / predicted) | K/V cached (counted / predicted) | K/V ratio |",
@@ -231,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = [8, 16] if args.quick else [32, 64, 128, 200, 1000]  # 4 + 1000 - 1 positions fit block_size 1024
     results = {"quick": args.quick, "machine": {
         "date": datetime.date.today().isoformat(), "device": describe_device(device), "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "platform": platform.platform(), "processor": platform.processor()}}
+        "threads": torch.get_num_threads(), "platform": platform.platform(), "processor": platform.processor(),
+        "load_average_at_start": os.getloadavg()[0]}}  # other work on the machine skews absolute numbers
     results["naive_vs_cached"] = bench_naive_vs_cached(big, ns, 16 if args.quick else args.naive_max, repeats, device)
     results["kv_counted"] = counted_kv(random_model("tiny", device, block_size=1100), ns)
     bandwidth = read_bandwidth(device, 16 if args.quick else 256, repeats)

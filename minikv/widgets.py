@@ -39,11 +39,15 @@ class TraceStepper(widgets.VBox):
         self.prev_button.on_click(lambda _: self.go(self.slider.value - 1))
         self.next_button.on_click(lambda _: self.go(self.slider.value + 1))
         self.caption = widgets.HTML()
+        self.cache_info = widgets.HTML()  # the drawn cache lengths as text: what a reader (or a browser test) can check
         self.image = widgets.Image(format="png")
+        for widget, name in ((self.prev_button, "prev"), (self.next_button, "next"), (self.caption, "caption"),
+                             (self.cache_info, "cache"), (self.image, "image")):
+            widget.add_class(f"minikv-{name}")  # stable hooks for styling and for the browser test
         info = device_line(device) if device is not None else ""
         header = widgets.HTML(f"<b>{title}</b> <span style='color:#666'>{info}</span>")
         controls = widgets.HBox([self.prev_button, self.next_button, self.play, self.slider])
-        super().__init__([header, controls, self.caption, self.image])
+        super().__init__([header, controls, self.caption, self.cache_info, self.image])
         self.slider.observe(lambda change: self._render(), names="value")
         self._render()
 
@@ -62,6 +66,9 @@ class TraceStepper(widgets.VBox):
     def _render(self) -> None:
         step = self.slider.value
         self.caption.value = f"<code>step {step + 1}/{len(self.snapshots)}</code> {caption(self.snapshot, self.decode)}"
+        snap = self.snapshot
+        self.cache_info.value = f"KV cache: {snap.cache_len} positions" + (
+            f" · draft cache: {snap.draft_cache_len} positions" if snap.draft_cache else "")
         self.image.value = self.picture(step)
         self.prev_button.disabled = step == 0
         self.next_button.disabled = step == self.slider.max

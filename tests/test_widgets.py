@@ -25,6 +25,9 @@ def check_against_trace(stepper, trace):
         assert event.kind in stepper.caption.value
         expected_len = event.cache_len_after if event.kind != "draft" else snap.cache_len
         assert snap.cache_len == expected_len
+        assert stepper.cache_info.value.startswith(f"KV cache: {snap.cache_len} positions")
+        if snap.draft_cache:
+            assert f"draft cache: {snap.draft_cache_len} positions" in stepper.cache_info.value
         if event.kind == "rollback":
             assert f"cache {event.cache_len_before} → {event.cache_len_after}" in stepper.caption.value
             stale = snap.live(snap.cache, snap.cache_len)[event.cache_len_after:event.cache_len_before]

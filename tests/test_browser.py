@@ -1,0 +1,285 @@
+"""The course in a real browser: JupyterLab + ipywidgets in headless Chromium (Debian's, never a downloaded one).
+
+nbval compares text; it cannot see whether a stepper renders or answers a click. Here JupyterLab runs on
+127.0.0.1 with a token and throwaway config/data/runtime/workspace directories, Chromium (driven by
+Playwright) opens a copy of a chapter, runs every cell, clicks the stepper's Next button and checks that
+the caption and the drawn cache length change as the engine's trace says, with no JavaScript errors.
+Screenshots land in test-artifacts/browser/ (MINIKV_UPDATE_SCREENSHOTS=1 also copies them into figures/).
+
+Needs `chromium` on PATH: `make test` installs it with apt where it is missing. Without it these tests
+fail and say how to install it; set MINIKV_SKIP_BROWSER=1 to skip them deliberately.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import minikv
+from minikv.trace import caption, replay
+
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "test-artifacts" / "browser"
+TOKEN = "minikv-browser-test"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+# Installed in the kernel's IPython profile: MINIKV_BREAK_STEPPER=1 makes every stepper's Next/Prev raise.
+BREAK_STEPPER = """
+import os
+if os.environ.get("MINIKV_BREAK_STEPPER") == "1":
+    import minikv.widgets
+    def go(self, step):
+        raise RuntimeError("deliberately broken stepper")
+    minikv.widgets.TraceStepper.go = go
+"""
+
+pytestmark = pytest.mark.browser
+
+
+def chromium() -> str:
+    if os.environ.get("MINIKV_SKIP_BROWSER") == "1":
+        pytest.skip("MINIKV_SKIP_BROWSER=1")
+    path = shutil.which("chromium")
+    if path is None:
+        pytest.fail("Debian's chromium is not installed: run `apt-get update && apt-get install -y chromium` as root "
+                    "(make test does it), or set MINIKV_SKIP_BROWSER=1 to skip the browser tests")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Lab:
+    """A throwaway JupyterLab server on 127.0.0.1, always stopped by PID (its kernels with it)."""
+
+    def __init__(self, tmp: Path, notebooks: list[str], broken: bool = False):
+        self.port, self.root = free_port(), tmp / "root"
+        self.root.mkdir(parents=True)
+        for name in notebooks:  # a copy: Lab may autosave, and the committed notebooks must not change
+            shutil.copy(ROOT / "notebooks" / name, self.root / name)
+        env = dict(os.environ)
+        for var, sub in [("JUPYTER_CONFIG_DIR", "config"), ("JUPYTER_DATA_DIR", "data"), ("JUPYTER_RUNTIME_DIR", "runtime"),
+                         ("JUPYTERLAB_WORKSPACES_DIR", "workspaces"), ("IPYTHONDIR", "ipython"), ("MPLCONFIGDIR", "mpl")]:
+            env[var] = str(tmp / sub)
+            (tmp / sub).mkdir()
+        startup = tmp / "ipython" / "profile_default" / "startup"
+        startup.mkdir(parents=True)
+        (startup / "00-break-stepper.py").write_text(BREAK_STEPPER)
+        env["MINIKV_BREAK_STEPPER"] = "1" if broken else "0"
+        settings = tmp / "data" / "lab" / "settings"
+        settings.mkdir(parents=True)
+        (settings / "overrides.json").write_text(json.dumps(
+            {"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False}}))
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+        self.log = open(tmp / "lab.log", "w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={self.port}",
+             f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={self.root}", "--LabApp.news_url=None"],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.api("status", timeout=60)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}/{path}"
+
+    def api(self, path: str, timeout: float = 5):
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(self.url(f"api/{path}?token={TOKEN}"), timeout=5) as r:
+                    return json.load(r)
+            except OSError:
+                if time.monotonic() > deadline or self.process.poll() is not None:
+                    raise
+                time.sleep(0.3)
+
+    def wait_idle(self, notebook: str, timeout: float = 120) -> None:
+        """Until the notebook's kernel exists and reports idle."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            sessions = [s for s in self.api("sessions") if s["path"].endswith(notebook)]
+            if sessions and sessions[0]["kernel"]["execution_state"] == "idle":
+                return
+            time.sleep(0.3)
+        raise TimeoutError(f"the kernel of {notebook} never became idle")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)  # Lab stops its kernels on SIGTERM
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.log.close()
+
+
+class Browser:
+    """Chromium via Playwright; every JavaScript error and failed widget message is collected."""
+
+    def __init__(self, executable: str):
+        from playwright.sync_api import sync_playwright
+        self._playwright = sync_playwright().start()
+        self.browser = self._playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        self.page = self.browser.new_page(viewport={"width": 1400, "height": 1000})
+        self.errors: list[str] = []
+        self.page.on("pageerror", lambda e: self.errors.append(f"pageerror: {e}"))
+        self.page.on("console", lambda m: m.type == "error" and self.errors.append(f"console: {m.text}"))
+
+    def close(self) -> None:
+        self.browser.close()
+        self._playwright.stop()
+
+
+@pytest.fixture
+def session(tmp_path):
+    """(start_lab(notebooks, broken), browser); both are always shut down."""
+    executable = chromium()
+    labs, browser = [], Browser(executable)
+
+    def start_lab(notebooks: list[str], broken: bool = False) -> Lab:
+        labs.append(Lab(tmp_path / f"lab{len(labs)}", notebooks, broken))
+        return labs[-1]
+    try:
+        yield start_lab, browser
+    finally:
+        browser.close()
+        for lab in labs:
+            lab.stop()
+
+
+def text(html: str) -> str:
+    """What a browser shows for a caption's HTML: tags dropped, entities decoded, spaces collapsed."""
+    import html as html_lib
+    return " ".join(html_lib.unescape(re.sub(r"<[^>]+>", " ", html)).split())
+
+
+def run_notebook(lab: Lab, browser: Browser, notebook: str):
+    """Open the notebook, run every cell, wait until the kernel is idle again; return the last stepper's locators."""
+    page = browser.page
+    page.goto(lab.url(f"lab/tree/{notebook}?reset&token={TOKEN}"))
+    panel = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")
+    panel.locator(".jp-Cell").first.wait_for(timeout=60_000)
+    page.add_style_tag(content=".Toastify { display: none !important; }")  # the "Jupyter news?" prompt hides the stepper
+    lab.wait_idle(notebook)
+    page.locator("#jp-main-statusbar").get_by_text("Idle").first.wait_for(timeout=60_000)
+    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+    page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+    stepper = panel.locator(".widget-vbox:has(> .widget-hbox .minikv-next)").last
+    stepper.wait_for(timeout=120_000)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # "Run All" queues every cell; the kernel is idle only after the last
+        if not panel.locator(".jp-InputArea-prompt", has_text="[*]").count():
+            lab.wait_idle(notebook)
+            break
+        time.sleep(0.5)
+    return stepper
+
+
+def shot(browser: Browser, stepper, name: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    stepper.scroll_into_view_if_needed()
+    path = ARTIFACTS / f"{name}.png"
+    stepper.screenshot(path=str(path))
+    if os.environ.get("MINIKV_UPDATE_SCREENSHOTS") == "1":
+        shutil.copy(path, ROOT / "figures" / f"browser_{name}.png")
+
+
+def click_through(browser: Browser, stepper, expected: list[tuple[str, int]], name: str, shots: dict[int, str]) -> None:
+    """Click Next through `expected` (caption text, cache length) and check what the page shows at every step."""
+    caption_box, cache_box = stepper.locator(".minikv-caption"), stepper.locator(".minikv-cache")
+    image = stepper.locator(".minikv-image img, img.minikv-image").first
+    sources = set()
+    for i, (want_caption, want_len) in enumerate(expected):
+        if i:
+            stepper.locator(".minikv-next").click()
+        try:
+            caption_box.get_by_text(f"step {i + 1}/", exact=False).wait_for(timeout=10_000)
+        except Exception as e:
+            raise AssertionError(f"{name}: after {i} clicks the caption still reads {caption_box.text_content()!r}; "
+                                 f"errors: {browser.errors}") from e
+        shown = " ".join(caption_box.text_content().split())
+        assert shown == want_caption, f"{name} step {i + 1}: caption {shown!r}, trace says {want_caption!r}"
+        cache_text = cache_box.text_content()
+        assert cache_text.startswith(f"KV cache: {want_len} positions"), f"{name} step {i + 1}: {cache_text!r} vs {want_len}"
+        deadline = time.monotonic() + 10
+        while image.get_attribute("src") in sources and time.monotonic() < deadline:
+            time.sleep(0.1)  # the picture's update may arrive just after the caption's
+        sources.add(image.get_attribute("src"))
+        if i in shots:
+            shot(browser, stepper, f"{name}_{shots[i]}")
+    assert len(sources) == len(expected), f"{name}: the picture did not change at every step"
+    assert not browser.errors, f"{name}: JavaScript errors: {browser.errors}"
+
+
+def expected_steps(trace, decode, upto: int) -> list[tuple[str, int]]:
+    snaps = replay(trace)
+    return [(text(f"step {i + 1}/{len(snaps)} {caption(s, decode)}"), s.cache_len) for i, s in enumerate(snaps[:upto])]
+
+
+def test_speculative_chapter_in_jupyterlab(session):
+    """Chapter 04's stepper: prefill → draft → verify → rollback → commit, as the engine's trace says."""
+    start_lab, browser = session
+    lab = start_lab(["04_speculative_decoding.ipynb"])
+    stepper = run_notebook(lab, browser, "04_speculative_decoding.ipynb")
+    target, tok = minikv.load_course_model("target", "cpu")
+    draft, _ = minikv.load_course_model("draft", "cpu")
+    # The chapter's main stepper is over this run (notebooks/04, section 1).
+    trace = minikv.speculative_generate(target, draft, tok.encode("Once upon a time"), 40, gamma=3,
+                                        eos_id=tok.eot_token, trace=True).trace
+    kinds = [e.kind for e in trace]
+    upto = kinds.index("rollback") + 2  # through the first rollback and its commit
+    assert {"prefill", "draft", "verify", "commit"} <= set(kinds[:upto])
+    click_through(browser, stepper, expected_steps(trace, tok.decode, upto), "04",
+                  {0: "prefill", upto - 3: "verify", upto - 2: "rollback"})
+
+
+def test_deterministic_chapter_in_jupyterlab(session):
+    """Chapter 05's stepper: decode → verify → rollback; each caption's cache length is the one drawn."""
+    start_lab, browser = session
+    lab = start_lab(["05_deterministic_requests.ipynb"])
+    stepper = run_notebook(lab, browser, "05_deterministic_requests.ipynb")
+    caption_box, cache_box = stepper.locator(".minikv-caption"), stepper.locator(".minikv-cache")
+    total = int(re.search(r"step 1/(\d+)", caption_box.text_content()).group(1))
+    kinds_seen, saw_rollback = [], False
+    for i in range(total):
+        if i:
+            stepper.locator(".minikv-next").click()
+            caption_box.get_by_text(f"step {i + 1}/{total}").wait_for(timeout=10_000)
+        shown = " ".join(caption_box.text_content().split())
+        kind = shown.split()[2].rstrip(":")
+        kinds_seen.append(kind)
+        length = int(re.match(r"KV cache: (\d+) positions", cache_box.text_content()).group(1))
+        if kind == "rollback":  # "rollback: cache 20 → 18; ..." and the drawn cache is 18 long
+            before, after = map(int, re.search(r"cache (\d+) → (\d+)", shown).groups())
+            assert after < before and length == after, (shown, length)
+            shot(browser, stepper, "05_rollback")
+            saw_rollback = True
+            break
+        if kind == "verify" and "prefill" in kinds_seen and len(kinds_seen) < 8:
+            shot(browser, stepper, "05_verify")
+    assert saw_rollback and {"prefill", "decode", "verify"} <= set(kinds_seen), kinds_seen
+    assert not browser.errors, browser.errors
+
+
+def test_a_broken_stepper_fails_the_check(session):
+    """With Next's handler raising in the kernel, the caption never advances and the check fails."""
+    start_lab, browser = session
+    lab = start_lab(["01_prefill_decode.ipynb"], broken=True)
+    stepper = run_notebook(lab, browser, "01_prefill_decode.ipynb")
+    target, tok = minikv.load_course_model("target", "cpu")
+    trace = minikv.generate(target, tok.encode("The color of dog"), 10, eos_id=tok.eot_token, trace=True).trace
+    with pytest.raises(AssertionError, match="after 1 clicks the caption still reads"):
+        click_through(browser, stepper, expected_steps(trace, tok.decode, 3), "01-broken", {})
