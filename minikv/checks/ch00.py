@@ -1,11 +1,13 @@
 """Checkers for chapter 00 (setup): the parameter count against real models (built on the meta device,
-so GPT-2's 124M costs nothing), the greedy pick against argmax on random logits."""
+so GPT-2's 124M costs nothing), the greedy pick against argmax on random logits, and documents packed into
+one token stream against the course tokenizer."""
 from __future__ import annotations
 
 import torch
 
 from ..config import GPTConfig
 from ..model import GPT
+from ..tokenizer import load_tokenizer
 from . import expect, fail, passed
 
 
@@ -19,6 +21,7 @@ def _call(exercise: str, case: str, fn, *args):
 
 
 def check_count_params(count_params) -> None:
+    """count_params(cfg) == sum(p.numel()) of minikv.GPT(cfg), for several presets and a toy config."""
     name = "count_params"
     configs = [GPTConfig.preset(p) for p in ("gpt2", "target", "draft", "tiny", "small")]
     configs.append(GPTConfig(vocab_size=10, block_size=3, n_layer=1, n_head=1, n_embd=2))
@@ -34,6 +37,7 @@ def check_count_params(count_params) -> None:
 
 
 def check_next_tokens(next_tokens) -> None:
+    """next_tokens(logits) == logits[:, -1].argmax(-1) on random logits whose earlier positions mislead."""
     name = "next_tokens"
     g = torch.Generator().manual_seed(0)
     shapes = [(1, 1, 5), (1, 4, 7), (3, 2, 11), (2, 6, 1024)]
@@ -47,3 +51,21 @@ def check_next_tokens(next_tokens) -> None:
                got.tolist() if isinstance(got, torch.Tensor) else got,
                "argmax over the last dimension, at the last position (index -1 of dim 1), one id per sequence")
     passed(name, len(shapes))
+
+
+def check_encode_documents(encode_documents) -> None:
+    """encode_documents(tok, docs) == each document's ids followed by <|endoftext|>, as the course models were trained."""
+    name = "encode_documents"
+    tok = load_tokenizer()
+    cases = [["The color of dog can vary widely."], ["Once upon a time", " there was a dog."],
+             ["héllo wörld ☕", "", "A coin's state is heads."], []]
+    for docs in cases:
+        expected = [t for doc in docs for t in tok.encode(doc) + [tok.eot_token]]
+        got = _call(name, f"docs={docs!r}", encode_documents, tok, list(docs))
+        got_list = [int(t) for t in got] if isinstance(got, (list, tuple)) else got
+        expect(got_list == expected, name, f"docs={docs!r}", expected, got_list,
+               "encode each document on its own and put tok.eot_token after every one (an empty one included)")
+        text = tok.decode(got_list)
+        expect(text == "".join(d + "<|endoftext|>" for d in docs), name, f"decoding your ids for docs={docs!r}",
+               "".join(d + "<|endoftext|>" for d in docs), text)
+    passed(name, len(cases))
