@@ -14,8 +14,9 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
+# Jupyter refuses to start as root (containers often are) unless told to.
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
 
 # The browser tests drive Debian's chromium (never a downloaded browser); apt needs root.
 chromium:

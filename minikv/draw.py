@@ -12,6 +12,7 @@ import matplotlib
 matplotlib.use("Agg") if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline") else None
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
 from .trace import Snapshot, caption  # noqa: E402
@@ -46,8 +47,8 @@ def draw_step(snap: Snapshot, decode=None, bytes_per_slot: int | None = None, ma
         rows.append(("draft cache", snap.live(snap.draft_cache, snap.draft_cache_len)))
     if snap.event.kind == "recompute":
         rows[1] = ("no cache", ["unverified" if p in snap.computed else "empty" for p in range(len(snap.tokens) - 1)])
-    if ax is None:
-        _, ax = plt.subplots(figsize=(10, 1.3 + 0.8 * len(rows)))
+    if ax is None:  # a Figure outside pyplot: safe to draw from a widget callback, which pyplot's state is not
+        ax = Figure(figsize=(10, 1.3 + 0.8 * len(rows))).subplots()
     for r, (name, slots) in enumerate(rows):
         y = -r * 1.15
         ax.text(first - 0.3, y + 0.4, name, ha="right", va="center", fontsize=9)

@@ -64,14 +64,14 @@ class TraceStepper(widgets.VBox):
         return self._pngs[step]
 
     def _render(self) -> None:
-        step = self.slider.value
-        self.caption.value = f"<code>step {step + 1}/{len(self.snapshots)}</code> {caption(self.snapshot, self.decode)}"
-        snap = self.snapshot
+        step, snap = self.slider.value, self.snapshot
         self.cache_info.value = f"KV cache: {snap.cache_len} positions" + (
             f" · draft cache: {snap.draft_cache_len} positions" if snap.draft_cache else "")
         self.image.value = self.picture(step)
         self.prev_button.disabled = step == 0
         self.next_button.disabled = step == self.slider.max
+        # The caption goes last: once it names this step, the rest of the step has been sent.
+        self.caption.value = f"<code>step {step + 1}/{len(self.snapshots)}</code> {caption(snap, self.decode)}"
 
     def _repr_mimebundle_(self, **kwargs):
         bundle = super()._repr_mimebundle_(**kwargs)
