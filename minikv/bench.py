@@ -22,9 +22,9 @@ import matplotlib.pyplot as plt
 import torch
 from tqdm import tqdm
 
+from .cache import KVCache
 from .config import GPTConfig
 from .device import default_device, describe_device
-from .cache import KVCache
 from .generate import generate
 from .model import GPT
 from .parallel import column_parallel
@@ -99,7 +99,7 @@ def bench_roofline(models: dict, n_tokens, repeats, bandwidth, device) -> dict:
         runs[name] = lambda model=model: generate(model, PROMPT, n_tokens)
         runs[name + " prefill"] = lambda model=model: generate(model, PROMPT, 1)
     t = alternate(runs, repeats, device)
-    plain = next(iter(models.values()))
+    plain = next(iter(models.values()))  # the first is the plain model: its parameters are the bytes read
     cfg = plain.config
     weight_bytes = (plain.num_params() - cfg.block_size * cfg.n_embd) * plain.dtype.itemsize  # wpe: one row read
     mean_len = len(PROMPT) + n_tokens / 2
