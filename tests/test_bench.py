@@ -15,6 +15,6 @@ def test_quick_benchmark_writes_its_report(tmp_path):
         assert {"minikv", "minikv column-parallel"} == set(results["vs_transformers"]["models"])
         assert all(r["same_tokens"] for r in results["vs_transformers"]["models"].values())
     assert {"minikv", "minikv column-parallel"} == set(results["roofline"]["models"])
-    assert all(r["verify_cost"] > 0 and r["predicted_measured"] > 0 for r in results["speculative"]["rows"])
+    assert all(r["c_run"] > 0 and r["verify_cost"] > 0 and r["predicted_measured"] > 0 for r in results["speculative"]["rows"])
     assert (tmp_path / "plots.png").stat().st_size > 0
     assert "| window |" in (tmp_path / "README.md").read_text()
