@@ -7,6 +7,7 @@ import torch
 
 import minikv
 from minikv.checks import CheckFailed, ch03
+from conftest import stub
 
 
 @pytest.fixture(scope="module")
@@ -130,10 +131,6 @@ def accuracy_counts(model, tok, questions):  # numbers correct, not fractions
     for q in questions:
         sizes[len(q.steps)] += 1
     return {n: round(a * sizes[n]) for n, a in acc.items()}
-
-
-def stub(*args, **kwargs):
-    raise NotImplementedError("your turn: replace this line with your code")
 
 
 # --- the tests -----------------------------------------------------------------------------------------
