@@ -27,3 +27,13 @@ def test_exercises_are_in_sync_with_solutions():
     stale = course.write_exercises(check=True)
     assert not stale, f"run `python -m minikv.course exercises`: {stale}"
     assert len(list((course.ROOT / "exercises").glob("*.ipynb"))) == len(course.exercise_pairs())
+
+
+@pytest.mark.parametrize("folder", ["notebooks", "solutions"])
+def test_notebooks_are_committed_executed(folder):
+    """nbval compares outputs: a notebook saved without them would pass while checking nothing."""
+    import nbformat
+    for path in sorted((course.ROOT / folder).glob("*.ipynb")):
+        unrun = [i for i, cell in enumerate(nbformat.read(path, as_version=4).cells)
+                 if cell.cell_type == "code" and cell.execution_count is None]
+        assert not unrun, f"{path.name}: code cells {unrun} saved without running; run `python -m minikv.course run {folder}/{path.name}`"
