@@ -24,18 +24,19 @@ chromium:
 		echo "could not install chromium: tests/test_browser.py will fail (MINIKV_SKIP_BROWSER=1 skips it)"
 
 test: $(STAMP) chromium
+	$(VENV)/bin/ruff check minikv tests
 	$(PY) -m pytest tests $(wildcard notebooks/*.ipynb solutions/*.ipynb) $(NBVAL)
 
 # Regenerate exercises/ from solutions/ (never edit exercises by hand).
 exercises: $(STAMP)
-	$(PY) -m minikv.course exercises
+	$(PY) -m minikv exercises
 
 # A student's check: passes once every exercise in exercises/ is solved.
 check-exercises: $(STAMP)
 	$(PY) -m pytest exercises $(NBVAL)
 
 figures: $(STAMP)
-	$(PY) -m minikv.figures
+	$(PY) -m minikv figures
 
 bench: $(STAMP)
-	$(PY) -m minikv.bench
+	$(PY) -m minikv bench

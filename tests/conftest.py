@@ -20,7 +20,8 @@ def varied_model(preset: str = "tiny", seed: int = 0, std: float = 0.1) -> minik
 
 
 def stub(*args, **kwargs):
-    """An exercise as students receive it: every checker must let this error through, not mark it wrong."""
+    """An exercise as students receive it: every checker must let this error through, not mark it
+    wrong."""
     raise NotImplementedError("your turn: replace this line with your code")
 
 

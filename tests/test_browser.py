@@ -1,13 +1,15 @@
-"""The course in a real browser: JupyterLab + ipywidgets in headless Chromium (Debian's, never a downloaded one).
+"""The course in a real browser: JupyterLab + ipywidgets in headless Chromium (Debian's, never a
+downloaded one).
 
-nbval compares text; it cannot see whether a stepper renders or answers a click. Here JupyterLab runs on
-127.0.0.1 with a token and throwaway config/data/runtime/workspace directories, Chromium (driven by
-Playwright) opens a copy of a chapter, runs every cell, clicks the stepper's Next button and checks that
-the caption and the drawn cache length change as the engine's trace says, with no JavaScript errors.
-Screenshots land in test-artifacts/browser/ (MINIKV_UPDATE_SCREENSHOTS=1 also copies them into figures/).
+nbval compares text; it cannot see whether a stepper renders or answers a click. Here JupyterLab
+runs on 127.0.0.1 with a token and throwaway config/data/runtime/workspace directories, Chromium
+(driven by Playwright) opens a copy of a chapter, runs every cell, clicks the stepper's Next button
+and checks that the caption and the drawn cache length change as the engine's trace says, with no
+JavaScript errors. Screenshots land in test-artifacts/browser/ (MINIKV_UPDATE_SCREENSHOTS=1 also
+copies them into figures/).
 
-Needs `chromium` on PATH: `make test` installs it with apt where it is missing. Without it these tests
-fail and say how to install it; set MINIKV_SKIP_BROWSER=1 to skip them deliberately.
+Needs `chromium` on PATH: `make test` installs it with apt where it is missing. Without it these
+tests fail and say how to install it; set MINIKV_SKIP_BROWSER=1 to skip them deliberately.
 """
 from __future__ import annotations
 
@@ -26,21 +28,22 @@ from pathlib import Path
 import pytest
 
 import minikv
-from minikv.trace import caption, replay
+from minikv.viz.replay import caption, replay
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts" / "browser"
 TOKEN = "minikv-browser-test"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-# Installed in the kernel's IPython profile: MINIKV_BREAK_STEPPER=1 makes every stepper's Next/Prev raise.
+# Installed in the kernel's IPython profile: MINIKV_BREAK_STEPPER=1 makes every stepper's
+# Next/Prev raise.
 BREAK_STEPPER = """
 import os
 if os.environ.get("MINIKV_BREAK_STEPPER") == "1":
-    import minikv.widgets
+    import minikv.viz.widgets
     def go(self, step):
         raise RuntimeError("deliberately broken stepper")
-    minikv.widgets.TraceStepper.go = go
+    minikv.viz.widgets.TraceStepper.go = go
 """
 
 pytestmark = pytest.mark.browser
@@ -51,7 +54,8 @@ def chromium() -> str:
         pytest.skip("MINIKV_SKIP_BROWSER=1")
     path = shutil.which("chromium")
     if path is None:
-        pytest.fail("Debian's chromium is not installed: run `apt-get update && apt-get install -y chromium` as root "
+        pytest.fail("Debian's chromium is not installed: run "
+                    "`apt-get update && apt-get install -y chromium` as root "
                     "(make test does it), or set MINIKV_SKIP_BROWSER=1 to skip the browser tests")
     return path
 
@@ -68,11 +72,14 @@ class Lab:
     def __init__(self, tmp: Path, notebooks: list[str], broken: bool = False):
         self.port, self.root = free_port(), tmp / "root"
         self.root.mkdir(parents=True)
-        for name in notebooks:  # a copy: Lab may autosave, and the committed notebooks must not change
+        # a copy: Lab may autosave, and the committed notebooks must not change
+        for name in notebooks:
             shutil.copy(ROOT / "notebooks" / name, self.root / name)
         env = dict(os.environ)
-        for var, sub in [("JUPYTER_CONFIG_DIR", "config"), ("JUPYTER_DATA_DIR", "data"), ("JUPYTER_RUNTIME_DIR", "runtime"),
-                         ("JUPYTERLAB_WORKSPACES_DIR", "workspaces"), ("IPYTHONDIR", "ipython"), ("MPLCONFIGDIR", "mpl")]:
+        for var, sub in [("JUPYTER_CONFIG_DIR", "config"), ("JUPYTER_DATA_DIR", "data"),
+                         ("JUPYTER_RUNTIME_DIR", "runtime"),
+                         ("JUPYTERLAB_WORKSPACES_DIR", "workspaces"), ("IPYTHONDIR", "ipython"),
+                         ("MPLCONFIGDIR", "mpl")]:
             env[var] = str(tmp / sub)
             (tmp / sub).mkdir()
         startup = tmp / "ipython" / "profile_default" / "startup"
@@ -82,12 +89,14 @@ class Lab:
         settings = tmp / "data" / "lab" / "settings"
         settings.mkdir(parents=True)
         (settings / "overrides.json").write_text(json.dumps(
-            {"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False}}))
+            {"@jupyterlab/apputils-extension:notification": {"fetchNews": "false",
+                                                             "checkForUpdates": False}}))
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
         self.log = open(tmp / "lab.log", "w")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={self.port}",
-             f"--IdentityProvider.token={TOKEN}", f"--ServerApp.root_dir={self.root}", "--LabApp.news_url=None"],
+            [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root",
+             "--ip=127.0.0.1", f"--port={self.port}", f"--IdentityProvider.token={TOKEN}",
+             f"--ServerApp.root_dir={self.root}", "--LabApp.news_url=None"],
             env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.api("status", timeout=60)
 
@@ -132,11 +141,13 @@ class Browser:
     def __init__(self, executable: str):
         from playwright.sync_api import sync_playwright
         self._playwright = sync_playwright().start()
-        self.browser = self._playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        self.browser = self._playwright.chromium.launch(executable_path=executable,
+                                                        args=CHROMIUM_ARGS)
         self.page = self.browser.new_page(viewport={"width": 1400, "height": 1000})
         self.errors: list[str] = []
         self.page.on("pageerror", lambda e: self.errors.append(f"pageerror: {e}"))
-        self.page.on("console", lambda m: m.type == "error" and self.errors.append(f"console: {m.text}"))
+        self.page.on("console",
+                     lambda m: m.type == "error" and self.errors.append(f"console: {m.text}"))
 
     def close(self) -> None:
         self.browser.close()
@@ -161,18 +172,21 @@ def session(tmp_path):
 
 
 def text(html: str) -> str:
-    """What a browser shows for a caption's HTML: tags dropped, entities decoded, spaces collapsed."""
+    """What a browser shows for a caption's HTML: tags dropped, entities decoded, spaces
+    collapsed."""
     import html as html_lib
     return " ".join(html_lib.unescape(re.sub(r"<[^>]+>", " ", html)).split())
 
 
 def run_notebook(lab: Lab, browser: Browser, notebook: str):
-    """Open the notebook, run every cell, wait until the kernel is idle again; return the last stepper's locators."""
+    """Open the notebook, run every cell, wait until the kernel is idle again; return the last
+    stepper's locators."""
     page = browser.page
     page.goto(lab.url(f"lab/tree/{notebook}?reset&token={TOKEN}"))
     panel = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")
     panel.locator(".jp-Cell").first.wait_for(timeout=60_000)
-    page.add_style_tag(content=".Toastify { display: none !important; }")  # the "Jupyter news?" prompt hides the stepper
+    # the "Jupyter news?" prompt hides the stepper
+    page.add_style_tag(content=".Toastify { display: none !important; }")
     lab.wait_idle(notebook)
     page.locator("#jp-main-statusbar").get_by_text("Idle").first.wait_for(timeout=60_000)
     page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
@@ -180,7 +194,8 @@ def run_notebook(lab: Lab, browser: Browser, notebook: str):
     stepper = panel.locator(".widget-vbox:has(> .widget-hbox .minikv-next)").last
     stepper.wait_for(timeout=120_000)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # "Run All" queues every cell; the kernel is idle only after the last
+    # "Run All" queues every cell; the kernel is idle only after the last
+    while time.monotonic() < deadline:
         if not panel.locator(".jp-InputArea-prompt", has_text="[*]").count():
             lab.wait_idle(notebook)
             break
@@ -197,8 +212,10 @@ def shot(browser: Browser, stepper, name: str) -> None:
         shutil.copy(path, ROOT / "figures" / f"browser_{name}.png")
 
 
-def click_through(browser: Browser, stepper, expected: list[tuple[str, int]], name: str, shots: dict[int, str]) -> None:
-    """Click Next through `expected` (caption text, cache length) and check what the page shows at every step."""
+def click_through(browser: Browser, stepper, expected: list[tuple[str, int]], name: str,
+                  shots: dict[int, str]) -> None:
+    """Click Next through `expected` (caption text, cache length) and check what the page shows at
+    every step."""
     caption_box, cache_box = stepper.locator(".minikv-caption"), stepper.locator(".minikv-cache")
     image = stepper.locator(".minikv-image img, img.minikv-image").first
     sources = set()
@@ -208,24 +225,32 @@ def click_through(browser: Browser, stepper, expected: list[tuple[str, int]], na
         try:
             caption_box.get_by_text(f"step {i + 1}/", exact=False).wait_for(timeout=10_000)
         except Exception as e:
-            raise AssertionError(f"{name}: after {i} clicks the caption still reads {caption_box.text_content()!r}; "
+            raise AssertionError(f"{name}: after {i} clicks the caption still reads "
+                                 f"{caption_box.text_content()!r}; "
                                  f"errors: {browser.errors}") from e
         shown = " ".join(caption_box.text_content().split())
-        assert shown == want_caption, f"{name} step {i + 1}: caption {shown!r}, trace says {want_caption!r}"
+        assert shown == want_caption, (
+            f"{name} step {i + 1}: caption {shown!r}, trace says {want_caption!r}")
         want_cache = f"KV cache: {want_len} positions"
         deadline = time.monotonic() + 10
         while not cache_box.text_content().startswith(want_cache) and time.monotonic() < deadline:
-            time.sleep(0.1)  # widget updates are separate messages: the cache line may land just after the caption
+            # widget updates are separate messages: the cache line may land just after the caption
+            time.sleep(0.1)
         cache_text = cache_box.text_content()
-        assert cache_text.startswith(want_cache), f"{name} step {i + 1}: {cache_text!r}, trace says {want_len} positions"
+        assert cache_text.startswith(want_cache), (
+            f"{name} step {i + 1}: {cache_text!r}, trace says {want_len} positions")
         deadline = time.monotonic() + 10
         while image.get_attribute("src") in sources and time.monotonic() < deadline:
             time.sleep(0.1)  # the picture's update may arrive just after the caption's
         src = image.get_attribute("src")
-        assert src not in sources, f"{name} step {i + 1}: the picture did not change within 10 s; errors: {browser.errors}"
+        assert src not in sources, (
+            f"{name} step {i + 1}: the picture did not change within 10 s; "
+            f"errors: {browser.errors}")
         sources.add(src)
         size = browser.page.evaluate("async src => (await (await fetch(src)).blob()).size", src)
-        assert size > 8000, f"{name} step {i + 1}: the picture is {size} bytes, a blank canvas (a drawn step is ≥ 15 kB)"
+        assert size > 8000, (
+            f"{name} step {i + 1}: the picture is {size} bytes, a blank canvas "
+            "(a drawn step is ≥ 15 kB)")
         if i in shots:
             shot(browser, stepper, f"{name}_{shots[i]}")
     assert not browser.errors, f"{name}: JavaScript errors: {browser.errors}"
@@ -233,11 +258,13 @@ def click_through(browser: Browser, stepper, expected: list[tuple[str, int]], na
 
 def expected_steps(trace, decode, upto: int) -> list[tuple[str, int]]:
     snaps = replay(trace)
-    return [(text(f"step {i + 1}/{len(snaps)} {caption(s, decode)}"), s.cache_len) for i, s in enumerate(snaps[:upto])]
+    return [(text(f"step {i + 1}/{len(snaps)} {caption(s, decode)}"), s.cache_len)
+            for i, s in enumerate(snaps[:upto])]
 
 
 def test_speculative_chapter_in_jupyterlab(session):
-    """Chapter 04's stepper: prefill → draft → verify → rollback → commit, as the engine's trace says."""
+    """Chapter 04's stepper: prefill → draft → verify → rollback → commit, as the engine's trace
+    says."""
     start_lab, browser = session
     lab = start_lab(["04_speculative_decoding.ipynb"])
     stepper = run_notebook(lab, browser, "04_speculative_decoding.ipynb")
@@ -254,7 +281,8 @@ def test_speculative_chapter_in_jupyterlab(session):
 
 
 def test_deterministic_chapter_in_jupyterlab(session):
-    """Chapter 05's stepper: decode → verify → rollback; each caption's cache length is the one drawn."""
+    """Chapter 05's stepper: decode → verify → rollback; each caption's cache length is the one
+    drawn."""
     start_lab, browser = session
     lab = start_lab(["05_deterministic_requests.ipynb"])
     stepper = run_notebook(lab, browser, "05_deterministic_requests.ipynb")
@@ -287,6 +315,7 @@ def test_a_broken_stepper_fails_the_check(session):
     lab = start_lab(["01_prefill_decode.ipynb"], broken=True)
     stepper = run_notebook(lab, browser, "01_prefill_decode.ipynb")
     target, tok = minikv.load_course_model("target", "cpu")
-    trace = minikv.generate(target, tok.encode("The color of dog"), 10, eos_id=tok.eot_token, trace=True).trace
+    trace = minikv.generate(target, tok.encode("The color of dog"), 10, eos_id=tok.eot_token,
+                            trace=True).trace
     with pytest.raises(AssertionError, match="after 1 clicks the caption still reads"):
         click_through(browser, stepper, expected_steps(trace, tok.decode, 3), "01-broken", {})

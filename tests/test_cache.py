@@ -1,4 +1,5 @@
-"""KVCache against a plain Python model of it, and the seed-003 byte arithmetic against real tensors."""
+"""KVCache against a plain Python model of it, and the seed-003 byte arithmetic against real
+tensors."""
 import pytest
 import torch
 from hypothesis import settings
@@ -30,10 +31,11 @@ class CacheMachine(RuleBasedStateMachine):
         start = len(self.model)
         if start + n > MAX_LEN:
             with pytest.raises(ValueError, match="overflow"):
-                self.cache.check_room(n)
+                self.cache.update(block(start, n, 0, 1.0), block(start, n, 0, -1.0), 0)
             return
         for layer in range(N_LAYER):
-            k, v = self.cache.update(block(start, n, layer, 1.0), block(start, n, layer, -1.0), layer)
+            k, v = self.cache.update(block(start, n, layer, 1.0), block(start, n, layer, -1.0),
+                                     layer)
             assert k.shape == (B, NH, start + n, HS)
         self.model.extend(range(start, start + n))
 
@@ -63,7 +65,8 @@ class CacheMachine(RuleBasedStateMachine):
             assert cache.get_seq_length() == len(model)
             assert cache.layer_lengths == [len(model)] * N_LAYER
             for layer in range(N_LAYER):
-                expected_k = torch.cat([block(p, 1, layer, 1.0) for p in model], dim=2) if model else None
+                expected_k = (torch.cat([block(p, 1, layer, 1.0) for p in model], dim=2)
+                              if model else None)
                 live = cache.keys[layer][:, :, : len(model)]
                 if model:
                     assert torch.equal(live, expected_k)
@@ -81,7 +84,8 @@ def test_fork_is_independent():
     twin = cache.fork()
     twin.crop(1)
     twin.update(torch.full((1, 1, 2, 2), 7.0), torch.full((1, 1, 2, 2), 7.0), 0)
-    assert cache.get_seq_length() == 3 and torch.equal(cache.keys[0][:, :, :3], torch.ones(1, 1, 3, 2))
+    assert cache.get_seq_length() == 3 and torch.equal(cache.keys[0][:, :, :3],
+                                                       torch.ones(1, 1, 3, 2))
     assert twin.get_seq_length() == 3 and twin.keys[0][0, 0, 1, 0] == 7.0
 
 
@@ -95,7 +99,8 @@ def test_crop_keeps_stale_values_until_overwritten():
 
 
 def test_kv_cache_bytes_equals_real_tensor_bytes():
-    for preset, dtype, seq_len, batch in [("tiny", torch.float32, 37, 1), ("small", torch.float16, 100, 3),
+    for preset, dtype, seq_len, batch in [("tiny", torch.float32, 37, 1),
+                                          ("small", torch.float16, 100, 3),
                                           ("tiny", torch.bfloat16, 1, 2)]:
         cfg = minikv.GPTConfig.preset(preset)
         model = minikv.GPT(cfg).to(dtype)
@@ -109,10 +114,12 @@ def test_kv_cache_bytes_equals_real_tensor_bytes():
 
 def test_seed_003_gpt2_cache_size():
     """12 layers x 2 x 1 x 12 heads x 100 tokens x 64 x 2 bytes: the seed's "~3.5 MB" is 3.5 MiB."""
-    n = minikv.kv_cache_bytes(minikv.GPTConfig.preset("gpt2"), seq_len=100, batch_size=1, dtype=torch.float16)
+    n = minikv.kv_cache_bytes(minikv.GPTConfig.preset("gpt2"), seq_len=100, batch_size=1,
+                              dtype=torch.float16)
     assert n == 12 * 2 * 1 * 12 * 100 * 64 * 2 == 3_686_400
     assert round(n / 1e6, 2) == 3.69 and round(n / 2**20, 2) == 3.52
-    gqa = minikv.kv_cache_bytes(minikv.GPTConfig.preset("gpt2"), 100, dtype=torch.float16, n_kv_head=4)
+    gqa = minikv.kv_cache_bytes(minikv.GPTConfig.preset("gpt2"), 100, dtype=torch.float16,
+                                n_kv_head=4)
     assert gqa * 3 == n  # 12 query heads sharing 4 K/V heads store a third of the cache
 
 

@@ -9,10 +9,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import minikv
+from minikv.course import corpus
+from minikv.course.checkpoint import (
+    CONFIG_FILE,
+    METADATA_FILE,
+    MODELS_DIR,
+    WEIGHTS_FILE,
+    load_checkpoint,
+    read_metadata,
+    save_checkpoint,
+)
+
 from conftest import varied_model
-from minikv import corpus
-from minikv.checkpoint import (CONFIG_FILE, METADATA_FILE, MODELS_DIR, WEIGHTS_FILE, load_checkpoint,
-                               read_metadata, save_checkpoint)
 
 
 @pytest.fixture
@@ -45,7 +53,8 @@ def test_round_trip_is_exact(saved):
 
 def test_files_are_safetensors_and_json_with_one_copy_of_the_tied_weights(saved):
     model, directory = saved
-    assert sorted(p.name for p in directory.iterdir()) == sorted([CONFIG_FILE, WEIGHTS_FILE, METADATA_FILE])
+    assert sorted(p.name for p in directory.iterdir()) == sorted([CONFIG_FILE, WEIGHTS_FILE,
+                                                                   METADATA_FILE])
     assert json.loads((directory / CONFIG_FILE).read_text()) == model.config.to_dict()
     names = set(load_file(str(directory / WEIGHTS_FILE)))
     assert "lm_head.weight" not in names and "transformer.wte.weight" in names
@@ -62,7 +71,8 @@ def test_loading_leaves_the_global_rng_alone(saved):
 def test_loading_never_unpickles(saved, monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("checkpoint loading must not unpickle")
-    for module, name in [(torch, "load"), (pickle, "load"), (pickle, "loads"), (pickle, "Unpickler")]:
+    for module, name in [(torch, "load"), (pickle, "load"), (pickle, "loads"),
+                         (pickle, "Unpickler")]:
         monkeypatch.setattr(module, name, forbidden)
     model, directory = saved
     loaded = load_checkpoint(directory, device="cpu")
@@ -74,7 +84,8 @@ def test_truncated_weights(saved):
     data = path.read_bytes()
     for keep in (len(data) - 100, 1000, 20, 4, 0):
         path.write_bytes(data[:keep])
-        with pytest.raises(ValueError, match=r"model\.safetensors is corrupt or truncated.*save it again"):
+        with pytest.raises(ValueError,
+                           match=r"model\.safetensors is corrupt or truncated.*save it again"):
             load_checkpoint(saved[1])
 
 
@@ -107,7 +118,8 @@ def test_files_without_a_checksum_still_load(saved):
 
 def test_pickled_file_is_refused(saved):
     model, directory = saved
-    torch.save(model.state_dict(), directory / WEIGHTS_FILE)  # a torch.save file under the safetensors name
+    # a torch.save file under the safetensors name
+    torch.save(model.state_dict(), directory / WEIGHTS_FILE)
     with pytest.raises(ValueError, match="corrupt or truncated"):
         load_checkpoint(directory)
 
@@ -115,11 +127,14 @@ def test_pickled_file_is_refused(saved):
 @pytest.mark.parametrize("edit, message", [
     (lambda t: t.__setitem__("transformer.wpe.weight", t["transformer.wpe.weight"][:100].clone()),
      r"transformer\.wpe\.weight has shape \(100, 64\) but config\.json needs \(256, 64\)"),
-    (lambda t: t.__setitem__("transformer.h.0.attn.c_attn.weight", t["transformer.h.0.attn.c_attn.weight"].half()),
+    (lambda t: t.__setitem__("transformer.h.0.attn.c_attn.weight",
+                             t["transformer.h.0.attn.c_attn.weight"].half()),
      r"transformer\.h\.0\.attn\.c_attn\.weight is torch\.float16, expected torch\.float32"),
-    (lambda t: t.__setitem__("transformer.ln_f.bias", torch.full_like(t["transformer.ln_f.bias"], float("nan"))),
+    (lambda t: t.__setitem__("transformer.ln_f.bias",
+                             torch.full_like(t["transformer.ln_f.bias"], float("nan"))),
      r"transformer\.ln_f\.bias holds NaN"),
-    (lambda t: t.pop("transformer.h.1.mlp.c_fc.bias"), r"missing tensors \['transformer\.h\.1\.mlp\.c_fc\.bias'\]"),
+    (lambda t: t.pop("transformer.h.1.mlp.c_fc.bias"),
+     r"missing tensors \['transformer\.h\.1\.mlp\.c_fc\.bias'\]"),
     (lambda t: t.__setitem__("lm_head.weight", t["transformer.wte.weight"].clone()),
      r"unexpected tensors \['lm_head\.weight'\]"),
     (lambda t: t.__setitem__("transformer.h.2.attn.c_attn.weight", torch.zeros(192, 64)),
@@ -134,10 +149,13 @@ def test_mismatched_weights(saved, edit, message):
 @pytest.mark.parametrize("text, message", [
     ("{not json", "config.json is not valid JSON"),
     ("[1, 2]", "exactly the GPTConfig keys"),
-    (json.dumps(dict(vocab_size=512, block_size=256, n_layer=2, n_head=4)), "exactly the GPTConfig keys"),
-    (json.dumps(dict(vocab_size=512, block_size=256, n_layer=2, n_head=3, n_embd=64, layer_norm_eps=1e-5)),
+    (json.dumps(dict(vocab_size=512, block_size=256, n_layer=2, n_head=4)),
+     "exactly the GPTConfig keys"),
+    (json.dumps(dict(vocab_size=512, block_size=256, n_layer=2, n_head=3, n_embd=64,
+                     layer_norm_eps=1e-5)),
      "invalid config: n_embd .64. must be divisible by n_head .3."),
-    (json.dumps(dict(vocab_size=512, block_size=128, n_layer=2, n_head=4, n_embd=64, layer_norm_eps=1e-5)),
+    (json.dumps(dict(vocab_size=512, block_size=128, n_layer=2, n_head=4, n_embd=64,
+                     layer_norm_eps=1e-5)),
      r"wpe\.weight has shape \(256, 64\) but config\.json needs \(128, 64\)"),
 ], ids=["not-json", "not-a-dict", "missing-key", "bad-value", "other-shapes"])
 def test_bad_config(saved, text, message):
@@ -162,8 +180,9 @@ def test_a_broken_copy_of_a_course_model_says_how_to_retrain(tmp_path, monkeypat
     models = tmp_path / "models"
     shutil.copytree(MODELS_DIR / "draft", models / "draft")
     (models / "draft" / WEIGHTS_FILE).write_bytes(b"\0" * 16)
-    monkeypatch.setattr(minikv.checkpoint, "MODELS_DIR", models)
-    with pytest.raises(ValueError, match=r"retrain it with `python -m minikv\.train --preset draft`"):
+    monkeypatch.setattr(minikv.course.checkpoint, "MODELS_DIR", models)
+    with pytest.raises(ValueError,
+                       match=r"retrain it with `python -m minikv train --preset draft`"):
         minikv.load_course_model("draft")
 
 
@@ -195,12 +214,15 @@ def test_target_answers_held_out_coin_flips():
     questions = [q for q in corpus.coin_flip_eval(4) if len(q.steps) <= 6]
     ids = [tok.encode(q.prompt()) for q in questions]
     with torch.no_grad():
-        answers = [tok.decode([int(model(torch.tensor([i]), last_only=True)[0, -1].argmax())]) for i in ids]
+        answers = [tok.decode([int(model(torch.tensor([i]), last_only=True)[0, -1].argmax())])
+                   for i in ids]
     assert answers == [" " + q.answer for q in questions]
 
 
 def test_target_continues_the_course_prompts():
     model, tok = minikv.load_course_model("target", device="cpu")
-    for prompt in ("The color of dog", "Once upon a time"):  # the text itself is shown in docs/course-models.md
+    # the text itself is shown in docs/course-models.md
+    for prompt in ("The color of dog", "Once upon a time"):
         out = minikv.generate(model, tok.encode(prompt), 64, eos_id=tok.eot_token)
-        assert out.tokens[-1] == tok.eot_token and tok.decode(out.tokens[:-1]).endswith(".")  # finishes its sentence
+        # finishes its sentence
+        assert out.tokens[-1] == tok.eot_token and tok.decode(out.tokens[:-1]).endswith(".")

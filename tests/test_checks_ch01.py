@@ -3,7 +3,8 @@ import pytest
 import torch
 
 import minikv
-from minikv.checks import CheckFailed, ch01
+from minikv.course.checks import CheckFailed, ch01
+
 from conftest import stub
 
 
@@ -56,14 +57,22 @@ def test_solutions_pass(capsys):
 
 
 @pytest.mark.parametrize("check, wrong", [
-    (ch01.check_greedy_decode, naive_decode),                                                  # no cache
-    (ch01.check_greedy_decode, eos_fed_decode),                                                # feeds the last token
-    (ch01.check_greedy_decode, lambda m, p, n, e=None: greedy_decode(m, p, n)),                # ignores EOS
-    (ch01.check_greedy_decode, lambda m, p, n, e=None: greedy_decode(m, p, n, e)[:-1]),        # one token short
-    (ch01.check_positions_fed, lambda p, n: [list(range(p))] + [[p + i] for i in range(n)]),  # feeds the last token
-    (ch01.check_positions_fed, lambda p, n: [list(range(p))] + [[0]] * (n - 1)),              # seed 003's position bug
-    (ch01.check_cache_lengths, lambda p, n: [p + i + 1 for i in range(n)]),                    # off by one
-    (ch01.check_cache_lengths, lambda p, n: [p + i for i in range(n + 1)]),                    # one pass too many
+    # no cache
+    (ch01.check_greedy_decode, naive_decode),
+    # feeds the last token
+    (ch01.check_greedy_decode, eos_fed_decode),
+    # ignores EOS
+    (ch01.check_greedy_decode, lambda m, p, n, e=None: greedy_decode(m, p, n)),
+    # one token short
+    (ch01.check_greedy_decode, lambda m, p, n, e=None: greedy_decode(m, p, n, e)[:-1]),
+    # feeds the last token
+    (ch01.check_positions_fed, lambda p, n: [list(range(p))] + [[p + i] for i in range(n)]),
+    # seed 003's position bug
+    (ch01.check_positions_fed, lambda p, n: [list(range(p))] + [[0]] * (n - 1)),
+    # off by one
+    (ch01.check_cache_lengths, lambda p, n: [p + i + 1 for i in range(n)]),
+    # one pass too many
+    (ch01.check_cache_lengths, lambda p, n: [p + i for i in range(n + 1)]),
 ])
 def test_wrong_answers_fail(check, wrong):
     with pytest.raises(CheckFailed):

@@ -1,8 +1,8 @@
 """Chapter 04's checkers accept the solutions and reject plausible wrong answers."""
 import pytest
-import torch
 
-from minikv.checks import CheckFailed, ch04
+from minikv.course.checks import CheckFailed, ch04
+
 from conftest import stub
 
 
@@ -32,9 +32,12 @@ def test_solutions_pass(capsys):
 
 
 @pytest.mark.parametrize("wrong", [
-    lambda p, a: (accept_greedy(p, a)[0], p[min(accept_greedy(p, a)[0], len(p) - 1)]),  # commits the draft's token
-    lambda p, a: (sum(x == y for x, y in zip(p, a)), a[accept_greedy(p, a)[0]]),      # counts matches, not a prefix
-    lambda p, a: (accept_greedy(p, a)[0], None),                                       # no bonus token
+    # commits the draft's token
+    lambda p, a: (accept_greedy(p, a)[0], p[min(accept_greedy(p, a)[0], len(p) - 1)]),
+    # counts matches, not a prefix
+    lambda p, a: (sum(x == y for x, y in zip(p, a)), a[accept_greedy(p, a)[0]]),
+    # no bonus token
+    lambda p, a: (accept_greedy(p, a)[0], None),
 ])
 def test_wrong_accept_rules_fail(wrong):
     with pytest.raises(CheckFailed):
@@ -42,9 +45,12 @@ def test_wrong_accept_rules_fail(wrong):
 
 
 @pytest.mark.parametrize("wrong", [
-    lambda p, q: (p - q).clamp(min=0),                      # not normalised
-    lambda p, q: (p - q).abs() / (p - q).abs().sum(),       # |p - q| puts mass where the draft over-proposed
-    lambda p, q: p,                                          # resample from p: biased towards the draft's tokens
+    # not normalised
+    lambda p, q: (p - q).clamp(min=0),
+    # |p - q| puts mass where the draft over-proposed
+    lambda p, q: (p - q).abs() / (p - q).abs().sum(),
+    # resample from p: biased towards the draft's tokens
+    lambda p, q: p,
 ])
 def test_wrong_residuals_fail(wrong):
     with pytest.raises(CheckFailed):
@@ -54,9 +60,12 @@ def test_wrong_residuals_fail(wrong):
 
 
 @pytest.mark.parametrize("wrong", [
-    lambda t, d, n: [c.crop(min(c.get_seq_length(), n)) for c in (t, d)],       # keeps the uncomputed token's slot
-    lambda t, d, n: t.crop(min(t.get_seq_length(), n - 1)),                      # forgets the draft's cache
-    lambda t, d, n: [c.reset() for c in (t, d)],                                 # throws everything away
+    # keeps the uncomputed token's slot
+    lambda t, d, n: [c.crop(min(c.get_seq_length(), n)) for c in (t, d)],
+    # forgets the draft's cache
+    lambda t, d, n: t.crop(min(t.get_seq_length(), n - 1)),
+    # throws everything away
+    lambda t, d, n: [c.reset() for c in (t, d)],
 ])
 def test_wrong_rollbacks_fail(wrong):
     with pytest.raises(CheckFailed):

@@ -1,4 +1,5 @@
-"""The command line works end to end on the course model and on random ones, and bad input exits with a clear message."""
+"""The command line works end to end on the course model and on random ones, and bad input exits
+with a clear message."""
 import subprocess
 import sys
 
@@ -6,24 +7,29 @@ from minikv import __main__ as cli
 
 
 def test_generate_prints_tokens_and_stats(capsys):
-    assert cli.main(["generate", "--prompt", "Once upon a", "--mode", "naive", "--max-new-tokens", "5",
-                     "--preset", "tiny", "--trace"]) == 0
+    assert cli.main(["generate", "--prompt", "Once upon a", "--mode", "naive",
+                     "--max-new-tokens", "5", "--preset", "tiny", "--trace"]) == 0
     out = capsys.readouterr().out
     assert "prompt tokens: [" in out and "new tokens:" in out
-    assert "forward_passes=5 positions_processed=25 kv_computed_per_layer=25" in out  # seed 003: 3+4+5+6+7
+    # seed 003: 3+4+5+6+7
+    assert "forward_passes=5 positions_processed=25 kv_computed_per_layer=25" in out
     assert out.count("recompute") == 5
 
 
 def test_bad_input_exits_2_with_a_message(capsys):
-    assert cli.main(["generate", "--prompt", "x", "--max-new-tokens", "9999", "--preset", "tiny"]) == 2
+    assert cli.main(["generate", "--prompt", "x", "--max-new-tokens", "9999",
+                     "--preset", "tiny"]) == 2
     assert "lower max_new_tokens" in capsys.readouterr().err
 
 
 def test_module_entry_point_runs():
-    result = subprocess.run([sys.executable, "-m", "minikv", "generate", "--prompt", "The color of dog",
-                             "--max-new-tokens", "3", "--preset", "tiny"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "minikv", "generate",
+                             "--prompt", "The color of dog", "--max-new-tokens", "3",
+                             "--preset", "tiny"],
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "mode=cached forward_passes=3 positions_processed=6" in result.stdout  # 4-token prefill + 2 decodes
+    # 4-token prefill + 2 decodes
+    assert "mode=cached forward_passes=3 positions_processed=6" in result.stdout
     assert "Warning" not in result.stderr
 
 

@@ -5,16 +5,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minikv import corpus
-from minikv.corpus import EOT, MAX_PEOPLE, NAMES, STATES, CoinFlip
-from minikv.tokenizer import load_tokenizer
+from minikv.course import corpus
+from minikv.course.corpus import EOT, MAX_PEOPLE, NAMES, STATES, CoinFlip
+from minikv.course.tokenizer import load_tokenizer
 
 SMALL = (300, 30, 30)
 
 coin_flips = st.builds(
     CoinFlip,
     st.sampled_from(STATES),
-    st.lists(st.tuples(st.sampled_from(NAMES), st.booleans()), min_size=1, max_size=MAX_PEOPLE).map(tuple),
+    st.lists(st.tuples(st.sampled_from(NAMES), st.booleans()),
+             min_size=1, max_size=MAX_PEOPLE).map(tuple),
 )
 
 
@@ -30,7 +31,8 @@ def default_splits():
 
 def test_seed_000_surface_form():
     q = CoinFlip("heads", (("Alice", True), ("Bob", True)))
-    assert q.text() == "A coin's state is heads. Alice flips, then Bob flips. What's the state? A: heads."
+    assert q.text() == ("A coin's state is heads. Alice flips, then Bob flips. "
+                        "What's the state? A: heads.")
     assert q.prompt() == q.text().removesuffix(" heads.")
     assert q.states == ["heads", "tails", "heads"]
     assert q.question(1) == "A coin's state is heads. Alice flips. What's the state? A:"
@@ -78,7 +80,8 @@ def test_answer_tokens_are_single_tokens(enc):
 def test_coin_flip_documents_are_correct():
     for doc in docs("".join(corpus.splits("coinflip", seed=1, sizes=SMALL).values())):
         state = re.match(r"A coin's state is (heads|tails)\. ", doc)[1]
-        for name, action, said in re.findall(r"(\w+) (flips|doesn't flip)(?:, so it's (\w+))?", doc):
+        for name, action, said in re.findall(r"(\w+) (flips|doesn't flip)(?:, so it's (\w+))?",
+                                             doc):
             assert name in NAMES
             state = STATES[1 - STATES.index(state)] if action == "flips" else state
             assert said in ("", state)
@@ -102,7 +105,8 @@ def test_no_train_document_is_held_out(default_splits, name):
 
 def test_coin_flip_eval_is_held_out(default_splits):
     questions = corpus.coin_flip_eval(20, seed=3)
-    assert [len(q.steps) for q in questions] == [n for n in range(1, MAX_PEOPLE + 1) for _ in range(20)]
+    assert [len(q.steps) for q in questions] == [n for n in range(1, MAX_PEOPLE + 1)
+                                                 for _ in range(20)]
     train = set(docs(default_splits["coinflip"]["train"]))
     assert not train & {q.text(cot) for q in questions for cot in (False, True)}
     assert questions == corpus.coin_flip_eval(20, seed=3)
@@ -110,7 +114,8 @@ def test_coin_flip_eval_is_held_out(default_splits):
 
 def test_seed_sentences_occur_naturally(default_splits):
     assert "The color of dog can vary widely." in docs(default_splits["facts"]["train"])
-    assert all(d.startswith("Once upon a time there was") for d in docs(default_splits["stories"]["train"]))
+    assert all(d.startswith("Once upon a time there was")
+               for d in docs(default_splits["stories"]["train"]))
 
 
 def test_corpora_are_not_a_lookup(default_splits):

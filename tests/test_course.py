@@ -2,14 +2,15 @@
 exercises/ is always what the generator makes of solutions/."""
 import pytest
 
-from minikv import course
+from minikv.course import notebooks as course
 
 
 def test_strip_keeps_everything_but_the_solution():
-    source = "def area(w, h):\n    \"\"\"Doc.\"\"\"\n    ### BEGIN SOLUTION\n    a = w * h\n    return a\n    ### END SOLUTION\n\nx = 1"
+    source = ("def area(w, h):\n    \"\"\"Doc.\"\"\"\n    ### BEGIN SOLUTION\n    a = w * h\n"
+              "    return a\n    ### END SOLUTION\n\nx = 1")
     stub = course.strip_solutions(source)
-    assert stub.splitlines() == ["def area(w, h):", '    """Doc."""', "    # YOUR CODE HERE", f"    {course.STUB}",
-                                 "", "x = 1"]
+    assert stub.splitlines() == ["def area(w, h):", '    """Doc."""', "    # YOUR CODE HERE",
+                                 f"    {course.STUB}", "", "x = 1"]
     namespace = {}
     exec(stub, namespace)  # defining the stub is fine ...
     with pytest.raises(NotImplementedError):
@@ -25,7 +26,7 @@ def test_unbalanced_markers_are_refused(broken):
 
 def test_exercises_are_in_sync_with_solutions():
     stale = course.write_exercises(check=True)
-    assert not stale, f"run `python -m minikv.course exercises`: {stale}"
+    assert not stale, f"run `python -m minikv exercises`: {stale}"
     assert len(list((course.ROOT / "exercises").glob("*.ipynb"))) == len(course.exercise_pairs())
 
 
@@ -36,4 +37,5 @@ def test_notebooks_are_committed_executed(folder):
     for path in sorted((course.ROOT / folder).glob("*.ipynb")):
         unrun = [i for i, cell in enumerate(nbformat.read(path, as_version=4).cells)
                  if cell.cell_type == "code" and cell.execution_count is None]
-        assert not unrun, f"{path.name}: code cells {unrun} saved without running; run `python -m minikv.course run {folder}/{path.name}`"
+        assert not unrun, (f"{path.name}: code cells {unrun} saved without running; "
+                           f"run `python -m minikv run {folder}/{path.name}`")

@@ -1,15 +1,18 @@
-"""Naive and cached decoding agree, and the engine's own counters reproduce seed 003's arithmetic."""
+"""Naive and cached decoding agree, and the engine's own counters reproduce seed 003's
+arithmetic."""
 import pytest
 import torch
 
 import minikv
+
 from conftest import varied_model
 
 
 def test_cached_equals_naive_for_200_greedy_tokens(tiny):
     naive = minikv.generate(tiny, [1, 2, 3], 200, mode="naive", return_logits=True)
     cached = minikv.generate(tiny, [1, 2, 3], 200, mode="cached", return_logits=True)
-    assert len(set(naive.tokens)) >= 20, "the random model must not collapse to one token, or this proves little"
+    assert len(set(naive.tokens)) >= 20, ("the random model must not collapse to one token, "
+                                          "or this proves little")
     assert cached.tokens == naive.tokens
     torch.testing.assert_close(cached.logits, naive.logits, atol=1e-5, rtol=0)
 
@@ -33,7 +36,8 @@ def test_cached_equals_naive_on_gpt2_124m():
 
 
 def test_seed_003_kv_table(tiny):
-    """3-token prompt, 5 steps: naive computes 3+4+5+6+7 = 25 K/V vectors per layer, cached 3+1+1+1+1 = 7."""
+    """3-token prompt, 5 steps: naive computes 3+4+5+6+7 = 25 K/V vectors per layer, cached
+    3+1+1+1+1 = 7."""
     naive = minikv.generate(tiny, [10, 11, 12], 5, mode="naive", trace=True)
     cached = minikv.generate(tiny, [10, 11, 12], 5, mode="cached", trace=True)
     assert [e.kv_computed for e in naive.trace] == [3, 4, 5, 6, 7]
@@ -45,7 +49,8 @@ def test_seed_003_kv_table(tiny):
 
 @pytest.mark.parametrize("n", [1, 10, 100])
 def test_kv_work_is_quadratic_without_cache_and_linear_with(n):
-    """Seed 003's scaling: for a 1-token prompt and N tokens, N(N+1)/2 without cache vs N with it."""
+    """Seed 003's scaling: for a 1-token prompt and N tokens, N(N+1)/2 without cache vs N with
+    it."""
     model = varied_model()
     naive = minikv.generate(model, [7], n, mode="naive")
     cached = minikv.generate(model, [7], n, mode="cached")
@@ -63,7 +68,8 @@ def test_trace_of_prefill_and_decode(tiny):
 
 
 def test_position_offset_bug_is_reproducible(tiny):
-    """Restarting positions at 0 on each decode step (seed 003's bug) changes what the model says."""
+    """Restarting positions at 0 on each decode step (seed 003's bug) changes what the model
+    says."""
     right = minikv.generate(tiny, [1, 2, 3], 30, trace=True)
     wrong = minikv.generate(tiny, [1, 2, 3], 30, trace=True, position_offset_bug=True)
     assert [e.positions for e in wrong.trace[1:3]] == [(0,), (0,)]

@@ -1,4 +1,5 @@
-"""The from-scratch GPT matches GPT-2: same parameter layout, same logits as a reference implementation."""
+"""The from-scratch GPT matches GPT-2: same parameter layout, same logits as a reference
+implementation."""
 import pytest
 import torch
 
@@ -9,10 +10,11 @@ transformers = pytest.importorskip("transformers")
 
 def hf_gpt2(vocab=300, positions=64, n_embd=128, n_layer=2, n_head=2, seed=0):
     torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=n_embd, n_layer=n_layer,
-                                  n_head=n_head, bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=n_embd,
+                                  n_layer=n_layer, n_head=n_head, bos_token_id=0, eos_token_id=0)
     model = transformers.GPT2LMHeadModel(cfg).eval()
-    with torch.no_grad():  # perturb every weight and bias so no layer is left at an identity-like init
+    # perturb every weight and bias so no layer is left at an identity-like init
+    with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     return model
@@ -22,7 +24,8 @@ def hf_gpt2(vocab=300, positions=64, n_embd=128, n_layer=2, n_head=2, seed=0):
 def test_logits_match_reference_gpt2(explicit_config):
     ref = hf_gpt2()
     cfg = minikv.GPTConfig(vocab_size=300, block_size=64, n_layer=2, n_head=2, n_embd=128)
-    model = minikv.GPT.from_gpt2_state_dict(ref.state_dict(), cfg if explicit_config else None).eval()
+    model = minikv.GPT.from_gpt2_state_dict(ref.state_dict(),
+                                            cfg if explicit_config else None).eval()
     assert model.config == cfg  # inferred: n_head = 128 / 64 = 2
     idx = torch.randint(0, 300, (3, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -39,7 +42,8 @@ def test_cached_forward_matches_reference_with_past():
     cache = minikv.KVCache.for_model(model, batch_size=2, max_len=30)
     with torch.no_grad():
         expected = ref(idx).logits
-        chunks = [model(idx[:, a:b], cache=cache) for a, b in ((0, 11), (11, 12), (12, 20), (20, 30))]
+        chunks = [model(idx[:, a:b], cache=cache)
+                  for a, b in ((0, 11), (11, 12), (12, 20), (20, 30))]
     torch.testing.assert_close(torch.cat(chunks, dim=1), expected, atol=1e-5, rtol=0)
 
 
@@ -52,7 +56,8 @@ def test_gpt2_preset_has_124m_parameters():
 def test_parameter_names_follow_gpt2_layout():
     names = set(minikv.GPT(minikv.GPTConfig.preset("tiny")).state_dict())
     for name in ("transformer.wte.weight", "transformer.wpe.weight", "transformer.h.0.ln_1.weight",
-                 "transformer.h.1.attn.c_attn.weight", "transformer.h.1.mlp.c_proj.bias", "transformer.ln_f.bias"):
+                 "transformer.h.1.attn.c_attn.weight", "transformer.h.1.mlp.c_proj.bias",
+                 "transformer.ln_f.bias"):
         assert name in names
 
 
@@ -60,13 +65,15 @@ def test_state_dict_without_transformer_prefix_loads():
     ref = hf_gpt2()
     sd = {k.removeprefix("transformer."): v for k, v in ref.state_dict().items()}
     model = minikv.GPT.from_gpt2_state_dict(sd)
-    assert torch.equal(model.transformer.h[1].mlp.c_fc.weight, ref.transformer.h[1].mlp.c_fc.weight.t())
+    assert torch.equal(model.transformer.h[1].mlp.c_fc.weight,
+                       ref.transformer.h[1].mlp.c_fc.weight.t())
 
 
 @pytest.mark.parametrize("corrupt, message", [
     (lambda sd: sd.pop("transformer.h.1.ln_2.weight"), "missing"),
     (lambda sd: sd.update({"transformer.h.0.attn.extra": torch.zeros(1)}), "unexpected"),
-    (lambda sd: sd.update({"transformer.h.0.mlp.c_fc.weight": torch.zeros(128, 500)}), "c_fc.weight: got shape"),
+    (lambda sd: sd.update({"transformer.h.0.mlp.c_fc.weight": torch.zeros(128, 500)}),
+     "c_fc.weight: got shape"),
     (lambda sd: sd.pop("transformer.wte.weight"), "GPT-2 state dict"),
     (lambda sd: sd.update({"lm_head.weight": torch.zeros(300, 128)}), "ties"),
 ])
@@ -90,7 +97,8 @@ def test_positions_start_where_the_cache_ends(tiny):
 
 
 def test_position_bug_changes_the_logits(tiny):
-    """Feeding position 0 instead of 3 (the seed's bug) gives different logits than the full forward."""
+    """Feeding position 0 instead of 3 (the seed's bug) gives different logits than the full
+    forward."""
     idx = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
         full = tiny(idx)[0, -1]

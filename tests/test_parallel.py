@@ -1,9 +1,10 @@
-"""column_parallel: the column-split copy computes what nn.Linear does and leaves the original as it was."""
+"""column_parallel: the column-split copy computes what nn.Linear does and leaves the original as it
+was."""
 import pytest
 import torch
 
 import minikv
-from minikv.parallel import ColumnParallelLinear, column_parallel
+from minikv.bench.parallel import ColumnParallelLinear, column_parallel
 
 
 @pytest.mark.parametrize("parts", [1, 2, 3, 7])
@@ -22,7 +23,8 @@ def test_column_parallel_copy_decodes_the_same_tokens_and_logits(tiny):
     split = minikv.generate(fast, [1, 2, 3], 60, return_logits=True)
     assert split.tokens == plain.tokens
     torch.testing.assert_close(split.logits, plain.logits, atol=1e-5, rtol=0)
-    assert split.stats.kv_computed == plain.stats.kv_computed  # the K/V counter still sees every projection
+    # the K/V counter still sees every projection
+    assert split.stats.kv_computed == plain.stats.kv_computed
 
 
 def test_naive_and_speculative_decoding_run_on_the_copy(tiny):
@@ -42,5 +44,5 @@ def test_original_model_is_untouched(tiny):
 
 @pytest.mark.parametrize("parts", [0, -2, 1.5, True, "2"])
 def test_bad_parts_is_a_clear_error(tiny, parts):
-    with pytest.raises(ValueError, match="parts must be an int >= 1"):
+    with pytest.raises(ValueError, match="parts must be a positive int"):
         column_parallel(tiny, parts)

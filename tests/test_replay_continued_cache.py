@@ -1,18 +1,20 @@
-"""replay() draws a prefill that continues a cache (generate(..., cache=c) on a filled or forked cache) at the
-positions it really used, on top of the tokens the trace already holds: chapter 03 steps through such traces."""
+"""replay() draws a prefill that continues a cache (generate(..., cache=c) on a filled or forked
+cache) at the positions it really used, on top of the tokens the trace already holds: chapter 03
+steps through such traces."""
 import minikv
-from minikv.trace import replay
-from minikv.widgets import TraceStepper
+from minikv.viz.replay import replay
+from minikv.viz.widgets import TraceStepper
+
 from conftest import varied_model
 
 
 def test_prefill_continuing_a_cache_keeps_the_prefix():
     model = varied_model()
     cache = minikv.KVCache.for_model(model, max_len=32)
-    fill = minikv.generate(model, [1, 2, 3, 4], 1, cache=cache, trace=True)   # cache: positions 0-3
+    fill = minikv.generate(model, [1, 2, 3, 4], 1, cache=cache, trace=True)  # cache: positions 0-3
     branch = cache.fork()
-    ask = minikv.generate(model, [5, 6, 7], 3, cache=branch, trace=True)    # prefill 4-6, decode 7, 8
-    more = minikv.generate(model, [8, 9], 1, cache=cache, trace=True)       # the main cache again: 4-5
+    ask = minikv.generate(model, [5, 6, 7], 3, cache=branch, trace=True)  # prefill 4-6, decode 7, 8
+    more = minikv.generate(model, [8, 9], 1, cache=cache, trace=True)  # the main cache again: 4-5
     snaps = replay(fill.trace + ask.trace + more.trace)
 
     asked = snaps[1]
@@ -34,5 +36,6 @@ def test_plain_prefill_unchanged():
     out = minikv.generate(model, [1, 2, 3], 3, trace=True)
     snap = replay(out.trace)[0]
     assert snap.tokens == [1, 2, 3, out.tokens[0]] and snap.cache == ["prefill"] * 3
-    alone = minikv.generate(model, [4, 5], 2, cache=minikv.KVCache.for_model(model, max_len=8).fork(), trace=True)
+    alone = minikv.generate(model, [4, 5], 2,
+                            cache=minikv.KVCache.for_model(model, max_len=8).fork(), trace=True)
     assert replay(alone.trace)[0].tokens[:2] == [4, 5]  # an empty cache: an ordinary prefill

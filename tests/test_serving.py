@@ -5,22 +5,27 @@ import pytest
 import torch
 
 import minikv
-from minikv.serving import num_kv_splits, split_kv_attention
+from minikv.engine.serving import num_kv_splits, split_kv_attention
+
 from conftest import varied_model
 
 MODEL32 = varied_model("small", seed=0)
-MODEL16 = varied_model("small", seed=0).to(torch.bfloat16)  # servers run in 16-bit; differences are larger
+# servers run in 16-bit; differences are larger
+MODEL16 = varied_model("small", seed=0).to(torch.bfloat16)
 
 
 def companions(k: int, n: int) -> list[minikv.Request]:
-    """n other requests of different lengths, budgets and sampling seeds (companion set number k)."""
+    """n other requests of different lengths, budgets and sampling seeds (companion set number
+    k)."""
     rng = random.Random(k)
     return [minikv.Request(prompt=[rng.randrange(2048) for _ in range(rng.randrange(1, 40))],
-                           max_new_tokens=rng.randrange(5, 40), temperature=1.0, seed=100 * k + j) for j in range(n)]
+                           max_new_tokens=rng.randrange(5, 40), temperature=1.0, seed=100 * k + j)
+            for j in range(n)]
 
 
 def det_request(seed: int = 1, n: int = 30, temperature: float = 0.8) -> minikv.Request:
-    return minikv.Request(prompt=[5, 6, 7, 8], max_new_tokens=n, deterministic=True, temperature=temperature, seed=seed)
+    return minikv.Request(prompt=[5, 6, 7, 8], max_new_tokens=n, deterministic=True,
+                          temperature=temperature, seed=seed)
 
 
 def run(model, request, k, n, verify=True, **kw):
@@ -30,11 +35,13 @@ def run(model, request, k, n, verify=True, **kw):
     return minikv.serve(model, batch, verify=verify, **kw)[n // 2]
 
 
-SETTINGS = [(k, n) for k, n in zip(range(12), [0, 1, 2, 3, 5, 7, 1, 2, 4, 6, 9, 3])]  # 12 companion sets
+# 12 companion sets
+SETTINGS = [(k, n) for k, n in zip(range(12), [0, 1, 2, 3, 5, 7, 1, 2, 4, 6, 9, 3])]
 
 
 def test_fast_path_logits_depend_on_the_batch():
-    """fp32, CPU: the same request's first fast-path logits, alone vs with companions, differ in bits."""
+    """fp32, CPU: the same request's first fast-path logits, alone vs with companions, differ in
+    bits."""
     alone = run(MODEL32, det_request(), 0, 0, verify=False, record_logits=True).fast_logits
     differing = 0
     for k, n in SETTINGS[1:]:
@@ -46,7 +53,8 @@ def test_fast_path_logits_depend_on_the_batch():
 
 def test_fast_path_tokens_depend_on_the_batch():
     """bf16, seed 1: the fast path alone gives different tokens with different companions."""
-    outputs = {tuple(run(MODEL16, det_request(seed=1), k, n, verify=False).tokens) for k, n in SETTINGS[:6]}
+    outputs = {tuple(run(MODEL16, det_request(seed=1), k, n, verify=False).tokens)
+               for k, n in SETTINGS[:6]}
     assert len(outputs) > 1
 
 
@@ -61,7 +69,8 @@ def test_verified_output_is_bit_identical_across_batches(model, temperature):
 
 def test_verification_is_what_makes_it_deterministic():
     """Same settings with verify=False disagree somewhere; with verify=True they never do."""
-    fast = {tuple(run(MODEL16, det_request(seed=1), k, n, verify=False).tokens) for k, n in SETTINGS[:6]}
+    fast = {tuple(run(MODEL16, det_request(seed=1), k, n, verify=False).tokens)
+            for k, n in SETTINGS[:6]}
     verified = {tuple(run(MODEL16, det_request(seed=1), k, n).tokens) for k, n in SETTINGS[:6]}
     assert len(fast) > 1 and len(verified) == 1
 
@@ -76,7 +85,8 @@ def rounds(out):
 
 
 def find_seed(predicate, seeds=range(100)):
-    """The first (seed, round) whose round satisfies `predicate`: pictures are found, never forced."""
+    """The first (seed, round) whose round satisfies `predicate`: pictures are found, never
+    forced."""
     for seed in seeds:
         out = run(MODEL16, det_request(seed=seed, n=30), 3, 3, trace=True)
         for rnd in rounds(out):
@@ -86,23 +96,27 @@ def find_seed(predicate, seeds=range(100)):
 
 
 def test_seed_001_picture_no_rollback():
-    """Found by search: a window's three fast-path tokens all verified; the verifier adds the fourth."""
-    seed, (verify, rollback, commit) = find_seed(lambda v, r, c: len(v.detail["accepted"]) == 3)
+    """Found by search: a window's three fast-path tokens all verified; the verifier adds the
+    fourth."""
+    seed, (verify, rollback, commit) = find_seed(lambda v, r, c: len(v.accepted) == 3)
     p = verify.positions[0]
-    assert verify.detail["accepted"] == [p, p + 1, p + 2] and rollback is None
-    assert commit.kind == "commit" and commit.detail["rollback"] is False
+    assert verify.accepted == (p, p + 1, p + 2) and rollback is None
+    assert commit.kind == "commit" and commit.rolled_back is False
     assert commit.positions == (p, p + 1, p + 2, p + 3)  # T1, T2, T3 and the verifier's own T4
-    assert verify.cache_len_after == commit.cache_len_after == p + 3  # nothing cropped: K/V up to T3
+    # nothing cropped: K/V up to T3
+    assert verify.cache_len_after == commit.cache_len_after == p + 3
 
 
 def test_seed_004_picture_rollback_to_last_accepted():
-    """Found by search: T1' accepted, T2' rejected; sequence and cache restored to T1, then T2 committed."""
+    """Found by search: T1' accepted, T2' rejected; sequence and cache restored to T1, then T2
+    committed."""
     seed, (verify, rollback, commit) = find_seed(
-        lambda v, r, c: len(v.positions) == 3 and len(v.detail["accepted"]) == 1)
+        lambda v, r, c: len(v.positions) == 3 and len(v.accepted) == 1)
     p = verify.positions[0]
-    assert verify.detail["rejected"] == [p + 1, p + 2]
-    assert rollback.kind == "rollback" and (rollback.cache_len_before, rollback.cache_len_after) == (p + 3, p + 1)
-    assert commit.positions == (p, p + 1) and commit.detail["rollback"] is True
+    assert verify.rejected == (p + 1, p + 2)
+    assert (rollback.kind == "rollback"
+            and (rollback.cache_len_before, rollback.cache_len_after) == (p + 3, p + 1))
+    assert commit.positions == (p, p + 1) and commit.rolled_back is True
 
 
 def test_split_kv_attention_is_attention():
@@ -113,19 +127,21 @@ def test_split_kv_attention_is_attention():
     for n_splits in (1, 2, 3, 5, 20):
         out = split_kv_attention(q, k, v, lengths, n_splits)
         for b, n in enumerate(lengths.tolist()):
-            ref = torch.nn.functional.scaled_dot_product_attention(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n])
+            ref = torch.nn.functional.scaled_dot_product_attention(q[b:b + 1], k[b:b + 1, :, :n],
+                                                                   v[b:b + 1, :, :n])
             torch.testing.assert_close(out[b:b + 1], ref, atol=1e-6, rtol=0)
         results.append(out)
     assert any(not torch.equal(results[0], r) for r in results[1:])  # same value, different bits
 
 
 def test_number_of_splits_follows_the_batch():
-    assert num_kv_splits(1, 4, 1000) == 33 and num_kv_splits(8, 4, 1000) == 5 and num_kv_splits(64, 4, 1000) == 1
+    assert (num_kv_splits(1, 4, 1000) == 33 and num_kv_splits(8, 4, 1000) == 5
+            and num_kv_splits(64, 4, 1000) == 1)
     assert num_kv_splits(1, 4, 10) == 2  # short sequences are not split finer than 8 keys
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(window=0), "window must be an int >= 1"),
+    (dict(window=0), "window must be a positive int"),
     (dict(requests=[minikv.Request([1] * 500, 10, deterministic=True)]), "block_size"),
     (dict(requests=[minikv.Request([1], 10, temperature=-1)]), "temperature"),
     (dict(requests=[minikv.Request([], 10)]), "prompt is empty"),

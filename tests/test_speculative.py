@@ -1,23 +1,29 @@
-"""Speculative decoding: exact under greedy, distribution-preserving under sampling, caches restored on rollback."""
+"""Speculative decoding: exact under greedy, distribution-preserving under sampling, caches
+restored on rollback."""
+from functools import partial
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import minikv
-from minikv import verify
+from minikv.engine import verify
+
 from conftest import varied_model
 
 
 def pair(dtype=torch.float64):
-    """A tiny target, a close draft (mostly agrees: full rounds and bonus tokens) and a far one (rollbacks)."""
+    """A tiny target, a close draft (mostly agrees: full rounds and bonus tokens) and a far one
+    (rollbacks)."""
     target = varied_model("tiny", seed=0).to(dtype)
     close = varied_model("tiny", seed=0).to(dtype)
     with torch.no_grad():
         for p in close.parameters():
             p.add_(torch.randn_like(p) * 0.003)
     torch.manual_seed(7)
-    far = minikv.GPT(minikv.GPTConfig.preset("tiny", n_layer=1, n_head=2, n_embd=32)).to(dtype).eval()
+    far = minikv.GPT(minikv.GPTConfig.preset("tiny", n_layer=1, n_head=2,
+                                             n_embd=32)).to(dtype).eval()
     return target, close, far
 
 
@@ -28,8 +34,9 @@ TARGET, CLOSE, FAR = pair()
 @given(prompt=st.lists(st.integers(0, 511), min_size=1, max_size=12), gamma=st.integers(1, 8),
        close=st.booleans(), n=st.integers(1, 40))
 def test_greedy_speculative_equals_target_greedy(prompt, gamma, close, n):
-    """In float64: fp32 near-ties between the verify pass (γ+1 rows) and one-row decode could flip an
-    argmax and make the comparison flaky without the algorithm being wrong; fp64 removes those ties."""
+    """In float64: fp32 near-ties between the verify pass (γ+1 rows) and one-row decode could flip
+    an argmax and make the comparison flaky without the algorithm being wrong; fp64 removes those
+    ties."""
     draft = CLOSE if close else FAR
     expected = minikv.generate(TARGET, prompt, n).tokens
     out = minikv.speculative_generate(TARGET, draft, prompt, n, gamma=gamma)
@@ -48,9 +55,11 @@ def test_both_paths_are_exercised():
 
 def test_adaptive_gamma_stays_exact():
     expected = minikv.generate(TARGET, [4, 5], 50).tokens
-    out = minikv.speculative_generate(TARGET, CLOSE, [4, 5], 50, gamma=2, adaptive_gamma=True, max_gamma=8, trace=True)
+    out = minikv.speculative_generate(TARGET, CLOSE, [4, 5], 50, gamma=2, adaptive_gamma=True,
+                                      max_gamma=8, trace=True)
     assert out.tokens == expected
-    assert max(sum(e.kind == "draft" for e in out.trace if e.step == s) for s in range(1, 20)) > 2  # γ grew
+    # γ grew
+    assert max(sum(e.kind == "draft" for e in out.trace if e.step == s) for s in range(1, 20)) > 2
 
 
 def test_trace_tells_the_story_of_a_round():
@@ -59,14 +68,14 @@ def test_trace_tells_the_story_of_a_round():
     assert kinds[0] == "prefill" and kinds[1:5] == ["draft", "draft", "draft", "verify"]
     verify_event = out.trace[4]
     assert verify_event.positions == (4, 5, 6)  # prompt 0..2, T0 at 3, proposals T1'..T3' at 4..6
-    acc, rej = verify_event.detail["accepted"], verify_event.detail["rejected"]
-    assert acc + rej == [4, 5, 6]
+    acc, rej = verify_event.accepted, verify_event.rejected
+    assert acc + rej == (4, 5, 6)
     if rej:
         rollback = out.trace[5]
         assert rollback.kind == "rollback" and rollback.cache_len_after == 4 + len(acc)
 
 
-# --- speculative sampling keeps the target's distribution --------------------------------------------
+# --- speculative sampling keeps the target's distribution -----------------------------------------
 
 V = 6
 SMALL = minikv.GPTConfig(vocab_size=V, block_size=16, n_layer=1, n_head=2, n_embd=16)
@@ -78,7 +87,8 @@ def small_model(seed: int) -> minikv.GPT:
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
-                p.normal_(0.0, 0.6)  # peaked, different distributions: a wrong residual shows quickly
+                # peaked, different distributions: a wrong residual shows quickly
+                p.normal_(0.0, 0.6)
     return model
 
 
@@ -101,7 +111,8 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
 def sampled_pairs(target, draft, prompt, n) -> torch.Tensor:
     counts = torch.zeros(V, V, dtype=torch.float64)
     for seed in range(n):
-        t1, t2 = minikv.speculative_generate(target, draft, prompt, 3, gamma=1, temperature=1.0, seed=seed).tokens[:2]
+        t1, t2 = minikv.speculative_generate(target, draft, prompt, 3, gamma=1, temperature=1.0,
+                                             seed=seed).tokens[:2]
         counts[t1, t2] += 1
     return counts
 
@@ -110,21 +121,28 @@ N_SAMPLES, ALPHA = 3000, 1e-3  # 36 cells; 3000 draws; reject at p < 0.001
 
 
 def test_speculative_sampling_matches_the_target_distribution():
-    """t2 is the draft's proposal, accepted or replaced through the residual: its law must be the target's."""
+    """t2 is the draft's proposal, accepted or replaced through the residual: its law must be the
+    target's."""
     target, draft, prompt = small_model(1), small_model(2), [0, 3]
     probs = exact_pair_distribution(target, prompt)
     assert chi_square_p_value(sampled_pairs(target, draft, prompt, N_SAMPLES), probs) > ALPHA
 
 
 def test_the_test_catches_a_wrong_residual(monkeypatch):
-    """Resampling from p instead of norm(max(0, p - q)) biases t2 toward the draft; the same test rejects it."""
+    """Resampling from p instead of norm(max(0, p - q)) biases t2 toward the draft; the same test
+    rejects it."""
     monkeypatch.setattr(verify, "residual_distribution", lambda p, q: p)
     target, draft, prompt = small_model(1), small_model(2), [0, 3]
     probs = exact_pair_distribution(target, prompt)
     assert chi_square_p_value(sampled_pairs(target, draft, prompt, N_SAMPLES), probs) < ALPHA
 
 
-# --- the shared core: rollback restores the cache exactly -------------------------------------------
+# --- the shared core: rollback restores the cache exactly -----------------------------------------
+
+def greedy_match(first_position: int):
+    return partial(verify.accept_matching, sampling=minikv.SamplingParams(),
+                   first_position=first_position)
+
 
 def test_rollback_then_continue_equals_fresh_prefill():
     model = TARGET
@@ -132,12 +150,12 @@ def test_rollback_then_continue_equals_fresh_prefill():
     cache = minikv.KVCache.for_model(model, max_len=32)
     with torch.no_grad():
         model(torch.tensor([seq[:-1]]), cache=cache)
-    greedy = verify.greedy_or_sampled(0.0, None, 0, model.device)
     truth = minikv.generate(model, seq, 8).tokens
-    proposals = [truth[0], (truth[1] + 1) % 512, 7, 8]  # one right, then wrong: roll back to length 6
+    # one right, then wrong: roll back to length 6
+    proposals = [truth[0], (truth[1] + 1) % 512, 7, 8]
     rnd = verify.verify_and_commit(seq, proposals, cache,
                                    lambda rows, c: model(torch.tensor([rows]), cache=c)[0],
-                                   verify.judge_by_match(greedy, len(seq)))
+                                   greedy_match(len(seq)))
     assert rnd.verdict == minikv.Verdict(accepted=1, token=truth[1])
     assert seq == [1, 2, 3, 4, 5] + truth[:2] and cache.get_seq_length() == len(seq) - 1
     assert rnd.cache_lens["verifier"] == (9, 6)
@@ -150,7 +168,8 @@ def test_rollback_then_continue_equals_fresh_prefill():
 
 
 def test_verifier_overwrites_proposer_kv():
-    """Deterministic mode's guarantee: committed K/V are the authority's, not what the fast path wrote."""
+    """Deterministic mode's guarantee: committed K/V are the authority's, not what the fast path
+    wrote."""
     model = TARGET
     seq = [1, 2, 3]
     cache = minikv.KVCache.for_model(model, max_len=16)
@@ -158,22 +177,22 @@ def test_verifier_overwrites_proposer_kv():
         model(torch.tensor([seq]), cache=cache)  # pretend a proposer already wrote position 2
         for t in cache.keys + cache.values:
             t[:, :, 2:] = 1e3  # garbage
-        cache._lengths = [3] * cache.n_layer
-    greedy = verify.greedy_or_sampled(0.0, None, 0, model.device)
+        cache._length = 3
     token = minikv.generate(model, seq, 1).tokens[0]
-    verify.verify_and_commit(seq, [token], cache, lambda rows, c: model(torch.tensor([rows]), cache=c)[0],
-                             verify.judge_by_match(greedy, len(seq)), start=2)
+    verify.verify_and_commit(seq, [token], cache,
+                             lambda rows, c: model(torch.tensor([rows]), cache=c)[0],
+                             greedy_match(len(seq)), start=2)
     fresh = minikv.KVCache.for_model(model, max_len=16)
     with torch.no_grad():
         model(torch.tensor([seq[:-1]]), cache=fresh)
     torch.testing.assert_close(cache.keys[1][:, :, :4], fresh.keys[1][:, :, :4], atol=1e-12, rtol=0)
 
 
-# --- bad input ---------------------------------------------------------------------------------------
+# --- bad input ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(gamma=0), "gamma must be an int >= 1"),
-    (dict(gamma=2.5), "gamma must be an int"),
+    (dict(gamma=0), "gamma must be a positive int"),
+    (dict(gamma=2.5), "gamma must be a positive int"),
     (dict(temperature=-1.0), "temperature"),
     (dict(top_k=0), "top_k"),
     (dict(max_new_tokens=300), "block_size"),

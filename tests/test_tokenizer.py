@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minikv import __main__ as cli
-from minikv import tokenizer
-from minikv.corpus import EOT, NAMES
+from minikv.course import tokenizer
+from minikv.course.corpus import EOT, NAMES
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,8 @@ def test_gpt2_without_cache_fails_fast_offline(tmp_path, monkeypatch, cache):
     monkeypatch.setattr(tiktoken.load, "read_file", no_network)
     monkeypatch.setattr(socket.socket, "connect", no_network)
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "" if cache == "disabled" else str(tmp_path))
-    if cache == "corrupt":  # right names, wrong contents: tiktoken would delete and re-download them
+    # right names, wrong contents: tiktoken would delete and re-download them
+    if cache == "corrupt":
         for url in tokenizer.GPT2_FILES:
             (tmp_path / hashlib.sha1(url.encode()).hexdigest()).write_text("not gpt2")
     t0 = time.perf_counter()

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import minikv
-from minikv import train as T
-from minikv.checkpoint import load_checkpoint, read_metadata
+from minikv.course import train as T
+from minikv.course.checkpoint import load_checkpoint, read_metadata
 
 SMALL_DOCS = {"coinflip": 300, "facts": 300, "stories": 300}
 
@@ -27,7 +27,8 @@ def test_batches_start_at_documents_and_are_seeded(tok, data):
     mix = {"coinflip": 0.5, "stories": 0.5}
     x, y = T.get_batch(data, starts, mix, 8, 32, torch.Generator().manual_seed(1))
     assert x.shape == y.shape == (8, 32) and torch.equal(x[:, 1:], y[:, :-1])
-    openings = [tok.decode(row.tolist()).startswith(("A coin's state is", "Once upon a time")) for row in x]
+    openings = [tok.decode(row.tolist()).startswith(("A coin's state is", "Once upon a time"))
+                for row in x]
     assert all(openings)  # as a prompt does, every row starts a document
     x2, _ = T.get_batch(data, starts, mix, 8, 32, torch.Generator().manual_seed(1))
     assert torch.equal(x, x2)
@@ -55,7 +56,8 @@ def test_course_presets_match_the_course_tokenizer(tok):
 
 
 def test_short_cpu_run_lowers_the_loss_and_saves(tmp_path, tok):
-    tc = T.TrainConfig(steps=40, batch_size=8, lr=3e-3, min_lr=3e-4, warmup=5, docs=SMALL_DOCS, seed=0)
+    tc = T.TrainConfig(steps=40, batch_size=8, lr=3e-3, min_lr=3e-4, warmup=5, docs=SMALL_DOCS,
+                       seed=0)
     torch.manual_seed(0)
     fresh = minikv.GPT(minikv.GPTConfig.preset("tiny", vocab_size=tok.n_vocab))  # untrained
     val = T.load_corpora(tok, {"stories": 50}, split="val")["stories"]
@@ -63,7 +65,8 @@ def test_short_cpu_run_lowers_the_loss_and_saves(tmp_path, tok):
     model, meta = T.train("tiny", tc, device="cpu", progress=False)
     after = T.corpus_loss(model, val, tok.eot_token)
     assert before > math.log(1024) - 0.5 and after < before - 1.5, (before, after)
-    assert meta["tokens_seen"] == 40 * 8 * 256 and meta["preset"] == "tiny" and meta["config"]["vocab_size"] == 1024
+    assert (meta["tokens_seen"] == 40 * 8 * 256 and meta["preset"] == "tiny"
+            and meta["config"]["vocab_size"] == 1024)
     assert set(meta["val_loss"]) == set(SMALL_DOCS) and meta["final_train_loss"] < before
     for key in ("wall_time_s", "torch", "device", "date", "num_params", "train"):
         assert key in meta
@@ -83,8 +86,10 @@ def test_training_is_seeded(tok):
 
 
 def test_command_line_trains_and_saves(tmp_path, monkeypatch):
-    monkeypatch.setitem(T.TRAINING, "tiny", T.TrainConfig(steps=2, batch_size=2, warmup=1, docs=SMALL_DOCS))
-    assert T.main(["--preset", "tiny", "--steps", "2", "--device", "cpu", "--out", str(tmp_path / "cli")]) == 0
+    monkeypatch.setitem(T.TRAINING, "tiny",
+                        T.TrainConfig(steps=2, batch_size=2, warmup=1, docs=SMALL_DOCS))
+    assert T.main(["--preset", "tiny", "--steps", "2", "--device", "cpu",
+                   "--out", str(tmp_path / "cli")]) == 0
     assert read_metadata(tmp_path / "cli")["train"]["steps"] == 2
     load_checkpoint(tmp_path / "cli", device="cpu")
 

@@ -1,13 +1,15 @@
-"""Steppers driven like a student would, without a browser: set the slider, click, read caption and image."""
+"""Steppers driven like a student would, without a browser: set the slider, click, read caption
+and image."""
 import pytest
 import torch
 
 import minikv
-from minikv.draw import attention_weights, draw_attention, draw_step, png
-from minikv.trace import replay
-from minikv.widgets import CompareStepper, TraceStepper
+from minikv.viz.draw import attention_weights, draw_attention, draw_step, png
+from minikv.viz.replay import replay
+from minikv.viz.widgets import CompareStepper, TraceStepper
+
 from conftest import varied_model
-from test_serving import MODEL16, find_seed, run, det_request
+from test_serving import MODEL16, det_request, find_seed, run
 from test_speculative import FAR, TARGET
 
 
@@ -29,17 +31,19 @@ def check_against_trace(stepper, trace):
         if snap.draft_cache:
             assert f"draft cache: {snap.draft_cache_len} positions" in stepper.cache_info.value
         if event.kind == "rollback":
-            assert f"cache {event.cache_len_before} → {event.cache_len_after}" in stepper.caption.value
-            stale = snap.live(snap.cache, snap.cache_len)[event.cache_len_after:event.cache_len_before]
+            assert (f"cache {event.cache_len_before} → {event.cache_len_after}"
+                    in stepper.caption.value)
+            stale = snap.live(snap.cache,
+                              snap.cache_len)[event.cache_len_after:event.cache_len_before]
             assert stale and set(stale) == {"stale"}
         if event.kind == "verify":
-            for p in event.detail["accepted"]:
+            for p in event.accepted:
                 assert snap.status[p] == "accepted"
-            for p in event.detail["rejected"]:
+            for p in event.rejected:
                 assert snap.status[p] == "rejected"
-            assert (" rejected" in stepper.caption.value) == bool(event.detail["rejected"])
+            assert (" rejected" in stepper.caption.value) == bool(event.rejected)
         if event.kind == "commit":
-            assert len(snap.tokens) == event.detail["sequence_len"]
+            assert len(snap.tokens) == event.sequence_len
             assert all(s != "unverified" for s in snap.cache[: snap.cache_len])
         seen_images.add(stepper.image.value)
         assert stepper.next_button.disabled == (i == len(trace) - 1)
@@ -63,7 +67,8 @@ def test_stepper_walks_a_deterministic_trace():
     decode_step = next(i for i, e in enumerate(trace) if e.kind == "decode")
     stepper.go(decode_step)
     assert "unverified" in stepper.caption.value and "KV splits" in stepper.caption.value
-    assert stepper.snapshot.cache[trace[decode_step].positions[0]] == "unverified"  # yellow, as in seed 001
+    # yellow, as in seed 001
+    assert stepper.snapshot.cache[trace[decode_step].positions[0]] == "unverified"
 
 
 def test_prev_and_bounds():
@@ -109,7 +114,8 @@ def test_attention_weights_full_triangle_vs_one_row():
     cache = minikv.KVCache.for_model(model, max_len=8)
     with torch.no_grad():
         model(torch.tensor([ids[:-1]]), cache=cache)
-    row = attention_weights(model, ids[-1:], cache=cache)   # (nh, 1, 5): the cached step's single row
+    # (nh, 1, 5): the cached step's single row
+    row = attention_weights(model, ids[-1:], cache=cache)
     assert row.shape[1:] == (1, 5)
     torch.testing.assert_close(row[:, 0], full[:, -1], atol=1e-6, rtol=0)
     assert png(draw_attention(row.mean(0))) != png(draw_attention(full.mean(0)))

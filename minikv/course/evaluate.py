@@ -1,0 +1,195 @@
+"""Measure the shipped course models and write docs/course-models.md.
+
+    python -m minikv evaluate                 # writes docs/course-models.md
+    python -m minikv evaluate --out -         # prints it instead
+
+Coin flips: the held-out questions of corpus.coin_flip_eval (test split), in the plain form the
+course asks them ("A coin's state is heads. Alice flips, then Bob doesn't flip. What's the
+state? A:"), answered by the greedy next token after "A:" (right when it is " heads" or " tails"
+as it should be). Losses: mean next-token cross-entropy (nats) over the test split of each
+corpus, each document read from its start. Step time: cached decode, batch 1, through
+minikv.generate, median over repeats.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from ..engine import generate
+from . import corpus
+from .checkpoint import COURSE_MODELS, MODELS_DIR, WEIGHTS_FILE, load_course_model, read_metadata
+from .device import describe_device, resolve_device
+from .train import corpus_loss, load_corpora
+
+DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "course-models.md"
+PROMPTS = ("The color of dog", "Once upon a time")
+AGREEMENT_PROMPTS = ("Once upon a time", "The color of dog", "A coin's state is heads. Alice flips")
+
+
+@torch.no_grad()
+def coin_flip_accuracy(model, tok, n_per_count: int = 200, seed: int = 0,
+                       split: str = "test") -> dict[int, float]:
+    """Fraction answered correctly (greedy token after "A:") for each number of people 1..8."""
+    questions = corpus.coin_flip_eval(n_per_count, seed=seed, split=split)
+    by_length = defaultdict(list)  # same-length prompts go through the model as one batch
+    for q in questions:
+        by_length[len(tok.encode(q.prompt()))].append(q)
+    correct, total = defaultdict(int), defaultdict(int)
+    for length, qs in by_length.items():
+        ids = torch.tensor([tok.encode(q.prompt()) for q in qs], device=model.device)
+        guesses = model(ids, last_only=True)[:, -1].argmax(-1).tolist()
+        for q, guess in zip(qs, guesses):
+            correct[len(q.steps)] += guess == tok.encode(" " + q.answer)[0]
+            total[len(q.steps)] += 1
+    return {n: correct[n] / total[n] for n in sorted(total)}
+
+
+def heldout_losses(model, tok) -> dict[str, float]:
+    """Held-out loss on each corpus's test split (corpus.splits defaults, seed 0)."""
+    data = load_corpora(tok, {name: 200 for name in corpus.CORPORA}, split="test")
+    return {name: corpus_loss(model, tokens, tok.eot_token) for name, tokens in data.items()}
+
+
+def decode_step_seconds(models: dict, repeats: int = 9, new_tokens: int = 64) -> dict[str, float]:
+    """Median seconds per cached decode step, batch 1; models alternate so machine load hits both
+    alike."""
+    prompt = [0] * 8  # content does not change the cost of a step
+    times = defaultdict(list)
+    for _ in range(repeats):
+        for name, model in models.items():
+            t0 = time.perf_counter()
+            generate(model, prompt, 1)  # prefill only
+            t1 = time.perf_counter()
+            generate(model, prompt, new_tokens + 1)  # the same prefill and new_tokens decode steps
+            t2 = time.perf_counter()
+            times[name].append(((t2 - t1) - (t1 - t0)) / new_tokens)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+@torch.no_grad()
+def draft_agreement(target, draft, tok, prompts=AGREEMENT_PROMPTS, new_tokens: int = 100) -> float:
+    """How often the draft's greedy next token equals the target's, along the target's own greedy
+    continuations: the acceptance rate greedy speculative decoding will see."""
+    agree = total = 0
+    for prompt in prompts:
+        out = generate(target, tok.encode(prompt), new_tokens)
+        ids = torch.tensor([out.sequence[:-1]], device=draft.device)
+        guesses = draft(ids)[0, len(out.prompt) - 1:].argmax(-1).tolist()
+        agree += sum(g == t for g, t in zip(guesses, out.tokens))
+        total += len(out.tokens)
+    return agree / total
+
+
+def complete(model, tok, prompt: str, max_new_tokens: int = 48) -> str:
+    out = generate(model, tok.encode(prompt), max_new_tokens, eos_id=tok.eot_token)
+    return tok.decode(out.tokens)
+
+
+def report(device=None) -> str:
+    device = resolve_device(device)
+    loaded = {name: load_course_model(name, device) for name in COURSE_MODELS}
+    tok = loaded["target"][1]
+    models = {name: m for name, (m, _) in loaded.items()}
+    acc = {name: coin_flip_accuracy(m, tok) for name, m in models.items()}
+    losses = {name: heldout_losses(m, tok) for name, m in models.items()}
+    step = decode_step_seconds(models)
+    alpha = draft_agreement(models["target"], models["draft"], tok)
+    meta = {name: read_metadata(MODELS_DIR / name) for name in models}
+    n_q = len(corpus.coin_flip_eval(200)) // corpus.MAX_PEOPLE
+    lines = [
+        "# The shipped course models",
+        "",
+        "Generated by `python -m minikv evaluate` (do not edit by hand); the models are trained by",
+        "`python -m minikv train --preset all` and loaded with `minikv.load_course_model(name)`.",
+        "",
+        f"Measured on {describe_device(device)}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}.",
+        "",
+        "## Models",
+        "",
+        "| model | layers | heads | width | block | parameters | file size | "
+        "training wall time | training device |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, m in models.items():
+        c, md = m.config, meta[name]
+        size = (MODELS_DIR / name / WEIGHTS_FILE).stat().st_size
+        lines.append(f"| {name} | {c.n_layer} | {c.n_head} | {c.n_embd} | {c.block_size} | "
+                     f"{m.num_params():,} | {size / 1e6:.2f} MB | "
+                     f"{md.get('wall_time_s', float('nan')) / 60:.1f} min "
+                     f"({md.get('train', {}).get('steps', '?')} steps) | {md.get('device', '?')}, "
+                     f"{md.get('cpu_threads', '?')} threads |")
+    lines += [
+        "",
+        f"## Held-out coin flips: accuracy by number of people ({n_q} questions each)",
+        "",
+        "Plain question form, answered directly by the greedy token after \"A:\". "
+        "One-person questions",
+        "repeat: only 8 of the 160 possible ones are in the test split.",
+        "",
+        "| model | " + " | ".join(str(n) for n in range(1, corpus.MAX_PEOPLE + 1)) + " | ≤ 6 |",
+        "|---|" + "---|" * (corpus.MAX_PEOPLE + 1),
+    ]
+    for name, a in acc.items():
+        upto6 = statistics.mean(a[n] for n in range(1, 7))
+        lines.append(f"| {name} | " + " | ".join(f"{100 * a[n]:.1f}%" for n in a)
+                     + f" | {100 * upto6:.1f}% |")
+    lines += [
+        "",
+        "## Held-out loss (test split, nats per token)",
+        "",
+        "| model | " + " | ".join(corpus.CORPORA) + " |",
+        "|---|" + "---|" * len(corpus.CORPORA),
+    ]
+    for name, loss in losses.items():
+        lines.append(f"| {name} | " + " | ".join(f"{loss[c]:.3f}" for c in corpus.CORPORA) + " |")
+    lines += [
+        "",
+        "## Cost of one decode step (cached, batch 1, `minikv.generate`, median of 9)",
+        "",
+        "| target | draft | target / draft |",
+        "|---|---|---|",
+        f"| {1e3 * step['target']:.2f} ms | {1e3 * step['draft']:.2f} ms | "
+        f"{step['target'] / step['draft']:.1f}× |",
+        "",
+        "Timings vary with machine load. Speculative decoding's speed-up depends on this ratio "
+        "and on how",
+        "often the draft's greedy token equals the target's: along the target's greedy "
+        "continuations (100",
+        f"tokens each) of {', '.join(repr(p) for p in AGREEMENT_PROMPTS)} they agree on "
+        f"**{100 * alpha:.1f}%** of tokens.",
+        "",
+        "## Greedy completions by the target",
+        "",
+    ]
+    for prompt in PROMPTS:
+        lines.append(f"- **{prompt}**{complete(models['target'], tok, prompt)}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minikv evaluate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(DOC_PATH),
+                        help="where to write the Markdown ('-' = stdout)")
+    parser.add_argument("--device", default=None,
+                        help="cpu, cuda, cuda:N or mps (default: best available)")
+    args = parser.parse_args(argv)
+    text = report(args.device)
+    if args.out == "-":
+        sys.stdout.write(text)
+    else:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

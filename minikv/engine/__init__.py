@@ -1,0 +1,18 @@
+"""The engine: a GPT-2 and the ways it decodes with a KV cache. Read it in this order: config,
+model, cache, sampling, generate, records, verify, speculative, serving, and validate last (the
+README has a table). Nothing here imports from the course tooling around it (minikv.viz,
+minikv.course, minikv.bench)."""
+from .cache import Cache, KVCache, kv_cache_bytes
+from .config import PRESETS, GPTConfig
+from .generate import GenerationOutput, generate
+from .model import GPT, causal_attention
+from .records import KVCounter, Stats, TraceEvent
+from .sampling import SamplingParams
+from .serving import Request, RequestOutput, serve
+from .speculative import speculative_generate
+from .verify import Verdict, verify_and_commit
+
+__all__ = ["Cache", "KVCache", "kv_cache_bytes", "PRESETS", "GPTConfig", "GenerationOutput",
+           "generate", "GPT", "causal_attention", "KVCounter", "Stats", "TraceEvent",
+           "SamplingParams", "Request", "RequestOutput", "serve", "speculative_generate",
+           "Verdict", "verify_and_commit"]

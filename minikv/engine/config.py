@@ -1,0 +1,45 @@
+"""Model shapes: one frozen dataclass and a few named presets."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from . import validate
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 50257
+    block_size: int = 1024  # longest sequence: GPT-2 learns one embedding per position
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    layer_norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        validate.config(self)
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> GPTConfig:
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+PRESETS: dict[str, dict] = {
+    # GPT-2 small, 124M parameters: the shapes of seed 003's cache arithmetic.
+    "gpt2": dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+    # Random-weight models for tests and quick experiments on a laptop CPU.
+    "tiny": dict(vocab_size=512, block_size=256, n_layer=2, n_head=4, n_embd=64),
+    "small": dict(vocab_size=2048, block_size=512, n_layer=4, n_head=4, n_embd=128),
+    # The shipped course models (minikv/course/models/), vocabulary = the course tokenizer's.
+    # The draft is several times cheaper per decode step, for speculative decoding.
+    "target": dict(vocab_size=1024, block_size=256, n_layer=6, n_head=8, n_embd=256),
+    "draft": dict(vocab_size=1024, block_size=256, n_layer=1, n_head=4, n_embd=128),
+}

@@ -1,0 +1,157 @@
+"""A GPT-2 from scratch, in GPT-2's parameter layout, with an optional KV cache.
+Without a cache the model is the plain GPT-2 forward pass. The cache adds three marked lines
+(`# KV-CACHE`): append this step's keys and values, attend over everything cached, and start
+position embeddings where the cache ends.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Mapping
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import validate
+from .cache import Cache
+from .config import GPTConfig
+
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q kᵀ / √hs) v, where query i (the last T of L positions) sees keys 0..L-T+i."""
+    T, L = q.size(-2), k.size(-2)
+    if T == L:  # no cache, or an empty one: the usual lower triangle
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if T == 1:  # one new token may see every cached key: a single unmasked row
+        return F.scaled_dot_product_attention(q, k, v)
+    # KV-CACHE: T new queries after L - T cached keys: row i sees keys 0 .. L - T + i
+    mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(diagonal=L - T)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # Q, K and V of every head at once
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor, cache: Cache | None, layer_idx: int,
+                attention: Attention) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for t in (q, k, v))  # (B, nh, T, hs)
+        if cache is not None:
+            # KV-CACHE: (B, nh, past + T, hs); the old K/V are read back, not recomputed
+            k, v = cache.update(k, v, layer_idx)
+        y = attention(q, k, v)  # (B, nh, T, hs)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))  # heads side by side: (B, T, C)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # GPT-2 uses the tanh GELU
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cache: Cache | None, layer_idx: int,
+                attention: Attention) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer_idx, attention)  # pre-LayerNorm residuals
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),  # token embeddings
+            wpe=nn.Embedding(config.block_size, config.n_embd),  # learned position embeddings
+            h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+            ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2 scales residual projections by depth
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # the tied head is counted once
+
+    def forward(self, idx: torch.Tensor, cache: Cache | None = None,
+                positions: torch.Tensor | None = None, last_only: bool = False,
+                attention: Attention = causal_attention) -> torch.Tensor:
+        """Logits (B, T, vocab) for token ids `idx` (B, T); (B, 1, vocab) with `last_only`. With a
+        cache, K/V of `idx` are appended to it and attention covers every cached position.
+        `positions` ((T,) or (B, T)) overrides the position ids (`torch.arange(T)` is seed 003's
+        bug); `attention` swaps the kernel (the batched server's split-KV decode does)."""
+        validate.forward(self, idx, cache, positions)
+        T = idx.shape[1]
+        if positions is None:
+            past = 0 if cache is None else cache.get_seq_length()  # an int, or (B, 1) per row
+            positions = past + torch.arange(T, device=idx.device)  # KV-CACHE: continue from past
+        x = self.transformer.wte(idx) + self.transformer.wpe(positions)  # (B, T, C)
+        for layer_idx, block in enumerate(self.transformer.h):
+            x = block(x, cache, layer_idx, attention)
+        x = self.transformer.ln_f(x)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(x)  # (B, T, vocab)
+
+    @classmethod
+    def from_gpt2_state_dict(cls, state_dict: Mapping[str, torch.Tensor],
+                             config: GPTConfig | None = None) -> GPT:
+        """Load weights in Hugging Face GPT-2 layout (`transformer.h.0.attn.c_attn.weight`, ...).
+        GPT-2's linears are Conv1D, (in, out), transposed here to nn.Linear's (out, in). Without
+        `config`, shapes come from the tensors and n_head = n_embd / 64 (as in every GPT-2)."""
+        sd = {k.removeprefix("transformer."): v for k, v in state_dict.items()
+              if not k.endswith((".attn.bias", ".attn.masked_bias"))}  # causal-mask buffers
+        validate.gpt2_state_dict(sd)
+        sd.pop("lm_head.weight", None)  # the same tensor as wte.weight
+        if config is None:
+            vocab, n_embd = sd["wte.weight"].shape
+            n_layer = len({k.split(".")[1] for k in sd if k.startswith("h.")})
+            config = GPTConfig(vocab_size=vocab, block_size=sd["wpe.weight"].shape[0],
+                               n_layer=n_layer, n_head=max(1, n_embd // 64), n_embd=n_embd)
+        model = cls(config)
+        ours = {k.removeprefix("transformer."): v for k, v in model.state_dict().items()
+                if k != "lm_head.weight"}
+        conv1d = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
+        sd = {name: t.t() if name.endswith(conv1d) else t for name, t in sd.items()}
+        validate.same_tensors(sd, ours, f"{config}")
+        with torch.no_grad():
+            for name, target in ours.items():
+                target.copy_(sd[name])
+        return model

@@ -1,0 +1,127 @@
+"""What the engine records about its own work: typed trace events, statistics, and a counter of
+the K/V vectors the model really computes. The pictures and widgets (minikv.viz) draw only these."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+# --- trace events: one per forward pass or cache operation ------------------------------------
+Kind = Literal["recompute", "prefill", "decode", "draft", "verify", "rollback", "commit"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TraceEvent:
+    kind: Kind  # recompute: naive decoding feeds the whole sequence again; prefill: the prompt
+    #             in one pass; decode: one new token; draft: a draft-model pass; verify: the
+    #             authority's pass over proposals; rollback: caches cropped; commit: tokens kept
+    step: int                           # decoding step (a round, in speculative decoding)
+    input_ids: tuple[int, ...] = ()     # token ids fed (verify: the proposals; commit: kept)
+    positions: tuple[int, ...] = ()     # their positions (rollback: the rejected ones)
+    cache_len_before: int = 0           # cached positions before the pass (0 without a cache)
+    cache_len_after: int = 0
+    kv_computed: int = 0                # K/V vectors computed per layer, counted by KVCounter
+    token: int | None = None            # the token chosen from this pass's last logits
+    batch: int = 1                      # decode in a batched server: rows in the pass,
+    n_splits: int = 1                   # its split-KV attention chunks, and whether the token
+    unverified: bool = False            # is a fast-path guess a verifier must still confirm
+    accepted: tuple[int, ...] = ()      # verify: positions whose proposal the authority kept,
+    rejected: tuple[int, ...] = ()      # then the first disagreement and every one after it
+    caches: dict[str, tuple[int, int]] = field(default_factory=dict)  # rollback: (before, after)
+    rolled_back: bool = False           # commit: did this round crop a cache,
+    sequence_len: int = 0               # and the sequence's length after it
+
+
+# --- statistics --------------------------------------------------------------------------------
+@dataclass
+class Stats:
+    prompt_len: int = 0
+    new_tokens: int = 0
+    forward_passes: int = 0
+    positions_processed: int = 0  # token positions pushed through the model, summed over passes
+    kv_computed: int = 0          # K/V vectors computed per layer (every layer does the same)
+
+
+@dataclass
+class VerifyStats:
+    prompt_len: int = 0
+    new_tokens: int = 0
+    rounds: int = 0           # verification passes
+    proposed: int = 0
+    accepted: int = 0
+    rejected: int = 0         # proposals thrown away (the first mismatch and all after it)
+    rejected_rounds: int = 0  # rounds that ended in a rejection
+    rollbacks: int = 0        # rounds that had to crop a cache
+
+    def record(self, rnd) -> None:
+        """Count one verify-and-commit round (a verify.Round)."""
+        n, ok = len(rnd.proposals), rnd.verdict.accepted
+        self.rounds += 1
+        self.proposed += n
+        self.accepted += ok
+        self.rejected += n - ok
+        self.rejected_rounds += ok < n
+        self.rollbacks += rnd.rolled_back
+
+    @property
+    def acceptance_rate(self) -> float:
+        """accepted / proposed: counts the never-judged proposals after a rejection as rejected,
+        so it understates α, the more the longer the rounds."""
+        return self.accepted / max(self.proposed, 1)
+
+    @property
+    def alpha(self) -> float:
+        """Leviathan et al.'s α, the chance that a judged proposal is accepted, estimated as
+        accepted / (accepted + rejections): each round judges proposals until its first
+        rejection, so only those judgements count."""
+        return self.accepted / max(self.accepted + self.rejected_rounds, 1)
+
+
+@dataclass
+class SpeculativeStats(VerifyStats):
+    target_passes: int = 0  # the prefill plus one verification per round
+    draft_passes: int = 0
+
+    @property
+    def tokens_per_target_pass(self) -> float:
+        return self.new_tokens / max(self.target_passes, 1)
+
+
+@dataclass
+class ServeStats(VerifyStats):
+    fast_steps: int = 0  # batched decode steps this request took part in
+
+
+# --- counting K/V work -------------------------------------------------------------------------
+class KVCounter:
+    """Counts the K/V vectors the model computes, per layer: every row out of a layer's `c_attn`
+    is one position's new query, key and value. Hooks count only the passes of the thread that
+    opened the counter, so threads sharing a model each get their own count."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._blocks = list(model.transformer.h)
+        self.per_layer = [0] * len(self._blocks)
+        self._handles: list = []
+        self._thread = threading.get_ident()
+
+    def _hook(self, layer_idx: int):
+        def count(module, inputs, output):
+            if threading.get_ident() == self._thread:
+                self.per_layer[layer_idx] += output.shape[0] * output.shape[1]  # B * T rows
+        return count
+
+    def __enter__(self) -> KVCounter:
+        self._handles = [b.attn.c_attn.register_forward_hook(self._hook(i))
+                         for i, b in enumerate(self._blocks)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+
+    @property
+    def count(self) -> int:
+        """K/V vectors computed per layer so far (layer 0's count; all layers do the same)."""
+        return self.per_layer[0]

@@ -1,0 +1,49 @@
+"""Turning a step's logits into the next token: greedy, or seeded sampling with temperature and
+top-k. One validated `SamplingParams` travels with every request, as in nano-vllm."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import validate
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0    # 0 = greedy (argmax)
+    top_k: int | None = None    # sample among the k most likely tokens only
+    seed: int = 0               # the same seed gives the same tokens on the same device
+    eos_id: int | None = None   # stop after this token
+
+    def __post_init__(self) -> None:
+        validate.sampling(self)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """softmax(logits / temperature) over the top_k logits (the rest get probability 0)."""
+        logits = logits.float() / self.temperature
+        if self.top_k is not None and self.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        return torch.softmax(logits, dim=-1)
+
+    def sample(self, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """One token id per row of `logits` (..., vocab), drawn from `generator`'s stream."""
+        if self.greedy:
+            return logits.argmax(dim=-1)
+        probs = self.probabilities(logits)
+        flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator)
+        return flat.reshape(probs.shape[:-1])
+
+    def choose(self, logits: torch.Tensor, position: int) -> int:
+        """The token at `position` as a pure function of (logits, position): argmax, or a draw
+        from a generator seeded by (seed, position). So "the same request" gives the same token
+        wherever and with whomever it runs (deterministic requests rely on it)."""
+        if self.greedy:
+            return int(logits.argmax())
+        seed = (self.seed * 1_000_003 + position) % 2**63
+        return int(self.sample(logits, torch.Generator(logits.device).manual_seed(seed)))

@@ -1,0 +1,251 @@
+"""Input checks, out of the way of the code they guard: every entry point calls one function here
+before it touches a model or a cache, so bad input raises a ValueError or TypeError that says
+what to do, and nothing has changed. Read it last: the rest reads as if inputs were always right.
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+
+MODES = ("naive", "cached")
+
+
+def int_at_least(name: str, value, minimum: int = 1, hint: str = "") -> int:
+    """`value` if it is an int (a bool is not) of at least `minimum`, else a ValueError."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        wanted = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {wanted}{hint}, got {value!r}")
+    return value
+
+
+def _is_int_tensor(x) -> bool:
+    return isinstance(x, torch.Tensor) and not (
+        x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool)
+
+
+def config(cfg) -> None:
+    for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+        int_at_least(f"GPTConfig.{name}", getattr(cfg, name))
+    if type(cfg.layer_norm_eps) not in (int, float) or not 0 < cfg.layer_norm_eps < 1:
+        raise ValueError(f"GPTConfig.layer_norm_eps must be a number in (0, 1), "
+                         f"got {cfg.layer_norm_eps!r}")
+    if cfg.n_embd % cfg.n_head:
+        raise ValueError(f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head}): "
+                         f"pick an n_head that divides it")
+
+
+def sampling(sp) -> None:
+    if type(sp.temperature) not in (int, float) or not 0 <= sp.temperature < math.inf:
+        raise ValueError(f"temperature must be a number >= 0 (0 means greedy), "
+                         f"got {sp.temperature!r}")
+    if sp.top_k is not None:
+        int_at_least("top_k", sp.top_k, hint=" or None (no filtering)")
+    if not isinstance(sp.seed, int) or isinstance(sp.seed, bool) or not 0 <= sp.seed < 2**63:
+        raise ValueError(f"seed must be an int in [0, 2**63), got {sp.seed!r}")
+    if sp.eos_id is not None:
+        int_at_least("eos_id", sp.eos_id, 0, hint=" (a token id) or None")
+
+
+def eos_in_vocab(sp, vocab_size: int) -> None:
+    if sp.eos_id is not None and sp.eos_id >= vocab_size:
+        raise ValueError(f"eos_id must be a token id in [0, {vocab_size}) or None, "
+                         f"got {sp.eos_id!r}")
+
+
+def token_ids(ids, vocab_size: int) -> list[int]:
+    """A prompt given as a list of ints, a 1-D tensor or a (1, T) tensor, as a list of ids."""
+    if isinstance(ids, str):
+        raise TypeError("got text, not token ids: encode it first, "
+                        "e.g. minikv.load_tokenizer().encode(text)")
+    if isinstance(ids, torch.Tensor):
+        if not _is_int_tensor(ids):
+            raise TypeError(f"token ids must be integers, got a {ids.dtype} tensor; "
+                            f"use dtype=torch.long")
+        ids = ids[0] if ids.dim() == 2 and ids.shape[0] == 1 else ids
+        if ids.dim() != 1:
+            raise ValueError(f"prompt must be 1-D (T,) or (1, T), got shape {tuple(ids.shape)}; "
+                             f"generate one sequence at a time")
+        ids = ids.tolist()
+    try:
+        tokens = [operator.index(t) for t in ids]  # ints and numpy ints pass; floats do not
+    except TypeError as e:
+        raise TypeError(f"token ids must be ints, got {ids!r:.80}: {e}") from None
+    if not tokens:
+        raise ValueError("the prompt is empty: give at least one token "
+                         "(e.g. the tokenizer's <|endoftext|> id)")
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the model's vocabulary [0, {vocab_size}); "
+                         f"encode with the model's own tokenizer")
+    return tokens
+
+
+# --- the model and its cache ------------------------------------------------------------------
+def forward(model, idx, cache, positions) -> None:
+    """GPT.forward's inputs, checked before any cache slot is written."""
+    from .cache import Cache  # cache.py imports this module
+    cfg = model.config
+    if not _is_int_tensor(idx):
+        got = idx.dtype if isinstance(idx, torch.Tensor) else type(idx).__name__
+        raise TypeError(f"idx must be an integer tensor of token ids, got {got}; "
+                        f"use torch.tensor([ids], dtype=torch.long)")
+    if idx.dim() != 2 or idx.shape[1] == 0:
+        raise ValueError(f"idx must have shape (batch, T) with T >= 1, got {tuple(idx.shape)}; "
+                         f"add a batch dimension with idx[None]")
+    if idx.device != model.device:
+        raise ValueError(f"idx is on {idx.device} but the model is on {model.device}; "
+                         f"move it with idx.to(model.device)")
+    lo, hi = int(idx.min()), int(idx.max())
+    if lo < 0 or hi >= cfg.vocab_size:
+        raise ValueError(f"token id {lo if lo < 0 else hi} is outside the vocabulary "
+                         f"[0, {cfg.vocab_size}); encode with the model's own tokenizer")
+    B, T = idx.shape
+    if cache is not None:
+        if not isinstance(cache, Cache):
+            raise TypeError(f"cache must be a minikv.KVCache, got {type(cache).__name__}")
+        cache.check_fits(cfg, B, T, model.device, model.dtype)
+    if positions is None:
+        past = 0 if cache is None else cache.get_seq_length()
+        longest = int(past.max()) if isinstance(past, torch.Tensor) else past
+        if longest + T > cfg.block_size:
+            raise ValueError(f"sequence of {longest + T} positions exceeds block_size="
+                             f"{cfg.block_size}: shorten the prompt or generate fewer tokens")
+    elif (not _is_int_tensor(positions) or positions.shape not in ((T,), (B, T))
+          or int(positions.min()) < 0 or int(positions.max()) >= cfg.block_size):
+        raise ValueError(f"positions must be an integer tensor of shape ({T},) or ({B}, {T}) "
+                         f"with values in [0, {cfg.block_size})")
+
+
+def cache_fits(cache, cfg, batch_size: int, n_new: int, device, dtype) -> None:
+    """Raise unless a model of `cfg` on (device, dtype) can append (batch_size, n_new) tokens."""
+    have = (cache.n_layer, cache.n_head, cache.head_dim)
+    want = (cfg.n_layer, cfg.n_head, cfg.head_dim)
+    if have != want:
+        raise ValueError(f"cache has (n_layer, n_head, head_dim) = {have} but the model needs "
+                         f"{want}; build it with KVCache.for_model(model)")
+    if cache.batch_size != batch_size:
+        raise ValueError(f"cache holds batch {cache.batch_size} but idx has batch {batch_size}; "
+                         f"use KVCache.for_model(model, batch_size={batch_size})")
+    if cache.device != device or cache.dtype != dtype:
+        raise ValueError(f"cache is {cache.dtype} on {cache.device} but the model is {dtype} on "
+                         f"{device}; build it with KVCache.for_model(model)")
+    length = cache.get_seq_length()
+    if length + n_new > cache.max_len:
+        raise ValueError(f"KV cache overflow: {length} cached + {n_new} new positions > "
+                         f"max_len={cache.max_len}; create the cache with a larger max_len, "
+                         f"or crop it first")
+
+
+def cache_update(cache, key, value, layer_idx: int) -> None:
+    if not 0 <= layer_idx < cache.n_layer:
+        raise ValueError(f"layer_idx={layer_idx} out of range for {cache.n_layer} layers")
+    shape = (cache.batch_size, cache.n_head, "T", cache.head_dim)
+    for t in (key, value):
+        if (t.dim() != 4 or t.shape != key.shape or (*t.shape[:2], "T", t.shape[3]) != shape
+                or t.device != cache.device or t.dtype != cache.dtype):
+            raise ValueError(f"key and value must both be {shape}, {cache.dtype} on "
+                             f"{cache.device}; got {tuple(t.shape)} {t.dtype} on {t.device}")
+    n_new = key.shape[2]
+    if cache.get_seq_length() + n_new > cache.max_len:
+        raise ValueError(f"KV cache overflow: {cache.get_seq_length()} + {n_new} > "
+                         f"max_len={cache.max_len}; use a larger max_len or crop first")
+
+
+def crop(cache, max_length) -> None:
+    length = cache.get_seq_length()
+    if not isinstance(max_length, int) or isinstance(max_length, bool):
+        raise TypeError(f"crop takes an int length, got {type(max_length).__name__}")
+    if not 0 <= max_length <= length:
+        raise ValueError(f"cannot crop to {max_length}: the cache holds {length} positions; "
+                         f"pass a length between 0 and {length}")
+
+
+def gpt2_state_dict(sd) -> None:
+    if "wte.weight" not in sd:
+        raise ValueError("state dict has no 'transformer.wte.weight': "
+                         "is this a GPT-2 state dict?")
+    if "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"], sd["wte.weight"]):
+        raise ValueError("lm_head.weight differs from wte.weight, but GPT-2 ties them; "
+                         "this model cannot load it")
+
+
+def same_tensors(got: dict, want: dict, what: str) -> None:
+    """`got` must have exactly the names and shapes of `want`."""
+    missing, unexpected = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    if missing or unexpected:
+        raise ValueError(f"state dict does not match {what}: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    for name, t in want.items():
+        if got[name].shape != t.shape:
+            raise ValueError(f"{name}: got shape {tuple(got[name].shape)}, expected "
+                             f"{tuple(t.shape)} for {what}")
+
+
+def max_len_for(cfg, max_len) -> None:
+    if isinstance(max_len, int) and max_len > cfg.block_size:
+        raise ValueError(f"max_len={max_len} exceeds the model's block_size={cfg.block_size}: "
+                         f"positions past it have no embedding; use max_len <= {cfg.block_size}")
+
+
+# --- decoders: each returns the number of positions the call will need ----------------------
+def _fits(needed: int, limit: int, what: str, lower: str) -> None:
+    if needed > limit:
+        raise ValueError(f"{what} needs {needed} positions > block_size={limit}; lower {lower}")
+
+
+def generate_call(model, prompt, max_new_tokens, mode, sp, cache, position_offset_bug) -> int:
+    cfg = model.config
+    int_at_least("max_new_tokens", max_new_tokens, 0)
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
+    eos_in_vocab(sp, cfg.vocab_size)
+    if mode == "naive" and (cache is not None or position_offset_bug):
+        raise ValueError("cache= and position_offset_bug= only apply to mode='cached'")
+    past = 0 if cache is None else cache.get_seq_length()
+    # The last new token is returned, never fed back, so the model sees at most this many.
+    needed = past + len(prompt) + max_new_tokens - 1
+    _fits(needed, cfg.block_size, f"{past} cached + {len(prompt)} prompt + {max_new_tokens} new "
+          f"tokens", "max_new_tokens or shorten the prompt")
+    if cache is not None and needed > cache.max_len:
+        raise ValueError(f"the cache holds {cache.max_len} positions but this call needs "
+                         f"{needed}; pass a larger cache or lower max_new_tokens")
+    return needed
+
+
+def speculative_call(target, draft, prompt, max_new_tokens, gamma, sp, adaptive_gamma,
+                     max_gamma) -> int:
+    if target.config.vocab_size != draft.config.vocab_size:
+        raise ValueError(f"draft vocabulary ({draft.config.vocab_size}) differs from the "
+                         f"target's ({target.config.vocab_size}): both must use the same "
+                         f"tokenizer")
+    if target.device != draft.device:
+        raise ValueError(f"draft is on {draft.device} but the target is on {target.device}; "
+                         f"move both to one device")
+    int_at_least("max_new_tokens", max_new_tokens, 0)
+    int_at_least("gamma", gamma)
+    if adaptive_gamma:
+        int_at_least("max_gamma", max_gamma, gamma, hint=" (the largest γ adaptive γ may reach)")
+    eos_in_vocab(sp, target.config.vocab_size)
+    needed = len(prompt) + max_new_tokens + (max_gamma if adaptive_gamma else gamma)
+    _fits(needed, min(target.config.block_size, draft.config.block_size),
+          f"{len(prompt)} prompt + {max_new_tokens} new tokens + γ lookahead",
+          "max_new_tokens or gamma")
+    return needed
+
+
+def serve_call(model, requests, window) -> list[list[int]]:
+    """Also returns each request's prompt as a list of ids."""
+    int_at_least("window", window, hint=" (positions verified per pass)")
+    if not requests:
+        raise ValueError("no requests to serve")
+    prompts = []
+    for i, r in enumerate(requests):
+        prompts.append(token_ids(r.prompt, model.config.vocab_size))
+        eos_in_vocab(r.sampling, model.config.vocab_size)
+        int_at_least(f"request {i}: max_new_tokens", r.max_new_tokens)
+        _fits(len(prompts[-1]) + r.max_new_tokens + window, model.config.block_size,
+              f"request {i}: {len(prompts[-1])} prompt + {r.max_new_tokens} new + {window} "
+              f"window rows", "max_new_tokens or the window")
+    return prompts

@@ -1,0 +1,125 @@
+"""ipywidgets steppers over engine traces: Prev / Next / Play / slider, a caption, and the drawn
+step.
+
+All state lives in widget attributes (slider.value, caption.value, image.value), so tests can
+drive a stepper without a browser; saved notebooks also carry a PNG of the current step for
+viewers with no kernel.
+"""
+from __future__ import annotations
+
+import base64
+
+import ipywidgets as widgets
+import torch
+
+from ..engine.records import TraceEvent
+from .draw import draw_step, png
+from .replay import caption, replay
+
+
+def device_line(device: torch.device) -> str:
+    """Where the engine runs, and on CUDA how much memory it holds now."""
+    if device.type == "cuda":
+        return (f"device: {torch.cuda.get_device_name(device)} ({device}), "
+                f"{torch.cuda.memory_allocated(device) / 2**20:.1f} MiB allocated")
+    return f"device: {device}"
+
+
+class TraceStepper(widgets.VBox):
+    """Step through a trace: each step shows what the event did to the tokens and the KV cache."""
+
+    def __init__(self, trace: list[TraceEvent], decode=None, title: str = "",
+                 bytes_per_slot: int | None = None, device: torch.device | None = None):
+        if not trace:
+            raise ValueError("empty trace: generate with trace=True to record one")
+        self.snapshots = replay(trace)
+        self.decode, self.bytes_per_slot, self._pngs = decode, bytes_per_slot, {}
+        last = len(self.snapshots) - 1
+        self.slider = widgets.IntSlider(value=0, min=0, max=last, description="step",
+                                        continuous_update=False)
+        self.play = widgets.Play(value=0, min=0, max=last, interval=900, description="Play")
+        widgets.jslink((self.play, "value"), (self.slider, "value"))
+        self.prev_button = widgets.Button(description="◀ Prev", layout=widgets.Layout(width="90px"))
+        self.next_button = widgets.Button(description="Next ▶", layout=widgets.Layout(width="90px"))
+        self.prev_button.on_click(lambda _: self.go(self.slider.value - 1))
+        self.next_button.on_click(lambda _: self.go(self.slider.value + 1))
+        self.caption = widgets.HTML()
+        # the drawn cache lengths as text: what a reader (or a browser test) can check
+        self.cache_info = widgets.HTML()
+        self.image = widgets.Image(format="png")
+        for widget, name in ((self.prev_button, "prev"), (self.next_button, "next"),
+                             (self.caption, "caption"), (self.cache_info, "cache"),
+                             (self.image, "image")):
+            widget.add_class(f"minikv-{name}")  # stable hooks for styling and for the browser test
+        info = device_line(device) if device is not None else ""
+        header = widgets.HTML(f"<b>{title}</b> <span style='color:#666'>{info}</span>")
+        controls = widgets.HBox([self.prev_button, self.next_button, self.play, self.slider])
+        super().__init__([header, controls, self.caption, self.cache_info, self.image])
+        self.slider.observe(lambda change: self._render(), names="value")
+        self._render()
+
+    @property
+    def snapshot(self):
+        return self.snapshots[self.slider.value]
+
+    def go(self, step: int) -> None:
+        self.slider.value = min(max(step, 0), self.slider.max)
+
+    def picture(self, step: int) -> bytes:
+        if step not in self._pngs:
+            self._pngs[step] = png(draw_step(self.snapshots[step], self.decode,
+                                             self.bytes_per_slot))
+        return self._pngs[step]
+
+    def _render(self) -> None:
+        step, snap = self.slider.value, self.snapshot
+        self.cache_info.value = f"KV cache: {snap.cache_len} positions" + (
+            f" · draft cache: {snap.draft_cache_len} positions" if snap.draft_cache else "")
+        self.image.value = self.picture(step)
+        self.prev_button.disabled = step == 0
+        self.next_button.disabled = step == self.slider.max
+        # The caption goes last: once it names this step, the rest of the step has been sent.
+        self.caption.value = (f"<code>step {step + 1}/{len(self.snapshots)}</code> "
+                              f"{caption(snap, self.decode)}")
+
+    def _repr_mimebundle_(self, **kwargs):
+        bundle = super()._repr_mimebundle_(**kwargs)
+        # for viewers without a kernel
+        bundle["image/png"] = base64.b64encode(self.picture(self.slider.value)).decode()
+        bundle["text/plain"] = f"{type(self).__name__}: {len(self.snapshots)} steps"
+        return bundle
+
+
+class CompareStepper(widgets.VBox):
+    """Naive and cached decoding side by side on one slider, with the K/V work each has done so
+    far."""
+
+    def __init__(self, naive: list[TraceEvent], cached: list[TraceEvent], decode=None,
+                 device: torch.device | None = None):
+        if len(naive) != len(cached):
+            raise ValueError(f"traces differ in length ({len(naive)} vs {len(cached)}): "
+                             "generate the same tokens")
+        self.naive = TraceStepper(naive, decode, "naive: recompute everything", device=device)
+        self.cached = TraceStepper(cached, decode, "cached: prefill, then one token per step",
+                                   device=device)
+        self.slider = self.naive.slider
+        widgets.jslink((self.naive.slider, "value"), (self.cached.slider, "value"))
+        self.slider.observe(lambda change: self.cached.go(change["new"]), names="value")
+        self.work = widgets.HTML()
+        self.slider.observe(lambda change: self._count(), names="value")
+        for child in self.cached.children[1:2]:
+            child.layout.display = "none"  # one set of controls drives both
+        super().__init__([self.naive, self.cached, self.work])
+        self._count()
+
+    def _count(self) -> None:
+        step = self.slider.value
+        naive = sum(sn.event.kv_computed for sn in self.naive.snapshots[: step + 1])
+        cached = sum(sn.event.kv_computed for sn in self.cached.snapshots[: step + 1])
+        self.work.value = (f"K/V vectors computed per layer so far: naive <b>{naive}</b>, "
+                           f"cached <b>{cached}</b>")
+
+    def _repr_mimebundle_(self, **kwargs):
+        bundle = super()._repr_mimebundle_(**kwargs)
+        bundle["text/plain"] = f"CompareStepper: {len(self.naive.snapshots)} steps"
+        return bundle
