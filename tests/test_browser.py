@@ -239,6 +239,13 @@ def click_through(browser: Browser, stepper, expected: list[tuple[str, int]], na
         cache_text = cache_box.text_content()
         assert cache_text.startswith(want_cache), (
             f"{name} step {i + 1}: {cache_text!r}, trace says {want_len} positions")
+        # the slider counts from 1, as the caption does
+        readout = stepper.locator(".widget-readout").first
+        deadline = time.monotonic() + 10
+        while readout.text_content().strip() != str(i + 1) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert readout.text_content().strip() == str(i + 1), (
+            f"{name} step {i + 1}: the slider reads {readout.text_content()!r}")
         deadline = time.monotonic() + 10
         while image.get_attribute("src") in sources and time.monotonic() < deadline:
             time.sleep(0.1)  # the picture's update may arrive just after the caption's

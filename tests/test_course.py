@@ -39,3 +39,14 @@ def test_notebooks_are_committed_executed(folder):
                  if cell.cell_type == "code" and cell.execution_count is None]
         assert not unrun, (f"{path.name}: code cells {unrun} saved without running; "
                            f"run `python -m minikv run {folder}/{path.name}`")
+
+
+@pytest.mark.parametrize("path", sorted((course.ROOT / "exercises").glob("*.ipynb")),
+                         ids=lambda p: p.name)
+def test_exercise_check_cells_show_no_result_before_the_student_runs_them(path):
+    """An exercise must not show "✓ all cases pass" under a stub that raises."""
+    import nbformat
+    cells = nbformat.read(path, as_version=4).cells
+    checks = [c for c in cells if c.cell_type == "code" and "check" in c.metadata.get("tags", [])]
+    assert checks and all(not c.outputs and c.execution_count is None for c in checks)
+    assert not any("✓" in str(c.get("outputs", "")) for c in cells)

@@ -1,5 +1,7 @@
 """Steppers driven like a student would, without a browser: set the slider, click, read caption
 and image."""
+import base64
+
 import pytest
 import torch
 
@@ -23,18 +25,18 @@ def check_against_trace(stepper, trace):
     seen_images = set()
     for i, event in enumerate(trace):
         snap = stepper.snapshot
-        assert snap.event is event and stepper.slider.value == i
+        assert snap.event is event and stepper.index == i and stepper.slider.value == i + 1
+        assert f"step {i + 1}/{len(trace)}" in stepper.caption.value  # slider and caption agree
         assert event.kind in stepper.caption.value
         expected_len = event.cache_len_after if event.kind != "draft" else snap.cache_len
         assert snap.cache_len == expected_len
         assert stepper.cache_info.value.startswith(f"KV cache: {snap.cache_len} positions")
-        if snap.draft_cache:
+        if snap.has_draft:
             assert f"draft cache: {snap.draft_cache_len} positions" in stepper.cache_info.value
         if event.kind == "rollback":
             assert (f"cache {event.cache_len_before} → {event.cache_len_after}"
                     in stepper.caption.value)
-            stale = snap.live(snap.cache,
-                              snap.cache_len)[event.cache_len_after:event.cache_len_before]
+            stale = snap.slots()[event.cache_len_after:event.cache_len_before]
             assert stale and set(stale) == {"stale"}
         if event.kind == "verify":
             for p in event.accepted:
@@ -44,7 +46,7 @@ def check_against_trace(stepper, trace):
             assert (" rejected" in stepper.caption.value) == bool(event.rejected)
         if event.kind == "commit":
             assert len(snap.tokens) == event.sequence_len
-            assert all(s != "unverified" for s in snap.cache[: snap.cache_len])
+            assert all(s != "proposed" for s in snap.slots()[: snap.cache_len])
         seen_images.add(stepper.image.value)
         assert stepper.next_button.disabled == (i == len(trace) - 1)
         stepper.next_button.click()
@@ -67,8 +69,10 @@ def test_stepper_walks_a_deterministic_trace():
     decode_step = next(i for i, e in enumerate(trace) if e.kind == "decode")
     stepper.go(decode_step)
     assert "unverified" in stepper.caption.value and "KV splits" in stepper.caption.value
-    # yellow, as in seed 001
-    assert stepper.snapshot.cache[trace[decode_step].positions[0]] == "unverified"
+    # the fast path's own proposals are yellow in the cache too, as in seed 001
+    fed = [stepper.snapshots[i].slots()[e.positions[0]] for i, e in enumerate(trace)
+           if e.kind == "decode"]
+    assert fed[0] == "generated" and "proposed" in fed  # T0 came from the prefill; T1' on
 
 
 def test_prev_and_bounds():
@@ -77,9 +81,11 @@ def test_prev_and_bounds():
     stepper.go(3)
     before = stepper.image.value
     stepper.prev_button.click()
-    assert stepper.slider.value == 2 and stepper.image.value != before
+    assert stepper.index == 2 and stepper.image.value != before
     stepper.go(10_000)
-    assert stepper.slider.value == stepper.slider.max
+    assert stepper.slider.value == stepper.slider.max == len(stepper.snapshots)
+    stepper.go(-5)
+    assert stepper.slider.value == stepper.slider.min == 1
 
 
 def test_compare_view_counts_the_seed_003_work():
@@ -87,8 +93,8 @@ def test_compare_view_counts_the_seed_003_work():
     naive = minikv.generate(model, [10, 11, 12], 5, mode="naive", trace=True).trace
     cached = minikv.generate(model, [10, 11, 12], 5, mode="cached", trace=True).trace
     view = CompareStepper(naive, cached)
-    view.slider.value = 4
-    assert view.cached.slider.value == 4
+    view.slider.value = 5  # the last step, counted from 1
+    assert view.cached.index == 4
     assert "naive <b>25</b>, cached <b>7</b>" in view.work.value
     assert "recompute K/V for all 7 positions" in view.naive.caption.value
 
@@ -97,6 +103,18 @@ def test_saved_notebook_gets_a_static_picture():
     bundle = TraceStepper(spec_trace())._repr_mimebundle_()
     assert bundle["image/png"] and bundle["text/plain"].startswith("TraceStepper:")
     assert "application/vnd.jupyter.widget-view+json" in bundle
+
+
+def test_compare_view_has_a_static_picture_of_both_decoders():
+    """GitHub and nbviewer show a saved notebook's image/png, not its widgets."""
+    model = varied_model()
+    view = CompareStepper(minikv.generate(model, [10, 11, 12], 5, mode="naive", trace=True).trace,
+                          minikv.generate(model, [10, 11, 12], 5, trace=True).trace)
+    first = view._repr_mimebundle_()["image/png"]
+    view.slider.value = 3
+    bundle = view._repr_mimebundle_()
+    assert bundle["image/png"] and bundle["image/png"] != first
+    assert len(base64.b64decode(bundle["image/png"])) > 8_000  # really drawn, not a blank canvas
 
 
 def test_pictures_follow_the_engine():

@@ -197,17 +197,24 @@ def bench_speculative(target, draft, prompts, n_tokens, gammas, repeats, device)
         with PassTimer(target) as verifier, PassTimer(draft) as proposer:
             outs = spec()
         same = [o.tokens for o in outs] == [o.tokens for o in expected]
-        accepted, proposed = (sum(o.stats.accepted for o in outs),
-                              sum(o.stats.proposed for o in outs))
-        alpha = accepted / max(proposed, 1)
+        accepted = sum(o.stats.accepted for o in outs)
+        # Leviathan et al.'s α: accepted over judged proposals (judging stops at a rejection)
+        alpha = accepted / max(accepted + sum(o.stats.rejected_rounds for o in outs), 1)
         tokens_per_pass = (sum(o.stats.new_tokens for o in outs)
                            / sum(o.stats.target_passes for o in outs))
+        # tokens a verification pass commits (the prefill's first token left out), against the
+        # formula's (1 − α^(γ+1)) / (1 − α) for independent acceptances
+        per_round = (sum(o.stats.accepted + o.stats.rounds for o in outs)
+                     / max(sum(o.stats.rounds for o in outs), 1))
         target_step = alone.median(1)
         c_run, v = proposer.median(1) / target_step, verifier.median(gamma + 1) / target_step
         t = alternate({"cached": base, "speculative": spec}, repeats, device)
         predicted = ((1 - alpha ** (gamma + 1)) / ((1 - alpha) * (gamma * c + 1)) if alpha < 1
                      else (gamma + 1) / (gamma * c + 1))
         rows.append({"gamma": gamma, "alpha": alpha, "identical": same,
+                     "tokens_per_round": per_round,
+                     "tokens_per_round_iid": ((1 - alpha ** (gamma + 1)) / (1 - alpha)
+                                              if alpha < 1 else gamma + 1),
                      "speedup": t["cached"] / t["speculative"], "predicted": predicted,
                      "tokens_per_target_pass": tokens_per_pass, "c_run": c_run, "verify_cost": v,
                      "predicted_measured": tokens_per_pass / (gamma * c_run + v)})

@@ -46,10 +46,14 @@ def strip_solutions(source: str) -> str:
 
 
 def exercise_from_solution(solution: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """Solution regions become stubs, and check cells lose their outputs: an exercise notebook
+    must not show "✓ all cases pass" before the student has written a line."""
     exercise = nbformat.from_dict(solution)
     for cell in exercise.cells:
         if cell.cell_type == "code" and BEGIN in cell.source:
             cell.source = strip_solutions(cell.source)
+        if cell.cell_type == "code" and "check" in cell.metadata.get("tags", []):
+            cell.outputs, cell.execution_count = [], None
     return exercise
 
 
@@ -76,7 +80,9 @@ def run_notebooks(paths: list[Path], timeout: int = 120) -> None:
     from nbclient import NotebookClient
     for path in paths:
         nb = nbformat.read(path, as_version=4)
-        NotebookClient(nb, timeout=timeout, kernel_name="python3",
+        for cell in nb.cells:  # no timestamps: a re-run that changes nothing leaves no diff
+            cell.metadata.pop("execution", None)
+        NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
                        resources={"metadata": {"path": str(path.parent)}}).execute()
         nbformat.write(nb, path)
         print(f"executed {path}")

@@ -23,7 +23,7 @@ from ..engine import (
     serve,
     speculative_generate,
 )
-from .draw import BLUE, GREEN, PALE, RED, YELLOW, attention_weights, draw_attention, draw_steps, png
+from .draw import COLORS, SERIES, attention_weights, draw_attention, draw_steps, png
 from .replay import replay
 
 FIGURES_DIR = Path(__file__).resolve().parents[2] / "figures"
@@ -37,9 +37,11 @@ def seed_002_prefill_decode(target, tok) -> plt.Figure:
                       suptitle="Seed 002: prefill, then decode with a KV cache")
 
 
-def seed_003_kv_cache_guide(target, tok) -> plt.Figure:
+def seed_003_kv_cache_guide(target, tok, counted: dict[int, tuple[int, int]] | None = None
+                            ) -> plt.Figure:
     """Waste counted by the engine, O(N²) vs N, one-row attention, cache bytes, the position bug,
-    timeline."""
+    timeline. `counted` maps N to the (naive, cached) K/V counts of N tokens from a 1-token
+    prompt, when the caller has them already (chapter 02 does); otherwise they are counted."""
     prompt = tok.encode("Once upon a")
     naive = generate(target, prompt, 5, mode="naive", trace=True)
     cached = generate(target, prompt, 5, mode="cached", trace=True)
@@ -47,10 +49,10 @@ def seed_003_kv_cache_guide(target, tok) -> plt.Figure:
 
     ax = axes[0, 0]  # timeline: K/V computed per step
     steps = range(1, 6)
-    ax.barh([s + 0.2 for s in steps], [e.kv_computed for e in naive.trace], 0.4, color=RED,
-            label="without cache")
-    ax.barh([s - 0.2 for s in steps], [e.kv_computed for e in cached.trace], 0.4, color=GREEN,
-            label="with cache")
+    ax.barh([s + 0.2 for s in steps], [e.kv_computed for e in naive.trace], 0.4,
+            color=SERIES["naive"], label="without cache")
+    ax.barh([s - 0.2 for s in steps], [e.kv_computed for e in cached.trace], 0.4,
+            color=SERIES["cached"], label="with cache")
     ax.invert_yaxis()
     ax.set(xlabel="K/V vectors computed per layer", ylabel="generation step",
            title=f"'Once upon a' + 5 tokens: {naive.stats.kv_computed} vs "
@@ -59,12 +61,18 @@ def seed_003_kv_cache_guide(target, tok) -> plt.Figure:
 
     ax = axes[0, 1]  # scaling, counted by the engine's hooks
     ns = [1, 2, 4, 8, 16, 32, 64, 128, 200]
-    counted = [(generate(target, prompt[:1], n, mode="naive").stats.kv_computed,
-                generate(target, prompt[:1], n, mode="cached").stats.kv_computed) for n in ns]
-    ax.loglog(ns, [c[0] for c in counted], "o", color=RED, label="without cache (counted)")
-    ax.loglog(ns, [c[1] for c in counted], "o", color=GREEN, label="with cache (counted)")
-    ax.loglog(ns, [n * (n + 1) / 2 for n in ns], "--", color="#999999", label="N(N+1)/2 and N")
-    ax.loglog(ns, ns, "--", color="#999999")
+    if counted is None:
+        counted = {n: (generate(target, prompt[:1], n, mode="naive").stats.kv_computed,
+                       generate(target, prompt[:1], n, mode="cached").stats.kv_computed)
+                   for n in ns}
+    counted = [counted[n] for n in ns]
+    ax.loglog(ns, [c[0] for c in counted], "o", color=SERIES["naive"],
+              label="without cache (counted)")
+    ax.loglog(ns, [c[1] for c in counted], "o", color=SERIES["cached"],
+              label="with cache (counted)")
+    ax.loglog(ns, [n * (n + 1) / 2 for n in ns], "--", color=SERIES["formula"],
+              label="N(N+1)/2 and N")
+    ax.loglog(ns, ns, "--", color=SERIES["formula"])
     ax.set(xlabel="tokens generated N (1-token prompt)", ylabel="K/V vectors computed per layer",
            title=f"O(N²) vs O(N): at N=200, {counted[-1][0] / counted[-1][1]:.1f}x the work")
     ax.legend(fontsize=8)
@@ -78,16 +86,19 @@ def seed_003_kv_cache_guide(target, tok) -> plt.Figure:
     axes[0, 2].axis("off")
     full, row = (axes[0, 2].inset_axes([0.1, 0.42, 0.8, 0.58]),
                  axes[0, 2].inset_axes([0.1, 0.0, 0.8, 0.2]))
-    draw_attention(attention_weights(target, ids).mean(0), labels,
-                   "attention without cache: all rows", ax=full)
-    draw_attention(attention_weights(target, ids[-1:], cache=cache).mean(0), labels,
-                   "with cache: one row", ax=row)
+    triangle = attention_weights(target, ids).mean(0)
+    one_row = attention_weights(target, ids[-1:], cache=cache).mean(0)
+    vmax = float(max(triangle.max(), one_row.max()))  # one colour scale for both
+    draw_attention(triangle, labels, "attention without cache: all rows", ax=full, vmax=vmax)
+    draw_attention(one_row, labels, "with cache: one row", ax=row, vmax=vmax,
+                   ylabel="queries (new)")
     full.set(xlabel="")
 
     ax = axes[1, 0]  # cache bytes, GPT-2 small in fp16: the formula and a real cache agree
     gpt2 = GPTConfig.preset("gpt2")
     lengths = [1, 100, 256, 512, 1024]
-    ax.plot(lengths, [kv_cache_bytes(gpt2, n) / 2**20 for n in lengths], "o-", color=BLUE)
+    ax.plot(lengths, [kv_cache_bytes(gpt2, n) / 2**20 for n in lengths], "o-",
+            color=SERIES["cached"])
     real = KVCache(gpt2.n_layer, 1, gpt2.n_head, gpt2.head_dim, 100,
                    dtype=torch.float16).allocated_nbytes
     ax.annotate(f"100 tokens: {real:,} B\n= {real / 1e6:.2f} MB = {real / 2**20:.2f} MiB",
@@ -96,8 +107,8 @@ def seed_003_kv_cache_guide(target, tok) -> plt.Figure:
 
     ax = axes[1, 1]  # the position-offset bug
     buggy = generate(target, prompt, 5, trace=True, position_offset_bug=True)
-    for out, color, name in ((cached, GREEN, "positions from the cache length"),
-                             (buggy, RED, "positions from 0 (bug)")):
+    for out, color, name in ((cached, SERIES["cached"], "positions from the cache length"),
+                             (buggy, SERIES["naive"], "positions from 0 (bug)")):
         ax.plot(range(1, 6), [e.positions[-1] for e in out.trace], "o-", color=color,
                 label=f"{name}: …{tok.decode(out.tokens)!r}")
     ax.set(xlabel="generation step", ylabel="position id of the last token fed",
@@ -105,7 +116,7 @@ def seed_003_kv_cache_guide(target, tok) -> plt.Figure:
     ax.legend(fontsize=8, loc="upper left")
 
     ax = axes[1, 2]  # the timeline of seed 003, drawn as work per step
-    for row, (out, color) in enumerate(((naive, RED), (cached, GREEN))):
+    for row, (out, color) in enumerate(((naive, SERIES["naive"]), (cached, SERIES["cached"]))):
         left = 0
         for e in out.trace[:4]:
             ax.barh(row, e.kv_computed, left=left, color=color, edgecolor="white")
@@ -136,18 +147,21 @@ def seed_000_coin_flip(target, tok) -> plt.Figure:
         suffix = tok.encode(question.question(i))[cut:]
         out = generate(target, suffix, 3, eos_id=tok.eot_token, cache=branch)
         asked.append((cut, tok.decode(out.tokens), question.states[i]))
-    for p, t in enumerate(full):
-        ax.add_patch(plt.Rectangle((p, 0), 0.95, 0.8, facecolor=PALE, edgecolor="#777777", lw=0.5))
+    for p, t in enumerate(full):  # the question: prompt tokens, cached
+        ax.add_patch(plt.Rectangle((p, 0), 0.95, 0.8, facecolor=COLORS["prompt"],
+                                   edgecolor="#777777", lw=0.5))
         ax.text(p + 0.47, 0.4, tok.decode([t]), ha="center", va="center", fontsize=7)
     for i, (cut, answer, truth) in enumerate(asked):
-        ax.add_patch(plt.Rectangle((cut - 1, -1.3), 0.95, 0.8, facecolor=YELLOW,
-                                   edgecolor="#777777"))
+        # S_i, the true state, marks the slot where person i's clause ends: not a token
+        ax.add_patch(plt.Rectangle((cut - 1, -1.3), 0.95, 0.8, facecolor="white",
+                                   edgecolor="#333333"))
         ax.text(cut - 0.53, -0.9, f"S{i}", ha="center", va="center", fontsize=8)
         ok = answer.strip().startswith(truth)
-        ax.add_patch(plt.Rectangle((cut - 1.9, 1.2), 2.8, 0.9, facecolor=GREEN if ok else RED,
-                                   alpha=0.6))
-        ax.text(cut - 0.5, 1.65, f"Z{i}: {answer.strip()[:14]!r}\n(true: {truth})", ha="center",
-                va="center", fontsize=7)
+        # Z_i, the answer the model generated on the fork, marked right or wrong
+        ax.add_patch(plt.Rectangle((cut - 1.9, 1.2), 2.8, 0.9, facecolor=COLORS["generated"],
+                                   edgecolor="#777777"))
+        ax.text(cut - 0.5, 1.65, f"Z{i}: {answer.strip()[:14]!r} {'✓' if ok else '✗'}\n"
+                f"(true: {truth})", ha="center", va="center", fontsize=7)
         ax.annotate("", (cut - 0.5, 1.2), (cut - 0.5, 0.85),
                     arrowprops={"arrowstyle": "<-", "color": "#777777"})
     ax.set_xlim(-1, len(full) + 1)

@@ -10,75 +10,77 @@ from dataclasses import dataclass, field
 
 from ..engine.records import TraceEvent
 
-# Token status: prompt, generated (committed earlier), new (committed this step), proposed
-# (unverified), accepted, rejected. Cache slot status: prefill, cached, unverified, verified,
-# stale (after a rollback), empty.
+# A token's state, one colour each in every row, picture and chapter (minikv.viz.draw):
+#   prompt     given by the user
+#   generated  produced by the model itself (a decode step, or the verifier's own token)
+#   proposed   proposed by a draft or a fast path, not verified yet
+#   accepted   a proposal the verifier agreed with
+#   rejected   a proposal the verifier turned down (and everything after it)
+# A cache slot holds the K/V of the token at its position, so it takes that token's state;
+# slots past the live length are "stale" (kept in memory, no longer part of the cache).
+STATES = ("prompt", "generated", "proposed", "accepted", "rejected", "stale")
 
 
 @dataclass
 class Snapshot:
     event: TraceEvent
     tokens: list[int]
-    status: list[str]
-    cache: list[str]          # one entry per slot written so far; only the first cache_len live
-    cache_len: int
-    draft_cache: list[str] = field(default_factory=list)
+    status: list[str]                 # one state per token
+    cache_len: int                    # live slots of the (target's or verifier's) cache
+    cache_written: int                # slots ever written: those past cache_len are stale
     draft_cache_len: int = 0
+    draft_written: int = 0            # 0 when the trace has no draft model (yet)
     computed: list[int] = field(default_factory=list)  # positions whose K/V this event computed
+    computed_in: str = "cache"        # "cache", "draft" or "none" (naive: nothing is kept)
+    newest: int | None = None         # position of the token this event produced
 
-    def live(self, slots: list[str], length: int) -> list[str]:
-        return [s if i < length else "stale" for i, s in enumerate(slots)]
+    @property
+    def has_draft(self) -> bool:
+        return self.draft_written > 0
 
-
-def _write(slots: list[str], positions, status: str) -> None:
-    for p in positions:
-        slots.extend(["empty"] * (p + 1 - len(slots)))
-        slots[p] = status
+    def slots(self, which: str = "cache") -> list[str]:
+        """Each written slot's state: its token's while live, "stale" past the live length."""
+        length, written = ((self.cache_len, self.cache_written) if which == "cache"
+                           else (self.draft_cache_len, self.draft_written))
+        return [self.status[p] if p < length else "stale" for p in range(written)]
 
 
 def replay(trace: list[TraceEvent]) -> list[Snapshot]:
     """Fold a decoder's trace into one Snapshot per event."""
     tokens: list[int] = []
     status: list[str] = []
-    cache: list[str] = []
-    draft: list[str] = []
-    cache_len = draft_len = 0
+    cache_len = written = draft_len = draft_written = 0
     out = []
     for e in trace:
-        status = ["generated" if s == "new" else s for s in status]
-        computed = list(e.positions)
+        computed, computed_in, newest = list(e.positions), "cache", None
         if e.kind == "prefill" and 0 < e.cache_len_before <= len(tokens):
             # A prefill that continues a cache (generate(..., cache=c) on a filled or forked
             # cache): its first cache_len_before positions are this trace's, reused as they are.
             keep = e.cache_len_before
             tokens = tokens[:keep] + list(e.input_ids) + [e.token]
-            status = status[:keep] + ["prompt"] * len(e.input_ids) + ["new"]
-            cache = ["cached"] * keep + ["prefill"] * len(e.input_ids)
-            cache_len = e.cache_len_after
+            status = status[:keep] + ["prompt"] * len(e.input_ids) + ["generated"]
+            cache_len = written = e.cache_len_after
         elif e.kind in ("prefill", "recompute"):
             fresh = e.step == 0 or e.kind == "prefill"
-            tokens = list(e.input_ids)
-            status = ["prompt"] * len(e.input_ids) if fresh else status[: len(e.input_ids)]
+            tokens = list(e.input_ids) + [e.token]
+            status = (["prompt"] * len(e.input_ids) if fresh
+                      else status[: len(e.input_ids)]) + ["generated"]
             if e.kind == "prefill":
-                cache, cache_len = ["prefill"] * len(e.input_ids), e.cache_len_after
-            tokens.append(e.token)
-            status.append("new")
+                cache_len = written = e.cache_len_after
+            else:
+                computed_in = "none"
         elif e.kind == "decode":
-            _write(cache, e.positions, "unverified" if e.unverified else "cached")
-            cache_len = e.cache_len_after
             tokens.append(e.token)
-            status.append("proposed" if e.unverified else "new")
+            status.append("proposed" if e.unverified else "generated")
+            cache_len, written = e.cache_len_after, max(written, e.cache_len_after)
         elif e.kind == "draft":
-            for p in e.positions:  # catch-up positions hold committed tokens; the newest proposals
-                proposed = p < len(status) and status[p] == "proposed"
-                _write(draft, [p], "unverified" if proposed else "cached")
-            draft_len = e.cache_len_after
             tokens.append(e.token)
             status.append("proposed")
+            draft_len = e.cache_len_after
+            draft_written, computed_in = max(draft_written, draft_len), "draft"
         elif e.kind == "verify":
             computed = list(range(e.cache_len_before, e.cache_len_after))
-            _write(cache, computed, "unverified")
-            cache_len = e.cache_len_after
+            cache_len, written = e.cache_len_after, max(written, e.cache_len_after)
             for p in e.accepted:
                 status[p] = "accepted"
             for p in e.rejected:
@@ -86,20 +88,19 @@ def replay(trace: list[TraceEvent]) -> list[Snapshot]:
         elif e.kind == "rollback":
             computed = []
             cache_len = e.cache_len_after
-            if "draft" in e.caches:
-                draft_len = e.caches["draft"][1]
+            draft_len = e.caches.get("draft", (draft_len, draft_len))[1]
         elif e.kind == "commit":
             computed = []
             keep = e.positions[0]
             tokens = tokens[:keep] + list(e.input_ids)
-            status = status[:keep] + ["accepted"] * (len(e.input_ids) - 1) + ["new"]
+            status = status[:keep] + ["accepted"] * (len(e.input_ids) - 1) + ["generated"]
             cache_len = e.cache_len_after
-            _write(cache, [i for i in range(cache_len) if cache[i] == "unverified"], "verified")
-            _write(draft, [i for i in range(min(draft_len, len(draft)))
-                           if draft[i] == "unverified"], "verified")
-        out.append(Snapshot(event=e, tokens=list(tokens), status=list(status), cache=list(cache),
-                            cache_len=cache_len, draft_cache=list(draft),
-                            draft_cache_len=draft_len, computed=computed))
+        if e.kind in ("prefill", "recompute", "decode", "draft", "commit"):
+            newest = len(tokens) - 1
+        out.append(Snapshot(event=e, tokens=list(tokens), status=list(status),
+                            cache_len=cache_len, cache_written=written,
+                            draft_cache_len=draft_len, draft_written=draft_written,
+                            computed=computed, computed_in=computed_in, newest=newest))
     return out
 
 
@@ -128,7 +129,7 @@ def caption(snap: Snapshot, decode=None) -> str:
                 f"{word(e.token)} (draft cache {e.cache_len_after})")
     if e.kind == "verify":
         first = e.positions[0] if e.positions else e.cache_len_after
-        marks = [f"T{p - first + 1} {'accepted' if p in e.accepted else 'rejected'}"
+        marks = [f"T{p - first + 1}′ {'accepted' if p in e.accepted else 'rejected'}"
                  for p in e.positions]
         after = first + len(e.accepted)
         outcome = f"roll back to length {after}" if e.rejected else "all match: no rollback"

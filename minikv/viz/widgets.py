@@ -8,12 +8,13 @@ viewers with no kernel.
 from __future__ import annotations
 
 import base64
+import re
 
 import ipywidgets as widgets
 import torch
 
 from ..engine.records import TraceEvent
-from .draw import draw_step, png
+from .draw import draw_step, draw_steps, png
 from .replay import caption, replay
 
 
@@ -34,15 +35,16 @@ class TraceStepper(widgets.VBox):
             raise ValueError("empty trace: generate with trace=True to record one")
         self.snapshots = replay(trace)
         self.decode, self.bytes_per_slot, self._pngs = decode, bytes_per_slot, {}
-        last = len(self.snapshots) - 1
-        self.slider = widgets.IntSlider(value=0, min=0, max=last, description="step",
+        # The slider counts steps from 1, as the caption does ("step 3/12"); `index` is 0-based.
+        n = len(self.snapshots)
+        self.slider = widgets.IntSlider(value=1, min=1, max=n, description="step",
                                         continuous_update=False)
-        self.play = widgets.Play(value=0, min=0, max=last, interval=900, description="Play")
+        self.play = widgets.Play(value=1, min=1, max=n, interval=900, description="Play")
         widgets.jslink((self.play, "value"), (self.slider, "value"))
         self.prev_button = widgets.Button(description="◀ Prev", layout=widgets.Layout(width="90px"))
         self.next_button = widgets.Button(description="Next ▶", layout=widgets.Layout(width="90px"))
-        self.prev_button.on_click(lambda _: self.go(self.slider.value - 1))
-        self.next_button.on_click(lambda _: self.go(self.slider.value + 1))
+        self.prev_button.on_click(lambda _: self.go(self.index - 1))
+        self.next_button.on_click(lambda _: self.go(self.index + 1))
         self.caption = widgets.HTML()
         # the drawn cache lengths as text: what a reader (or a browser test) can check
         self.cache_info = widgets.HTML()
@@ -59,11 +61,17 @@ class TraceStepper(widgets.VBox):
         self._render()
 
     @property
-    def snapshot(self):
-        return self.snapshots[self.slider.value]
+    def index(self) -> int:
+        """The step shown, counted from 0 (the slider shows it counted from 1)."""
+        return self.slider.value - 1
 
-    def go(self, step: int) -> None:
-        self.slider.value = min(max(step, 0), self.slider.max)
+    @property
+    def snapshot(self):
+        return self.snapshots[self.index]
+
+    def go(self, index: int) -> None:
+        """Show step `index` (from 0), clamped to the trace."""
+        self.slider.value = min(max(index, 0), len(self.snapshots) - 1) + 1
 
     def picture(self, step: int) -> bytes:
         if step not in self._pngs:
@@ -72,12 +80,12 @@ class TraceStepper(widgets.VBox):
         return self._pngs[step]
 
     def _render(self) -> None:
-        step, snap = self.slider.value, self.snapshot
+        step, snap = self.index, self.snapshot
         self.cache_info.value = f"KV cache: {snap.cache_len} positions" + (
-            f" · draft cache: {snap.draft_cache_len} positions" if snap.draft_cache else "")
+            f" · draft cache: {snap.draft_cache_len} positions" if snap.has_draft else "")
         self.image.value = self.picture(step)
         self.prev_button.disabled = step == 0
-        self.next_button.disabled = step == self.slider.max
+        self.next_button.disabled = step == len(self.snapshots) - 1
         # The caption goes last: once it names this step, the rest of the step has been sent.
         self.caption.value = (f"<code>step {step + 1}/{len(self.snapshots)}</code> "
                               f"{caption(snap, self.decode)}")
@@ -85,7 +93,7 @@ class TraceStepper(widgets.VBox):
     def _repr_mimebundle_(self, **kwargs):
         bundle = super()._repr_mimebundle_(**kwargs)
         # for viewers without a kernel
-        bundle["image/png"] = base64.b64encode(self.picture(self.slider.value)).decode()
+        bundle["image/png"] = base64.b64encode(self.picture(self.index)).decode()
         bundle["text/plain"] = f"{type(self).__name__}: {len(self.snapshots)} steps"
         return bundle
 
@@ -104,7 +112,7 @@ class CompareStepper(widgets.VBox):
                                    device=device)
         self.slider = self.naive.slider
         widgets.jslink((self.naive.slider, "value"), (self.cached.slider, "value"))
-        self.slider.observe(lambda change: self.cached.go(change["new"]), names="value")
+        self.slider.observe(lambda change: self.cached.go(change["new"] - 1), names="value")
         self.work = widgets.HTML()
         self.slider.observe(lambda change: self._count(), names="value")
         for child in self.cached.children[1:2]:
@@ -113,13 +121,23 @@ class CompareStepper(widgets.VBox):
         self._count()
 
     def _count(self) -> None:
-        step = self.slider.value
+        step = self.naive.index
         naive = sum(sn.event.kv_computed for sn in self.naive.snapshots[: step + 1])
         cached = sum(sn.event.kv_computed for sn in self.cached.snapshots[: step + 1])
         self.work.value = (f"K/V vectors computed per layer so far: naive <b>{naive}</b>, "
                            f"cached <b>{cached}</b>")
 
+    def picture(self) -> bytes:
+        """Both decoders at the current step, one above the other: the static view."""
+        i = self.naive.index
+        fig = draw_steps([self.naive.snapshots[i], self.cached.snapshots[i]],
+                         self.naive.decode, suptitle=f"step {i + 1}/{len(self.naive.snapshots)}: "
+                         f"naive (top) and cached (bottom); "
+                         f"{re.sub('<[^>]+>', '', self.work.value)}")
+        return png(fig)
+
     def _repr_mimebundle_(self, **kwargs):
         bundle = super()._repr_mimebundle_(**kwargs)
+        bundle["image/png"] = base64.b64encode(self.picture()).decode()  # for static viewers
         bundle["text/plain"] = f"CompareStepper: {len(self.naive.snapshots)} steps"
         return bundle
