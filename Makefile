@@ -36,7 +36,7 @@ check-exercises: $(STAMP)
 	$(PY) -m pytest exercises $(NBVAL)
 
 figures: $(STAMP)
-	$(PY) -m minikv figures
+	$(PY) -m minikv figures --out figures
 
 bench: $(STAMP)
-	$(PY) -m minikv bench
+	$(PY) -m minikv bench --out benchmarks

@@ -182,7 +182,7 @@ def test_a_broken_copy_of_a_course_model_says_how_to_retrain(tmp_path, monkeypat
     (models / "draft" / WEIGHTS_FILE).write_bytes(b"\0" * 16)
     monkeypatch.setattr(minikv.course.checkpoint, "MODELS_DIR", models)
     with pytest.raises(ValueError,
-                       match=r"retrain it with `python -m minikv train --preset draft`"):
+                       match=r"retrain it with `python -m minikv train --preset draft --ship`"):
         minikv.load_course_model("draft")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import inspect
+import io
 import json
 import os
 import platform
@@ -23,7 +24,8 @@ import matplotlib.pyplot as plt
 import torch
 from tqdm import tqdm
 
-from ..course.device import default_device, describe_device
+from ..course.device import describe_device, resolve_device
+from ..course.files import check_writable, write_atomically
 from ..engine import GPT, GPTConfig, Request, generate, serve, speculative_generate
 from .parallel import column_parallel
 
@@ -275,7 +277,7 @@ def targets(results: dict) -> list[tuple[str, str, bool]]:
 
 def write_report(results: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_atomically(out / "results.json", json.dumps(results, indent=2) + "\n")
     m = results["machine"]
     lines = [f"# Benchmarks "
              f"({'quick check: numbers mean nothing' if results['quick'] else 'full run'})", "",
@@ -342,7 +344,7 @@ def write_report(results: dict, out: Path) -> None:
     for r in results["deterministic"]:
         lines.append(f"| {r['window']} | {r['fast_s']:.2f} | {r['verified_s']:.2f} | "
                      f"{100 * r['throughput_fraction']:.0f}% | {r['rollbacks']} / {r['rounds']} |")
-    (out / "README.md").write_text("\n".join(lines) + "\n")
+    write_atomically(out / "README.md", "\n".join(lines) + "\n")
 
     fig, (a, k, b) = plt.subplots(1, 3, figsize=(15, 4))
     rows = results["naive_vs_cached"]
@@ -369,23 +371,39 @@ def write_report(results: dict, out: Path) -> None:
     b.set(xlabel="γ", ylabel="speed-up over cached", title="Speculative decoding")
     b.legend()
     fig.tight_layout()
-    fig.savefig(out / "plots.png", dpi=90)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=90)
+    write_atomically(out / "plots.png", buffer.getvalue())
     plt.close(fig)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minikv bench", description=__doc__)
     parser.add_argument("--quick", action="store_true",
                         help="tiny models, one repeat: checks the machinery only")
-    parser.add_argument("--out", type=Path, default=OUT_DIR)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where to write results.json, README.md and plots.png (default: "
+                             "runs/bench; the committed run is in benchmarks/: `make bench`)")
     parser.add_argument("--device", default=None)
-    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--repeats", type=_positive, default=None)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                         help="weights and activations (16-bit rows are for GPUs)")
-    parser.add_argument("--naive-max", type=int, default=200,
+    parser.add_argument("--naive-max", type=_positive, default=200,
                         help="longest N to time naive decoding at")
     args = parser.parse_args(argv)
-    device = torch.device(args.device) if args.device else default_device()
+    args.out = args.out or Path("runs") / ("bench-quick" if args.quick else "bench")
+    try:
+        device = resolve_device(args.device)
+        check_writable(args.out)
+    except ValueError as e:
+        parser.error(str(e))
     repeats = args.repeats or (1 if args.quick else 3)
     preset = "tiny" if args.quick else "gpt2"
     dtype = getattr(torch, args.dtype)

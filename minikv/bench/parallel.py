@@ -28,13 +28,13 @@ class ColumnParallelLinear(nn.Module):
         weight = linear.weight.detach().new_zeros(parts * width, in_features)
         weight[:out_features] = linear.weight.detach()
         weight = weight.view(parts, width, in_features).transpose(1, 2)  # (parts, in, width)
-        self.register_buffer("weight", weight.contiguous())
-        bias = None
+        # parameters (frozen), so that num_params() of a copy counts its weights
+        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        self.bias = None
         if linear.bias is not None:
             bias = linear.bias.detach().new_zeros(parts * width)
             bias[:out_features] = linear.bias.detach()
-            bias = bias.view(parts, 1, width)
-        self.register_buffer("bias", bias)
+            self.bias = nn.Parameter(bias.view(parts, 1, width), requires_grad=False)
         self.out_features = out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

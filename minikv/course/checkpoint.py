@@ -6,18 +6,28 @@ A checkpoint is a directory of three files:
     model.safetensors  every weight once, float32 (lm_head is tied to wte, so only wte is stored)
     training.json      how it was made: preset, seed, steps, tokens seen, losses, wall time, ...
 
-Loading checks everything before building the model: config keys and values, exactly the
-expected tensor names, their shapes and dtype, finite values, and a SHA-256 of the tensor bytes
-that save_checkpoint stores in the safetensors header (so a flipped bit in the data is caught
-too). Anything wrong is a ValueError that names the file and says how to get a good one; a
-truncated or corrupt file is one too. safetensors files hold raw tensor bytes and a JSON header,
-so loading one cannot run code, unlike a pickled torch.save file.
+The safetensors header holds a SHA-256 over the exact bytes of config.json and training.json and
+over every tensor's name, shape, dtype and bytes, so a change to any byte of any of the three files
+is caught (a config edit that keeps every shape, say n_head 4 -> 8, included). Loading checks, in
+order and before anything large is allocated: that the directory and files exist; the config's keys,
+types and ranges; every tensor's name, shape and dtype as the safetensors header declares them,
+against the shapes the config implies; then the bytes, the hash and finite values. Anything wrong is
+a ValueError that names the file and says how to get a good one. safetensors files hold raw tensor
+bytes and a JSON header, so loading one cannot run code, unlike a pickled torch.save file.
+
+Saving refuses what loading would refuse (NaN weights, a column-parallel inference copy) and writes
+all three files into a temporary directory that replaces the old checkpoint at once; a Ctrl-C while
+the two are swapped is held until the swap is done.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import shutil
+import signal
+import threading
+from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 
@@ -28,35 +38,96 @@ from safetensors.torch import save_file
 
 from ..engine import GPT, GPTConfig
 from .device import resolve_device
+from .files import check_writable
 from .tokenizer import load_tokenizer
 
 CONFIG_FILE, WEIGHTS_FILE, METADATA_FILE = "config.json", "model.safetensors", "training.json"
+FORMAT = "minikv-checkpoint-2"  # the header's sha256 covers config.json and training.json too
 MODELS_DIR = Path(__file__).parent / "models"
-# shipped in minikv/course/models/<name>/, made by `python -m minikv train`
+# shipped in minikv/course/models/<name>/, made by `python -m minikv train --ship`
 COURSE_MODELS = ("target", "draft")
 TIED = "lm_head.weight"  # the same tensor as transformer.wte.weight
 
 
+# --- saving --------------------------------------------------------------------------------------
+
 def save_checkpoint(model: GPT, directory: str | Path, metadata: dict | None = None) -> Path:
-    """Write config.json, model.safetensors and training.json into `directory` (created if
-    needed)."""
+    """Write config.json, model.safetensors and training.json as `directory`, replacing what was
+    there in one step. Refuses a model that load_checkpoint would refuse."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    if not isinstance(model, GPT):
+        raise TypeError(f"save_checkpoint saves a minikv.GPT, got {type(model).__name__}")
     tensors = {name: t.detach().to("cpu", torch.float32).contiguous()
                for name, t in model.state_dict().items() if name != TIED}
-    header = {"format": "pt", "sha256": tensors_sha256(tensors)}
-    _write(directory / WEIGHTS_FILE, lambda tmp: save_file(tensors, tmp, metadata=header))
-    _write(directory / CONFIG_FILE,
-           lambda tmp: Path(tmp).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n"))
-    _write(directory / METADATA_FILE,
-           lambda tmp: Path(tmp).write_text(json.dumps(metadata or {}, indent=2, sort_keys=True)
-                                            + "\n"))
+    _check_tensors(tensors, model.config, directory / WEIGHTS_FILE,
+                   "save the model it was made from: a column_parallel copy is for inference only")
+    try:
+        meta_bytes = (json.dumps(metadata or {}, indent=2, sort_keys=True, allow_nan=False)
+                      + "\n").encode()
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"metadata must be a JSON-serialisable dict of finite numbers, "
+                         f"strings, lists and dicts: {e}") from None
+    config_bytes = (json.dumps(model.config.to_dict(), indent=2) + "\n").encode()
+    header = {"format": "pt", "minikv": FORMAT,
+              "sha256": checkpoint_sha256(config_bytes, meta_bytes, tensors)}
+    check_writable(directory)
+    tmp = directory.with_name(f".{directory.name}.saving-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata=header)
+        (tmp / CONFIG_FILE).write_bytes(config_bytes)
+        (tmp / METADATA_FILE).write_bytes(meta_bytes)
+        for path in tmp.iterdir():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        _swap(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return directory
 
 
-def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
-    """A fingerprint of names, shapes, dtypes and bytes, independent of the file layout."""
+@contextmanager
+def _sigint_held():
+    """Hold a Ctrl-C until the block is done, then raise it: a swap is never left halfway."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
+def _swap(new: Path, directory: Path) -> None:
+    old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+    with _sigint_held():
+        if directory.exists():
+            os.rename(directory, old)
+        os.rename(new, directory)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def checkpoint_sha256(config_bytes: bytes, meta_bytes: bytes,
+                      tensors: dict[str, torch.Tensor]) -> str:
+    """A fingerprint of the two JSON files' exact bytes and of every tensor's name, shape, dtype
+    and bytes (independent of the safetensors file layout)."""
     h = hashlib.sha256()
+    for name, data in ((CONFIG_FILE, config_bytes), (METADATA_FILE, meta_bytes)):
+        h.update(f"{name}:{len(data)};".encode() + data)
+    return _tensor_hash(tensors, h)
+
+
+def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """The fingerprint of the tensors alone (files saved before the config was covered)."""
+    return _tensor_hash(tensors, hashlib.sha256())
+
+
+def _tensor_hash(tensors: dict[str, torch.Tensor], h) -> str:
     for name in sorted(tensors):
         t = tensors[name].detach().cpu().contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
@@ -64,33 +135,47 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _write(path: Path, writer) -> None:
-    """Write to a temporary name, then rename: an interrupted save never leaves half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    writer(str(tmp))
-    os.replace(tmp, path)
+# --- loading -------------------------------------------------------------------------------------
+
+def _is_course_model(directory: Path) -> bool:
+    try:
+        return (directory.resolve().parent == MODELS_DIR.resolve()
+                and directory.name in COURSE_MODELS)
+    except (OSError, RuntimeError):  # a symlink loop, say
+        return False
 
 
 def _fix(directory: Path) -> str:
     """What to do about a bad checkpoint in `directory`."""
-    if directory.resolve().parent == MODELS_DIR.resolve() and directory.name in COURSE_MODELS:
+    if _is_course_model(directory):
         return (f"restore it with `git checkout -- minikv/course/models/{directory.name}` "
-                f"or retrain it with `python -m minikv train --preset {directory.name}`")
-    return ("save it again with minikv.checkpoint.save_checkpoint, "
+                f"or retrain it with `python -m minikv train --preset {directory.name} --ship`")
+    return ("save it again with minikv.course.checkpoint.save_checkpoint, "
             "or retrain with `python -m minikv train`")
 
 
-def read_config(directory: str | Path) -> GPTConfig:
-    """The GPTConfig in `directory`/config.json, validated."""
-    directory = Path(directory)
-    path = directory / CONFIG_FILE
+def _read_bytes(directory: Path, name: str, required: bool = True) -> bytes | None:
+    path = directory / name
     if not path.is_file():
+        if not required:
+            return None
         raise ValueError(f"{path} is missing: a checkpoint needs {CONFIG_FILE} and {WEIGHTS_FILE}; "
                          f"{_fix(directory)}")
+    return path.read_bytes()
+
+
+def _parse_json(data: bytes, path: Path, directory: Path):
     try:
-        raw = json.loads(path.read_text())
+        return json.loads(data.decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON ({e}); {_fix(directory)}") from None
+
+
+def read_config(directory: str | Path) -> GPTConfig:
+    """The GPTConfig in `directory`/config.json, validated (keys, types and ranges)."""
+    directory = Path(directory)
+    path = directory / CONFIG_FILE
+    raw = _parse_json(_read_bytes(directory, CONFIG_FILE), path, directory)
     expected = {f.name for f in fields(GPTConfig)}
     if not isinstance(raw, dict) or set(raw) != expected:
         got = sorted(raw) if isinstance(raw, dict) else type(raw).__name__
@@ -104,18 +189,77 @@ def read_config(directory: str | Path) -> GPTConfig:
 
 def read_metadata(directory: str | Path) -> dict:
     """training.json: how the checkpoint was made ({} when absent)."""
-    path = Path(directory) / METADATA_FILE
-    if not path.is_file():
+    directory = Path(directory)
+    data = _read_bytes(directory, METADATA_FILE, required=False)
+    if data is None:
         return {}
-    try:
-        return json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); {_fix(Path(directory))}") from None
+    meta = _parse_json(data, directory / METADATA_FILE, directory)
+    if not isinstance(meta, dict):
+        raise ValueError(f"{directory / METADATA_FILE} must hold a JSON object; {_fix(directory)}")
+    return meta
 
 
-def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors in `directory`/model.safetensors, on the CPU, their bytes checked against the
-    header's sha256 when it has one (files written by other tools may not). Never unpickles."""
+def expected_shapes(config: GPTConfig, layers: int | None = None) -> dict[str, tuple]:
+    """Name -> shape of every stored tensor of a GPT with `config`, read off a one-layer model
+    built on the meta device (no memory): block 0's shapes repeat for every layer."""
+    one = GPTConfig(**{**config.to_dict(), "n_layer": 1})
+    with torch.device("meta"):
+        shapes = {n: tuple(t.shape) for n, t in GPT(one).state_dict().items() if n != TIED}
+    out = {}
+    for name, shape in shapes.items():
+        if name.startswith("transformer.h.0."):
+            for i in range(config.n_layer if layers is None else layers):
+                out[name.replace(".h.0.", f".h.{i}.", 1)] = shape
+        else:
+            out[name] = shape
+    return out
+
+
+def _check_tensors(declared: dict, config: GPTConfig, path: Path, fix: str) -> None:
+    """Names, shapes and dtypes (`declared` maps name -> a tensor or (shape, dtype)) against
+    `config`, without allocating anything the size of the model."""
+    def shape_dtype(v):
+        return (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v
+    layers = {n.split(".")[2] for n in declared if n.startswith("transformer.h.")}
+    every_layer = len(layers) == config.n_layer and all(
+        i.isdigit() and int(i) < config.n_layer for i in layers)  # never builds range(n_layer)
+    if not every_layer:
+        # checked first, so that a config claiming 10⁹ layers never builds 10⁹ names
+        extra = sorted(n for n in declared if n.startswith("transformer.h.")
+                       and not (n.split(".")[2].isdigit()
+                                and int(n.split(".")[2]) < config.n_layer))
+        raise ValueError(f"{path} does not match {CONFIG_FILE} ({config}): it holds "
+                         f"{len(layers)} layers, the config says {config.n_layer}"
+                         + (f"; unexpected tensors {extra[:4]}" if extra else "")
+                         + f"; {fix}")
+    want = expected_shapes(config)
+    missing, unexpected = sorted(set(want) - set(declared)), sorted(set(declared) - set(want))
+    if missing or unexpected:
+        raise ValueError(f"{path} does not match {CONFIG_FILE} ({config}): "
+                         f"missing tensors {missing[:4]}, unexpected tensors {unexpected[:4]}; "
+                         f"{fix}")
+    for name, shape in want.items():
+        got_shape, dtype = shape_dtype(declared[name])
+        if got_shape != shape:
+            raise ValueError(f"{path}: tensor {name} has shape {got_shape} but {CONFIG_FILE} "
+                             f"needs {shape}; {fix}")
+        if dtype != torch.float32:
+            raise ValueError(f"{path}: tensor {name} is {dtype}, expected torch.float32; {fix}")
+    for name, value in declared.items():
+        if isinstance(value, torch.Tensor) and not torch.isfinite(value).all():
+            raise ValueError(f"{path}: tensor {name} holds NaN or infinite values; {fix}")
+
+
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "F64": torch.float64}
+
+
+def read_weights(directory: str | Path, config: GPTConfig | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """The tensors in `directory`/model.safetensors, on the CPU. With `config`, their declared
+    names, shapes and dtypes are checked against it before any tensor is read; then their bytes,
+    the header's sha256 (when the file has one: other tools' files may not) and finite values.
+    Never unpickles."""
     directory = Path(directory)
     path = directory / WEIGHTS_FILE
     if not path.is_file():
@@ -123,49 +267,65 @@ def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
                          f"{_fix(directory)}")
     try:  # safetensors checks the header and every tensor's byte range against the file size
         with safe_open(str(path), framework="pt", device="cpu") as f:
+            header = f.metadata() or {}
+            if config is not None:
+                declared = {}
+                for name in f.keys():
+                    piece = f.get_slice(name)
+                    declared[name] = (tuple(piece.get_shape()),
+                                      _DTYPES.get(piece.get_dtype(), piece.get_dtype()))
+                _check_tensors(declared, config, path, _fix(directory))
             tensors = {name: f.get_tensor(name) for name in f.keys()}
-            expected_sha = (f.metadata() or {}).get("sha256")
+    except ValueError:
+        raise
     except Exception as e:  # SafetensorError, or whatever a damaged header provokes
         raise ValueError(f"{path} is corrupt or truncated ({type(e).__name__}: {e}); "
                          f"{_fix(directory)}") from None
-    if expected_sha is not None and tensors_sha256(tensors) != expected_sha:
+    if header.get("minikv") == FORMAT:
+        config_bytes = _read_bytes(directory, CONFIG_FILE)
+        meta_bytes = _read_bytes(directory, METADATA_FILE, required=False) or b""
+        actual = checkpoint_sha256(config_bytes, meta_bytes, tensors)
+        if actual != header.get("sha256"):
+            raise ValueError(f"{directory} is corrupt: {CONFIG_FILE}, {METADATA_FILE} and the "
+                             f"tensors do not match the sha256 saved with them; {_fix(directory)}")
+    elif _is_course_model(directory):
+        raise ValueError(f"{path} has no {FORMAT} sha256 in its header, so it is not the shipped "
+                         f"file; {_fix(directory)}")
+    elif "sha256" in header and tensors_sha256(tensors) != header["sha256"]:
+        # a checkpoint saved before the hash covered the config: its tensors can still be checked
         raise ValueError(f"{path} is corrupt: its tensors do not match the sha256 saved with them; "
                          f"{_fix(directory)}")
+    for name, t in tensors.items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise ValueError(f"{path}: tensor {name} holds NaN or infinite values; "
+                             f"{_fix(directory)}")
     return tensors
 
 
 def load_checkpoint(directory: str | Path, device: str | torch.device | None = None) -> GPT:
     """The GPT saved in `directory`, in eval mode on `device` (default: minikv.default_device())."""
     directory = Path(directory)
-    if not directory.is_dir():
+    try:
+        exists, is_dir = directory.exists(), directory.is_dir()
+    except OSError as e:  # a symlink loop, a name too long, ...
+        raise ValueError(f"cannot read checkpoint directory {directory} ({e.strerror}); "
+                         f"{_fix(directory)}") from None
+    if not exists:
         raise ValueError(f"checkpoint directory {directory} does not exist; {_fix(directory)}")
+    if not is_dir:
+        raise ValueError(f"{directory} is a file, not a checkpoint directory (one holding "
+                         f"{CONFIG_FILE} and {WEIGHTS_FILE}); pass the directory")
     config = read_config(directory)
-    tensors = read_weights(directory)
+    read_metadata(directory)
+    tensors = read_weights(directory, config)
     device = resolve_device(device)
-    path = directory / WEIGHTS_FILE
     # building the model draws random init: keep the caller's RNG as it was
     with torch.random.fork_rng(devices=[]):
         model = GPT(config)
-    expected = {name: t for name, t in model.state_dict().items() if name != TIED}
-    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"{path} does not match {CONFIG_FILE} ({config}): "
-                         f"missing tensors {missing[:4]}, "
-                         f"unexpected tensors {unexpected[:4]}; {_fix(directory)}")
-    for name, target in expected.items():
-        t = tensors[name]
-        if t.shape != target.shape:
-            raise ValueError(f"{path}: tensor {name} has shape {tuple(t.shape)} "
-                             f"but {CONFIG_FILE} needs {tuple(target.shape)}; {_fix(directory)}")
-        if t.dtype != torch.float32:
-            raise ValueError(f"{path}: tensor {name} is {t.dtype}, expected torch.float32; "
-                             f"{_fix(directory)}")
-        if not torch.isfinite(t).all():
-            raise ValueError(f"{path}: tensor {name} holds NaN or infinite values; "
-                             f"{_fix(directory)}")
     with torch.no_grad():
-        for name, target in expected.items():
-            target.copy_(tensors[name])  # lm_head.weight is wte's tensor, so it is filled too
+        for name, target in model.state_dict().items():
+            if name != TIED:
+                target.copy_(tensors[name])  # lm_head.weight is wte's tensor, so it is filled too
     return model.to(device).eval()
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import nbformat
 
+from .files import write_atomically
+
 ROOT = Path(__file__).resolve().parents[2]
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 STUB = "raise NotImplementedError(\"your turn: replace this line with your code\")"
@@ -71,7 +73,7 @@ def write_exercises(check: bool = False) -> list[Path]:
         if not exercise_path.exists() or exercise_path.read_text() != text:
             stale.append(exercise_path)
             if not check:
-                exercise_path.write_text(text)
+                write_atomically(exercise_path, text)
     return stale
 
 
@@ -84,7 +86,7 @@ def run_notebooks(paths: list[Path], timeout: int = 120) -> None:
             cell.metadata.pop("execution", None)
         NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
                        resources={"metadata": {"path": str(path.parent)}}).execute()
-        nbformat.write(nb, path)
+        write_atomically(path, nbformat.writes(nb) + "\n")
         print(f"executed {path}")
 
 

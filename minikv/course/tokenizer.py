@@ -25,10 +25,10 @@ from pathlib import Path
 
 import regex
 import tiktoken
-from tiktoken.load import load_tiktoken_bpe
 
 from . import corpus
 from .corpus import EOT
+from .files import write_atomically
 
 # GPT-2's pre-split: merges never cross these pieces (words with their leading space, numbers, ...)
 PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -92,15 +92,24 @@ def dump_ranks(ranks: dict[bytes, int]) -> bytes:
                     for t, r in sorted(ranks.items(), key=lambda kv: kv[1]))
 
 
-def load_ranks(path: str | Path = RANKS_PATH) -> dict[bytes, int]:
-    # expected_hash also guards against tiktoken's cache of local files serving stale ranks
+def load_ranks(path: str | Path | None = None) -> dict[bytes, int]:
+    """The BPE ranks in `path`, after checking its bytes against RANKS_SHA256. The file is read
+    and parsed here, not by tiktoken's loader, whose cache of local files could serve a stale or
+    tampered copy (and skips the hash when TIKTOKEN_CACHE_DIR is empty)."""
+    path = Path(RANKS_PATH if path is None else path)
+    fix = ("restore it from git, or regenerate it with `python -m minikv tokenizer --train` and "
+           "update RANKS_SHA256")
     try:
-        return load_tiktoken_bpe(str(path), expected_hash=RANKS_SHA256)
-    except ValueError as e:
-        raise ValueError(
-            f"{path} does not match RANKS_SHA256 in {__file__}: restore it from git, "
-            "or regenerate it with `python -m minikv tokenizer --train` and update RANKS_SHA256"
-        ) from e
+        data = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read the course tokenizer {path} ({e.strerror}); {fix}") from None
+    if hashlib.sha256(data).hexdigest() != RANKS_SHA256:
+        raise ValueError(f"{path} does not match RANKS_SHA256 in {__file__}: {fix}")
+    ranks = {}
+    for line in data.splitlines():
+        token, rank = line.split()
+        ranks[base64.b64decode(token)] = int(rank)
+    return ranks
 
 
 def tiktoken_cache_dir() -> str:
@@ -162,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
           f"sha256 {sha256}")
     if args.train:
         RANKS_PATH.parent.mkdir(exist_ok=True)
-        RANKS_PATH.write_bytes(data)
+        write_atomically(RANKS_PATH, data)
         print(f"wrote {RANKS_PATH}; set RANKS_SHA256 = {sha256!r} in {__file__}")
         return 0
     ok = RANKS_PATH.is_file() and data == RANKS_PATH.read_bytes() and sha256 == RANKS_SHA256

@@ -1,6 +1,6 @@
 """Train a course model from scratch, in the spirit of nanoGPT's train.py.
 
-    python -m minikv train --preset all      # the shipped draft, then target (course/models/)
+    python -m minikv train --preset all --ship   # retrain the shipped draft and target
     python -m minikv train --preset target --steps 200 --out runs/try --device cuda
 
 Data: the train splits of the course corpora (minikv.course.corpus), tokenized with the course
@@ -23,9 +23,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..engine import GPT, PRESETS, GPTConfig
+from ..engine.validate import int_at_least
 from . import corpus
 from .checkpoint import COURSE_MODELS, MODELS_DIR, save_checkpoint
 from .device import describe_device, resolve_device
+from .files import check_writable
 from .tokenizer import load_tokenizer
 
 
@@ -45,6 +47,25 @@ class TrainConfig:
     mix: dict = field(default_factory=lambda: {"coinflip": 1 / 3, "facts": 1 / 3, "stories": 1 / 3})
     docs: dict = field(default_factory=lambda: {"coinflip": 4000, "facts": 4000, "stories": 4000})
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "warmup"):
+            int_at_least(f"TrainConfig.{name}", getattr(self, name))
+        for name in ("lr", "min_lr", "init_std", "grad_clip"):
+            value = getattr(self, name)
+            if type(value) not in (int, float) or not 0 < value < math.inf:
+                raise ValueError(f"TrainConfig.{name} must be a positive number, got {value!r}")
+        if type(self.weight_decay) not in (int, float) or not 0 <= self.weight_decay < math.inf:
+            raise ValueError(f"TrainConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
+        for name in ("mix", "docs"):
+            table = getattr(self, name)
+            if (not isinstance(table, dict) or not table or set(table) - set(corpus.CORPORA)
+                    or not all(type(v) in (int, float) and v > 0 for v in table.values())):
+                raise ValueError(f"TrainConfig.{name} must map corpora of {corpus.CORPORA} to "
+                                 f"positive numbers, got {table!r}")
+        if set(self.mix) - set(self.docs):
+            raise ValueError(f"TrainConfig.mix draws from {sorted(self.mix)} but docs only loads "
+                             f"{sorted(self.docs)}")
 
 
 # The shipped models, tuned on the course's 2-core CPU (results: docs/course-models.md). Coin flips
@@ -210,38 +231,82 @@ def train(preset: str, tc: TrainConfig | None = None, device=None, progress: boo
     return model.eval(), metadata
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _seed(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**63), got {value}")
+    return value
+
+
+def output_dirs(presets: list[str], out: str | None, ship: bool) -> dict[str, Path]:
+    """Where each preset's checkpoint goes. The shipped course models are written over only with
+    --ship; otherwise runs/<preset> (or --out). Checked for writability before any training."""
+    dirs = {}
+    for preset in presets:
+        shipped = MODELS_DIR / preset
+        if ship:
+            if preset not in COURSE_MODELS or out:
+                raise ValueError(f"--ship writes the shipped course models {COURSE_MODELS} into "
+                                 f"{MODELS_DIR}; it takes no --out and no other preset")
+            dirs[preset] = shipped
+        else:
+            dirs[preset] = Path(out) if out else Path("runs") / preset
+            try:
+                if dirs[preset].resolve() == shipped.resolve() or (
+                        dirs[preset].resolve().parent == MODELS_DIR.resolve()):
+                    raise ValueError(f"{dirs[preset]} holds a shipped course model: pass --ship "
+                                     f"to overwrite it on purpose")
+            except (OSError, RuntimeError) as e:
+                raise ValueError(f"cannot resolve --out {out!r}: {e}") from None
+    for directory in dirs.values():
+        check_writable(directory)
+    return dirs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minikv train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", required=True, choices=["all", *sorted(PRESETS)],
-                        help="model shape from minikv.config.PRESETS; "
-                             "'all' = the shipped draft and target")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="override the preset's number of steps")
+                        help="model shape from minikv.engine.PRESETS; "
+                             "'all' = the course's draft and target")
+    parser.add_argument("--steps", type=_positive, default=None,
+                        help="override the preset's number of steps (at least 1)")
     parser.add_argument("--device", default=None,
                         help="cpu, cuda, cuda:N or mps (default: best available)")
     parser.add_argument("--out", default=None,
-                        help="output directory (default: minikv/course/models/<preset> for "
-                             "the course models, runs/<preset> otherwise)")
-    parser.add_argument("--seed", type=int, default=None)
+                        help="output directory (default: runs/<preset>)")
+    parser.add_argument("--ship", action="store_true",
+                        help=f"write the course models into {MODELS_DIR}, replacing the shipped "
+                             "ones (what `python -m minikv evaluate` and the chapters load)")
+    parser.add_argument("--seed", type=_seed, default=None)
     args = parser.parse_args(argv)
     presets = ["draft", "target"] if args.preset == "all" else [args.preset]
     if args.out and len(presets) > 1:
         parser.error("--out needs a single --preset")
+    try:
+        dirs = output_dirs(presets, args.out, args.ship)
+        device = resolve_device(args.device)
+    except ValueError as e:
+        parser.error(str(e))
     for preset in presets:
         tc = TRAINING.get(preset, TrainConfig())
         if args.steps is not None:
             tc = replace(tc, steps=args.steps, warmup=min(tc.warmup, max(1, args.steps // 10)))
         if args.seed is not None:
             tc = replace(tc, seed=args.seed)
-        out = (Path(args.out) if args.out
-               else (MODELS_DIR if preset in COURSE_MODELS else Path("runs")) / preset)
-        model, metadata = train(preset, tc, args.device)
-        save_checkpoint(model, out, metadata)
+        model, metadata = train(preset, tc, device)
+        save_checkpoint(model, dirs[preset], metadata)
         print(f"{preset}: {metadata['num_params']:,} parameters, "
               f"{metadata['wall_time_s']:.0f} s on {metadata['device']}, "
               f"train loss {metadata['final_train_loss']}, "
-              f"val loss {metadata['val_loss']} -> {out}")
+              f"val loss {metadata['val_loss']} -> {dirs[preset]}")
     return 0
 
 

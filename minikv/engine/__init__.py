@@ -1,7 +1,5 @@
-"""The engine: a GPT-2 and the ways it decodes with a KV cache. Read it in this order: config,
-model, cache, sampling, generate, records, verify, speculative, serving, and validate last (the
-README has a table). Nothing here imports from the course tooling around it (minikv.viz,
-minikv.course, minikv.bench)."""
+"""The engine: a GPT-2 and the ways it decodes with a KV cache. Read config, model, cache, sampling,
+generate, records, verify, speculative, serving, then validate; nothing here imports the tooling."""
 from .cache import Cache, KVCache, kv_cache_bytes
 from .config import PRESETS, GPTConfig
 from .generate import GenerationOutput, generate

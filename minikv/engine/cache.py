@@ -2,6 +2,8 @@
 method names are Hugging Face's (`cache_utils`: update, get_seq_length, crop), met again later."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from . import validate
@@ -9,9 +11,8 @@ from .config import GPTConfig
 
 
 class Cache:
-    """What the model asks of every cache kind: `get_seq_length()`, where new positions start;
-    `check_fits(cfg, batch_size, n_new, device, dtype)`, raising before anything is written; and
-    `update(key, value, layer_idx)`, which stores a layer's new K/V and returns all it may see."""
+    """What the model asks of any cache kind: `get_seq_length()` (where positions start),
+    `check_fits(...)` (raise before writing) and `update(k, v, layer_idx)` (store, return all)."""
 
 
 class KVCache(Cache):
@@ -91,6 +92,16 @@ class KVCache(Cache):
         twin._length = length
         return twin
 
+    @contextmanager
+    def restored_on_error(self):
+        """Crop back to the current length if the block raises or is interrupted."""
+        start = self._length
+        try:
+            yield
+        except BaseException:
+            self._length = min(start, self._length)
+            raise
+
     def reset(self) -> None:
         self._length = 0
 
@@ -106,15 +117,13 @@ class KVCache(Cache):
         return sum(t.nbytes for t in self.keys + self.values)
 
     def __repr__(self) -> str:
-        shape = f"n_layer={self.n_layer}, batch_size={self.batch_size}, n_head={self.n_head}"
-        return (f"KVCache({shape}, head_dim={self.head_dim}, seq_len={self.get_seq_length()}/"
-                f"{self.max_len}, dtype={self.dtype}, device={self.device})")
+        return (f"KVCache({self.n_layer} layers of {tuple(self.keys[0].shape)}, "
+                f"seq_len={self._length}/{self.max_len}, {self.dtype}, {self.device})")
 
 
 def kv_cache_bytes(cfg: GPTConfig, seq_len: int, batch_size: int = 1,
                    dtype: torch.dtype = torch.float16, n_kv_head: int | None = None) -> int:
-    """Seed 003's formula: layers x 2 (K and V) x batch x heads x seq_len x head_dim x bytes.
-    `n_kv_head` is for grouped-query attention, where several query heads share one K/V head.
-    """
+    """Seed 003's formula: layers x 2 (K and V) x batch x heads x seq_len x head_dim x bytes;
+    `n_kv_head` is for grouped-query attention, where several query heads share one K/V head."""
     heads = cfg.n_head if n_kv_head is None else n_kv_head
     return cfg.n_layer * 2 * batch_size * heads * seq_len * cfg.head_dim * dtype.itemsize

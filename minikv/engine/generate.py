@@ -4,6 +4,7 @@ cached: one prefill over the prompt fills the KV cache; each decode step then fe
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +48,9 @@ def generate(model, ids, max_new_tokens: int, mode: str = "cached", temperature:
     events: list[TraceEvent] = []
     step_logits: list[torch.Tensor] = []
     sequence = list(prompt)
-    with torch.inference_mode(), KVCounter(model) as counter:
+    # A failure or Ctrl-C mid-way crops a caller's cache back: a retry never feeds a token twice.
+    with (torch.inference_mode(), KVCounter(model) as counter,
+          cache.restored_on_error() if cache is not None else nullcontext()):
         for step in range(max_new_tokens):
             # 1. What to feed: naive feeds everything again; cached feeds the prompt once
             #    (prefill), then only the newest token (decode).

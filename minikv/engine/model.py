@@ -1,8 +1,6 @@
-"""A GPT-2 from scratch, in GPT-2's parameter layout, with an optional KV cache.
-Without a cache the model is the plain GPT-2 forward pass. The cache adds three marked lines
-(`# KV-CACHE`): append this step's keys and values, attend over everything cached, and start
-position embeddings where the cache ends.
-"""
+"""A GPT-2 from scratch, in GPT-2's parameter layout. Without a cache it is the plain GPT-2 forward
+pass; the cache adds three lines marked `# KV-CACHE`: append this step's keys and values, attend
+over everything cached, and start the position embeddings where the cache ends."""
 from __future__ import annotations
 
 import math
@@ -99,13 +97,8 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    @property
-    def device(self) -> torch.device:
-        return self.lm_head.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+    device = property(lambda self: self.lm_head.weight.device)
+    dtype = property(lambda self: self.lm_head.weight.dtype)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # the tied head is counted once
@@ -150,7 +143,7 @@ class GPT(nn.Module):
                 if k != "lm_head.weight"}
         conv1d = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
         sd = {name: t.t() if name.endswith(conv1d) else t for name, t in sd.items()}
-        validate.same_tensors(sd, ours, f"{config}")
+        validate.gpt2_state_dict(sd, ours, f"{config}")
         with torch.no_grad():
             for name, target in ours.items():
                 target.copy_(sd[name])

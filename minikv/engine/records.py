@@ -9,14 +9,14 @@ from typing import Literal
 import torch
 
 # --- trace events: one per forward pass or cache operation ------------------------------------
+# recompute: naive decoding feeds all again; prefill: the prompt; decode: one new token; draft: a
+# draft pass; verify: the authority's pass; rollback: caches cropped; commit: tokens kept
 Kind = Literal["recompute", "prefill", "decode", "draft", "verify", "rollback", "commit"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class TraceEvent:
-    kind: Kind  # recompute: naive decoding feeds the whole sequence again; prefill: the prompt
-    #             in one pass; decode: one new token; draft: a draft-model pass; verify: the
-    #             authority's pass over proposals; rollback: caches cropped; commit: tokens kept
+    kind: Kind
     step: int                           # decoding step (a round, in speculative decoding)
     input_ids: tuple[int, ...] = ()     # token ids fed (verify: the proposals; commit: kept)
     positions: tuple[int, ...] = ()     # their positions (rollback: the rejected ones)

@@ -19,9 +19,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         validate.sampling(self)
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+    greedy = property(lambda self: self.temperature == 0)
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
         """softmax(logits / temperature) over the top_k logits (the rest get probability 0)."""
@@ -29,7 +27,9 @@ class SamplingParams:
         if self.top_k is not None and self.top_k < logits.shape[-1]:
             kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        return torch.softmax(logits, dim=-1)
+        probs = torch.softmax(logits, dim=-1)
+        validate.finite_probabilities(probs, self.temperature)
+        return probs
 
     def sample(self, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """One token id per row of `logits` (..., vocab), drawn from `generator`'s stream."""

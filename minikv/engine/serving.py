@@ -1,12 +1,9 @@
-"""A small batched server with deterministic requests (seed 001, after LLM-42, arXiv 2601.17768).
-Fast path: every active request advances one token per step in ONE batched pass, whose numbers
-depend on the batch as in real servers: split-KV decode attention (FlashDecoding) cuts the keys
-into as many chunks as keep a GPU busy, so the chunk count follows the batch size; and BLAS picks
-matmul kernels, and summation orders, by the number of rows. Verifier: a deterministic request's
-positions are replayed alone, `window` rows per pass at boundaries fixed relative to the prompt,
-so every committed number comes from the same-shaped call whatever the batch. The shared
-verify-and-rollback core commits the matching prefix, or rolls back at the first mismatch.
-"""
+"""A batched server with deterministic requests (seed 001, after LLM-42, arXiv 2601.17768). Fast
+path: each request advances one token per step in ONE batched pass, whose numbers depend on the
+batch as in real servers (split-KV attention splits by batch size; BLAS picks kernels by rows).
+Verifier: a deterministic request's positions are replayed alone, `window` rows per pass at
+boundaries fixed relative to the prompt, so every committed number comes from the same-shaped
+call whatever the batch; the shared verify core commits the matching prefix or rolls back."""
 from __future__ import annotations
 
 import math
@@ -26,10 +23,10 @@ from .verify import accept_matching, round_events, verify_and_commit
 GPU_WORKERS = 132  # streaming multiprocessors of an H100: split-KV aims to keep them all busy
 
 
-def num_kv_splits(batch_size: int, n_head: int, seq_len: int, min_chunk: int = 8) -> int:
-    """FlashDecoding's heuristic: split the keys until batch x heads x splits fills the GPU."""
-    return max(1, min(math.ceil(GPU_WORKERS / (batch_size * n_head)),
-                      math.ceil(seq_len / min_chunk)))
+def num_kv_splits(batch_size: int, n_head: int, seq_len: int) -> int:
+    """FlashDecoding's heuristic: split the keys (at least 8 a chunk) until batch x heads x
+    splits fills the GPU."""
+    return max(1, min(math.ceil(GPU_WORKERS / (batch_size * n_head)), math.ceil(seq_len / 8)))
 
 
 def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,

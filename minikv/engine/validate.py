@@ -1,7 +1,6 @@
 """Input checks, out of the way of the code they guard: every entry point calls one function here
 before it touches a model or a cache, so bad input raises a ValueError or TypeError that says
-what to do, and nothing has changed. Read it last: the rest reads as if inputs were always right.
-"""
+what to do, and nothing has changed. Read it last: the rest reads as if inputs were always right."""
 from __future__ import annotations
 
 import math
@@ -10,6 +9,9 @@ import operator
 import torch
 
 MODES = ("naive", "cached")
+# Below this, logits / temperature overflows float32 for ordinary logits, and sampling is greedy in
+# all but name anyway: ask for 0.
+MIN_TEMPERATURE = 1e-3
 
 
 def int_at_least(name: str, value, minimum: int = 1, hint: str = "") -> int:
@@ -36,22 +38,27 @@ def config(cfg) -> None:
                          f"pick an n_head that divides it")
 
 
-def sampling(sp) -> None:
-    if type(sp.temperature) not in (int, float) or not 0 <= sp.temperature < math.inf:
-        raise ValueError(f"temperature must be a number >= 0 (0 means greedy), "
-                         f"got {sp.temperature!r}")
+def sampling(sp, vocab_size: int | None = None) -> None:
+    t = sp.temperature
+    if type(t) not in (int, float) or not (t == 0 or MIN_TEMPERATURE <= t < math.inf):
+        raise ValueError(f"temperature must be 0 (greedy) or a number >= {MIN_TEMPERATURE}, "
+                         f"got {t!r}")
     if sp.top_k is not None:
         int_at_least("top_k", sp.top_k, hint=" or None (no filtering)")
     if not isinstance(sp.seed, int) or isinstance(sp.seed, bool) or not 0 <= sp.seed < 2**63:
         raise ValueError(f"seed must be an int in [0, 2**63), got {sp.seed!r}")
     if sp.eos_id is not None:
         int_at_least("eos_id", sp.eos_id, 0, hint=" (a token id) or None")
+        if vocab_size is not None and sp.eos_id >= vocab_size:
+            raise ValueError(f"eos_id must be a token id in [0, {vocab_size}) or None, "
+                             f"got {sp.eos_id!r}")
 
 
-def eos_in_vocab(sp, vocab_size: int) -> None:
-    if sp.eos_id is not None and sp.eos_id >= vocab_size:
-        raise ValueError(f"eos_id must be a token id in [0, {vocab_size}) or None, "
-                         f"got {sp.eos_id!r}")
+def finite_probabilities(probs, temperature) -> None:
+    if not torch.isfinite(probs).all():
+        raise ValueError(f"sampling failed: softmax(logits / {temperature}) is not finite (the "
+                         f"logits overflowed, or hold NaN); use a larger temperature, or 0 for "
+                         f"greedy decoding")
 
 
 def token_ids(ids, vocab_size: int) -> list[int]:
@@ -120,9 +127,8 @@ def forward(model, idx, cache, positions) -> None:
 
 def cache_fits(cache, cfg, batch_size: int, n_new: int, device, dtype) -> None:
     """Raise unless a model of `cfg` on (device, dtype) can append (batch_size, n_new) tokens."""
-    have = (cache.n_layer, cache.n_head, cache.head_dim)
-    want = (cfg.n_layer, cfg.n_head, cfg.head_dim)
-    if have != want:
+    if (have := (cache.n_layer, cache.n_head, cache.head_dim)) != (
+            want := (cfg.n_layer, cfg.n_head, cfg.head_dim)):
         raise ValueError(f"cache has (n_layer, n_head, head_dim) = {have} but the model needs "
                          f"{want}; build it with KVCache.for_model(model)")
     if cache.batch_size != batch_size:
@@ -131,11 +137,14 @@ def cache_fits(cache, cfg, batch_size: int, n_new: int, device, dtype) -> None:
     if cache.device != device or cache.dtype != dtype:
         raise ValueError(f"cache is {cache.dtype} on {cache.device} but the model is {dtype} on "
                          f"{device}; build it with KVCache.for_model(model)")
-    length = cache.get_seq_length()
-    if length + n_new > cache.max_len:
-        raise ValueError(f"KV cache overflow: {length} cached + {n_new} new positions > "
-                         f"max_len={cache.max_len}; create the cache with a larger max_len, "
-                         f"or crop it first")
+    _room(cache, n_new)
+
+
+def _room(cache, n_new: int) -> None:
+    if cache.get_seq_length() + n_new > cache.max_len:
+        raise ValueError(f"KV cache overflow: {cache.get_seq_length()} cached + {n_new} new "
+                         f"positions > max_len={cache.max_len}; create the cache with a larger "
+                         f"max_len, or crop it first")
 
 
 def cache_update(cache, key, value, layer_idx: int) -> None:
@@ -147,40 +156,35 @@ def cache_update(cache, key, value, layer_idx: int) -> None:
                 or t.device != cache.device or t.dtype != cache.dtype):
             raise ValueError(f"key and value must both be {shape}, {cache.dtype} on "
                              f"{cache.device}; got {tuple(t.shape)} {t.dtype} on {t.device}")
-    n_new = key.shape[2]
-    if cache.get_seq_length() + n_new > cache.max_len:
-        raise ValueError(f"KV cache overflow: {cache.get_seq_length()} + {n_new} > "
-                         f"max_len={cache.max_len}; use a larger max_len or crop first")
+    _room(cache, key.shape[2])
 
 
 def crop(cache, max_length) -> None:
-    length = cache.get_seq_length()
     if not isinstance(max_length, int) or isinstance(max_length, bool):
         raise TypeError(f"crop takes an int length, got {type(max_length).__name__}")
-    if not 0 <= max_length <= length:
-        raise ValueError(f"cannot crop to {max_length}: the cache holds {length} positions; "
-                         f"pass a length between 0 and {length}")
+    if not (n := cache.get_seq_length()) >= max_length >= 0:
+        raise ValueError(f"cannot crop to {max_length}: the cache holds {n} positions; "
+                         f"pass a length between 0 and {n}")
 
 
-def gpt2_state_dict(sd) -> None:
+def gpt2_state_dict(sd: dict, want: dict | None = None, what: str = "") -> None:
+    """A GPT-2 state dict (prefix removed); with `want`, exactly its names and shapes."""
+    if want is not None:
+        missing, unexpected = sorted(set(want) - set(sd)), sorted(set(sd) - set(want))
+        if missing or unexpected:
+            raise ValueError(f"state dict does not match {what}: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+        for name, t in want.items():
+            if sd[name].shape != t.shape:
+                raise ValueError(f"{name}: got shape {tuple(sd[name].shape)}, expected "
+                                 f"{tuple(t.shape)} for {what}")
+        return
     if "wte.weight" not in sd:
         raise ValueError("state dict has no 'transformer.wte.weight': "
                          "is this a GPT-2 state dict?")
     if "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"], sd["wte.weight"]):
         raise ValueError("lm_head.weight differs from wte.weight, but GPT-2 ties them; "
                          "this model cannot load it")
-
-
-def same_tensors(got: dict, want: dict, what: str) -> None:
-    """`got` must have exactly the names and shapes of `want`."""
-    missing, unexpected = sorted(set(want) - set(got)), sorted(set(got) - set(want))
-    if missing or unexpected:
-        raise ValueError(f"state dict does not match {what}: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
-    for name, t in want.items():
-        if got[name].shape != t.shape:
-            raise ValueError(f"{name}: got shape {tuple(got[name].shape)}, expected "
-                             f"{tuple(t.shape)} for {what}")
 
 
 def max_len_for(cfg, max_len) -> None:
@@ -200,7 +204,7 @@ def generate_call(model, prompt, max_new_tokens, mode, sp, cache, position_offse
     int_at_least("max_new_tokens", max_new_tokens, 0)
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
-    eos_in_vocab(sp, cfg.vocab_size)
+    sampling(sp, cfg.vocab_size)
     if mode == "naive" and (cache is not None or position_offset_bug):
         raise ValueError("cache= and position_offset_bug= only apply to mode='cached'")
     past = 0 if cache is None else cache.get_seq_length()
@@ -227,7 +231,7 @@ def speculative_call(target, draft, prompt, max_new_tokens, gamma, sp, adaptive_
     int_at_least("gamma", gamma)
     if adaptive_gamma:
         int_at_least("max_gamma", max_gamma, gamma, hint=" (the largest γ adaptive γ may reach)")
-    eos_in_vocab(sp, target.config.vocab_size)
+    sampling(sp, target.config.vocab_size)
     needed = len(prompt) + max_new_tokens + (max_gamma if adaptive_gamma else gamma)
     _fits(needed, min(target.config.block_size, draft.config.block_size),
           f"{len(prompt)} prompt + {max_new_tokens} new tokens + γ lookahead",
@@ -243,7 +247,7 @@ def serve_call(model, requests, window) -> list[list[int]]:
     prompts = []
     for i, r in enumerate(requests):
         prompts.append(token_ids(r.prompt, model.config.vocab_size))
-        eos_in_vocab(r.sampling, model.config.vocab_size)
+        sampling(r.sampling, model.config.vocab_size)
         int_at_least(f"request {i}: max_new_tokens", r.max_new_tokens)
         _fits(len(prompts[-1]) + r.max_new_tokens + window, model.config.block_size,
               f"request {i}: {len(prompts[-1])} prompt + {r.max_new_tokens} new + {window} "

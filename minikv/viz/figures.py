@@ -14,6 +14,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from ..course.corpus import CoinFlip
+from ..course.files import check_writable, write_atomically
 from ..engine import (
     GPTConfig,
     KVCache,
@@ -214,7 +215,7 @@ def seed_001_no_rollback(target, tok) -> plt.Figure:
                                "no rollback")
 
 
-def make_figures(target, draft, tok, out_dir: Path = FIGURES_DIR) -> list[Path]:
+def make_figures(target, draft, tok, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     jobs = {
         "seed_002_prefill_decode.png": lambda: seed_002_prefill_decode(target, tok),
@@ -227,15 +228,21 @@ def make_figures(target, draft, tok, out_dir: Path = FIGURES_DIR) -> list[Path]:
     written = []
     for name, make in jobs.items():
         path = out_dir / name
-        path.write_bytes(png(make(), dpi=100))
+        write_atomically(path, png(make(), dpi=100))
         written.append(path)
     return written
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minikv figures", description=__doc__)
-    parser.add_argument("--out", type=Path, default=FIGURES_DIR)
+    parser.add_argument("--out", type=Path, default=Path("runs") / "figures",
+                        help="where to draw them (default: runs/figures; the course's own are in "
+                             "figures/: `make figures`)")
     args = parser.parse_args(argv)
+    try:
+        check_writable(args.out)
+    except ValueError as e:
+        parser.error(str(e))
     from ..course.checkpoint import load_course_model
     # identical pictures on any machine: no thread-count-dependent reductions
     torch.set_num_threads(1)
