@@ -22,7 +22,9 @@ from .engine import (
     TraceEvent,
     Verdict,
     generate,
+    generate_batch,
     kv_cache_bytes,
+    lookup_generate,
     serve,
     speculative_generate,
     verify_and_commit,
@@ -32,5 +34,6 @@ __all__ = [
     "GPT", "GPTConfig", "PRESETS", "KVCache", "kv_cache_bytes", "generate", "GenerationOutput",
     "SamplingParams", "Stats", "TraceEvent", "KVCounter", "default_device", "describe_device",
     "resolve_device", "load_tokenizer", "EOT", "speculative_generate", "serve", "Request",
-    "RequestOutput", "Verdict", "verify_and_commit", "load_course_model",
+    "RequestOutput", "Verdict", "verify_and_commit", "load_course_model", "lookup_generate",
+    "generate_batch",
 ]

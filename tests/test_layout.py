@@ -8,7 +8,13 @@ import minikv
 PACKAGE = Path(minikv.__file__).parent
 ENGINE = PACKAGE / "engine"
 TOOLING = ("viz", "course", "bench")
-ENGINE_LINE_BUDGET = 1300
+# What the engine may weigh, line by line, docstrings included: each feature added after the
+# layout issue brings its own allowance, so growth is a decision, not a drift.
+ENGINE_LINE_BUDGET = sum({
+    "the engine as the layout issue left it (13)": 1300,
+    "prompt-lookup decoding: a proposer without a model (16)": 85,
+    "static batching of ragged prompts with left padding (18)": 110,
+}.values())
 
 
 def imported_modules(source: str, package: str) -> list[tuple[int, str]]:

@@ -50,6 +50,26 @@ def alternate(runs: dict, repeats: int, device: torch.device) -> dict[str, float
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def pass_cost(cfg: GPTConfig, n_new: int, n_cached: int = 0,
+              bytes_per_value: int = 4) -> tuple[int, int]:
+    """(FLOPs, bytes moved) of one forward pass of batch 1 that feeds `n_new` tokens after
+    `n_cached` cached ones and computes logits for the last position only (as generate does).
+
+    FLOPs: 2 per multiply-add of the matmuls: per token and layer, Q/K/V (3C²), the attention
+    output (C²) and the MLP (8C²); then the LM head on one row (V·C); plus attention itself,
+    q·k and weights·v, 2·C multiply-adds per (query, key) pair it may see: the n_new queries see
+    n_cached + 1, …, n_cached + n_new keys. Bytes: every weight read once (only n_new rows of
+    each embedding, all of wte again as the tied LM head), the cached K/V read, the new K/V
+    written. Biases and LayerNorms are counted in the bytes, not the FLOPs (they are a few
+    per cent of either)."""
+    C, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
+    pairs = n_new * n_cached + n_new * (n_new + 1) // 2  # (query, key) pairs under the mask
+    flops = 2 * (n_new * L * 12 * C * C + V * C) + 2 * 2 * C * L * pairs
+    weights = L * (12 * C * C + 13 * C) + 2 * C + V * C + 2 * n_new * C
+    kv = 2 * L * C * (n_cached + n_new)  # K and V: the cached ones read, the new ones written
+    return flops, (weights + kv) * bytes_per_value
+
+
 def random_model(preset: str, device, dtype=torch.float32, **overrides) -> GPT:
     torch.manual_seed(0)
     return GPT(GPTConfig.preset(preset, **overrides)).to(device, dtype).eval()

@@ -1,8 +1,10 @@
 """The engine: a GPT-2 and the ways it decodes with a KV cache. Read config, model, cache, sampling,
-generate, records, verify, speculative, serving, then validate; nothing here imports the tooling."""
+generate, records, verify, speculative, lookup, serving, then validate; it imports no tooling."""
+from .batch import generate_batch
 from .cache import Cache, KVCache, kv_cache_bytes
 from .config import PRESETS, GPTConfig
 from .generate import GenerationOutput, generate
+from .lookup import lookup_generate
 from .model import GPT, causal_attention
 from .records import KVCounter, Stats, TraceEvent
 from .sampling import SamplingParams
@@ -13,4 +15,5 @@ from .verify import Verdict, verify_and_commit
 __all__ = ["Cache", "KVCache", "kv_cache_bytes", "PRESETS", "GPTConfig", "GenerationOutput",
            "generate", "GPT", "causal_attention", "KVCounter", "Stats", "TraceEvent",
            "SamplingParams", "Request", "RequestOutput", "serve", "speculative_generate",
+           "lookup_generate", "generate_batch",
            "Verdict", "verify_and_commit"]

@@ -239,6 +239,37 @@ def speculative_call(target, draft, prompt, max_new_tokens, gamma, sp, adaptive_
     return needed
 
 
+def lookup_call(target, prompt, max_new_tokens, gamma, ngram, sp) -> int:
+    int_at_least("max_new_tokens", max_new_tokens, 0)
+    int_at_least("gamma", gamma)
+    int_at_least("ngram", ngram, hint=" (tokens of context the lookup matches)")
+    sampling(sp, target.config.vocab_size)
+    needed = len(prompt) + max_new_tokens + gamma
+    _fits(needed, target.config.block_size, f"{len(prompt)} prompt + {max_new_tokens} new tokens "
+          f"+ γ lookahead", "max_new_tokens or gamma")
+    return needed
+
+
+def batch_call(model, prompts, max_new_tokens, sp, pad_id) -> list[list[int]]:
+    """Check a generate_batch() call; return each prompt as a list of ids."""
+    if isinstance(prompts, (str, torch.Tensor)) or not hasattr(prompts, "__iter__"):
+        raise TypeError("prompts must be a list of prompts (each a list of token ids); for one "
+                        "prompt use minikv.generate")
+    rows = [token_ids(p, model.config.vocab_size) for p in prompts]
+    if not rows:
+        raise ValueError("no prompts to generate from")
+    int_at_least("max_new_tokens", max_new_tokens, 0)
+    sampling(sp, model.config.vocab_size)
+    int_at_least("pad_id", pad_id, 0)
+    if pad_id >= model.config.vocab_size:
+        raise ValueError(f"pad_id must be a token id in [0, {model.config.vocab_size})")
+    width = max(len(r) for r in rows)
+    _fits(width + max_new_tokens - 1, model.config.block_size,
+          f"the longest prompt ({width}) + {max_new_tokens} new tokens",
+          "max_new_tokens or shorten the prompts")
+    return rows
+
+
 def serve_call(model, requests, window) -> list[list[int]]:
     """Also returns each request's prompt as a list of ids."""
     int_at_least("window", window, hint=" (positions verified per pass)")

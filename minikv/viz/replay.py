@@ -79,6 +79,11 @@ def replay(trace: list[TraceEvent]) -> list[Snapshot]:
             draft_len = e.cache_len_after
             draft_written, computed_in = max(draft_written, draft_len), "draft"
         elif e.kind == "verify":
+            # proposals no pass has shown yet (prompt lookup proposes without a model)
+            for p, t in zip(e.positions, e.input_ids):
+                if p == len(tokens):
+                    tokens.append(t)
+                    status.append("proposed")
             computed = list(range(e.cache_len_before, e.cache_len_after))
             cache_len, written = e.cache_len_after, max(written, e.cache_len_after)
             for p in e.accepted:

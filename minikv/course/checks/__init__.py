@@ -1,17 +1,32 @@
 """Checkers for the course exercises (solutions/ and exercises/): one module per chapter.
 
 A checker runs the learner's function on small cases, compares with the engine (or with a known
-answer), and on the first wrong case raises CheckFailed naming the input, what was expected and
-what came back. On success it prints one stable line, which nbval compares with the solution's
-output.
+answer), and on the first wrong case raises CheckFailed naming the input, what was expected, what
+came back and, for the usual mistakes, which mistake it is. On success it prints one line.
+
+A check cell cannot be silenced from an exercise cell: it reloads this package and runs a fresh
+copy of its chapter's checker, loaded from the package's own file (`fresh`), so a checker patched
+in an earlier cell is not the one that runs; and it refuses to run when the engine functions the
+checkers compare with were replaced in the notebook (`engine_is_pristine`).
 """
 from __future__ import annotations
 
+import ast
+import contextlib
+import importlib.util
 import random
+import sys
+from pathlib import Path
 
 import torch
 
+import minikv
+
 from ...engine import GPT, GPTConfig
+
+HERE = Path(__file__).resolve().parent
+ENGINE_DIR = HERE.parent.parent / "engine"
+CHAPTERS = ("ch00", "ch01", "ch02", "ch03", "ch04", "ch05")
 
 
 class CheckFailed(AssertionError):
@@ -70,3 +85,132 @@ def tiny_model(seed: int, std: float = 0.1, **config_overrides) -> GPT:
                 if p.dim() > 1:
                     p.normal_(0.0, std)
     return model
+
+
+# --- integrity: the checker that runs is the packaged one ---------------------------------------
+
+def _defined_in_engine(obj, name: str) -> bool:
+    """Is `obj` the function or class `name` as the engine folder's source defines it?"""
+    if isinstance(obj, type):
+        module = sys.modules.get(obj.__module__)
+        file = getattr(module, "__file__", None)
+        return (obj.__name__ == name and file is not None
+                and Path(file).resolve().parent == ENGINE_DIR and getattr(module, name) is obj)
+    code = getattr(obj, "__code__", None)
+    return (code is not None and code.co_name == name
+            and Path(code.co_filename).resolve().parent == ENGINE_DIR)
+
+
+def engine_is_pristine() -> None:
+    """Raise unless every function and class the engine defines, wherever it is reachable
+    (minikv.X, minikv.engine.X, minikv.engine.module.X), is the one in the package's files: a
+    checker compares with them, so replacing one (say minikv.generate) could make any answer
+    look right."""
+    defined = {}
+    for path in ENGINE_DIR.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+        defined[f"minikv.engine.{path.stem}"] = names
+    public = [n for n in minikv.engine.__all__ if any(n in names for names in defined.values())]
+    places = [(minikv, public), (minikv.engine, public)]
+    places += [(sys.modules[m], names) for m, names in defined.items() if m in sys.modules]
+    for module, names in places:
+        for name in names:
+            if hasattr(module, name) and not _defined_in_engine(getattr(module, name), name):
+                raise CheckFailed(f"{module.__name__}.{name} is not the packaged one (it was "
+                                  f"replaced in this notebook): restart the kernel and run the "
+                                  f"notebook from the top")
+
+
+def fresh(chapter: str):
+    """A new copy of checks/<chapter>.py, loaded from the package's file (not the module this
+    notebook may have imported, and perhaps patched), after checking the engine is untouched."""
+    if chapter not in CHAPTERS:
+        raise ValueError(f"unknown chapter {chapter!r}; one of {CHAPTERS}")
+    engine_is_pristine()
+    spec = importlib.util.spec_from_file_location(f"{__name__}.{chapter}", HERE / f"{chapter}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # not placed in sys.modules: nobody else holds this copy
+    return module
+
+
+# --- what learners' functions must not do, and what they must return ----------------------------
+
+@contextlib.contextmanager
+def forbid(exercise: str, *engine_functions):
+    """While the learner's function runs, calling one of these engine functions fails the check,
+    however it was reached (minikv.generate, a name imported earlier, a method): the exercise asks
+    you to write it, not to call it. Watched with sys.setprofile, so no reference can dodge it."""
+    codes = {f.__code__: f"{f.__module__}.{f.__qualname__}" for f in engine_functions}
+    called = []
+
+    def watch(frame, event, arg):
+        if event == "call" and frame.f_code in codes:
+            called.append(codes[frame.f_code])
+    previous = sys.getprofile()
+    sys.setprofile(watch)
+    try:
+        yield
+    finally:
+        sys.setprofile(previous)
+    if called:
+        raise CheckFailed(f"{exercise}: your function called minikv's own {called[0]}(); the "
+                          f"exercise is to write it yourself")
+
+
+def as_int(value):
+    """`value` as an int when it is one (a Python int, a numpy or 0-d torch integer), else None: a
+    float such as 25.0 or 25.5 is not an int, and neither is a bool."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point():
+        return int(value)
+    if type(value).__module__ == "numpy" and hasattr(value, "dtype") and value.dtype.kind in "iu" \
+            and getattr(value, "ndim", 1) == 0:
+        return int(value)
+    return None
+
+
+def int_list(value):
+    """`value` as a list of ints (a list, tuple or 1-D integer tensor/array), else None."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.dim() != 1:
+            return None
+        return [int(v) for v in value]
+    if type(value).__module__ == "numpy":
+        value = value.tolist() if getattr(value, "ndim", 0) == 1 else None
+    if not isinstance(value, (list, tuple)):
+        return None
+    ints = [as_int(v) for v in value]
+    return None if any(v is None for v in ints) else ints
+
+
+class PassCounter:
+    """Counts the forward passes a model makes and the token positions each one feeds."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model, self.passes = model, []
+
+    def __enter__(self) -> PassCounter:
+        def hook(module, args, kwargs):
+            idx = args[0] if args else kwargs.get("idx")
+            self.passes.append(tuple(idx.shape) if isinstance(idx, torch.Tensor) else None)
+        self.handle = self.model.register_forward_pre_hook(hook, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+
+def cache_state(cache) -> tuple:
+    """Everything a KVCache holds: its length and every layer's keys and values (cloned)."""
+    return cache.get_seq_length(), [t.clone() for t in cache.keys + cache.values]
+
+
+def same_cache_prefix(before: tuple, cache, keep: int) -> bool:
+    """True when `cache` still holds, in every layer, the first `keep` positions of `before`."""
+    _, tensors = before
+    return all(torch.equal(a[:, :, :keep], b[:, :, :keep])
+               for a, b in zip(tensors, cache.keys + cache.values))

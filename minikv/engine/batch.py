@@ -1,0 +1,76 @@
+"""Static batching: prompts of different lengths decoded together, one forward pass per step.
+
+The prompts are LEFT-padded to the longest, so every row's newest token sits in the same last
+column and each step appends one column for all rows to one ordinary KVCache. Two things make the
+padding invisible: explicit position ids (a row's real tokens start at position 0, whatever its
+padding: with default positions they would start at its pad length) and an attention mask (no query
+sees a pad key). Right padding would put the rows' next tokens in different columns, each step
+writing a different slot per row, which a one-length KVCache cannot hold.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import validate
+from .cache import KVCache
+from .generate import GenerationOutput
+from .records import Stats
+from .sampling import SamplingParams
+
+
+def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     pad: torch.Tensor) -> torch.Tensor:
+    """Causal attention over a left-padded batch: query i of row b sees keys up to its own
+    column, except row b's first pad[b] keys (its padding). q (B, nh, T, hs), k/v (B, nh, L, hs)."""
+    T, L = q.size(-2), k.size(-2)
+    causal = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(diagonal=L - T)  # (T, L)
+    real = torch.arange(L, device=q.device) >= pad.view(-1, 1)                       # (B, L)
+    allowed = causal & real[:, None, :]                                               # (B, T, L)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
+
+
+def generate_batch(model, prompts, max_new_tokens: int, temperature: float = 0.0,
+                   top_k: int | None = None, seed: int = 0, eos_id: int | None = None, *,
+                   pad_id: int = 0, position_bug: bool = False) -> list[GenerationOutput]:
+    """Generate after every prompt in one batch: one forward pass per step for all of them. Returns
+    one output per prompt, in order; greedy tokens equal generating each prompt alone. A row that
+    reached `eos_id` keeps decoding pad tokens that are dropped. `position_bug` reproduces the
+    classic mistake: default positions, so padded rows' positions are shifted by their padding."""
+    sp = SamplingParams(temperature, top_k, seed, eos_id)
+    rows = validate.batch_call(model, prompts, max_new_tokens, sp, pad_id)
+    B, width = len(rows), max(len(r) for r in rows)
+    device = model.device
+    pad = torch.tensor([width - len(r) for r in rows], device=device)              # (B,)
+    idx = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)  # (B, T)
+    cache = KVCache.for_model(model, batch_size=B, max_len=width + max(max_new_tokens - 1, 0))
+    generator = torch.Generator(device=device).manual_seed(sp.seed)
+    new: list[list[int]] = [[] for _ in rows]
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    stats = [Stats(prompt_len=len(r)) for r in rows]
+    with torch.inference_mode():
+        for step in range(max_new_tokens):
+            # 1. Positions: each row counts from its first real token, so padding shifts nothing.
+            past = cache.get_seq_length()
+            columns = past + torch.arange(idx.shape[1], device=device)                  # (T,)
+            positions = None if position_bug else (columns - pad.view(-1, 1)).clamp(min=0)
+            # 2. One pass for the whole batch; the mask hides every row's padding.
+            logits = model(idx, cache=cache, positions=positions, last_only=True,
+                           attention=lambda q, k, v: padded_attention(q, k, v, pad))[:, -1]
+            # 3. One token per row; rows that have finished feed a pad from now on.
+            tokens = sp.sample(logits, generator)                                       # (B,)
+            tokens = torch.where(done, torch.full_like(tokens, pad_id), tokens)
+            for b, t in enumerate(tokens.tolist()):
+                if not done[b]:
+                    new[b].append(t)
+                    stats[b].forward_passes += 1
+                    stats[b].positions_processed += len(rows[b]) if step == 0 else 1
+            done |= tokens == eos_id if eos_id is not None else torch.zeros_like(done)
+            if bool(done.all()):
+                break
+            idx = tokens.view(B, 1)
+    for b, s in enumerate(stats):
+        s.new_tokens = len(new[b])
+        s.kv_computed = s.positions_processed  # each row's own positions (padding not counted)
+    return [GenerationOutput(prompt=r, tokens=n, stats=s, trace=None, logits=None)
+            for r, n, s in zip(rows, new, stats)]
