@@ -11,7 +11,8 @@ import torch
 # --- trace events: one per forward pass or cache operation ------------------------------------
 # recompute: naive decoding feeds all again; prefill: the prompt; decode: one new token; draft: a
 # draft pass; verify: the authority's pass; rollback: caches cropped; commit: tokens kept
-Kind = Literal["recompute", "prefill", "decode", "draft", "verify", "rollback", "commit"]
+Kind = Literal["recompute", "prefill", "decode", "draft", "verify", "rollback", "commit",
+               "preempt"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +93,8 @@ class SpeculativeStats(VerifyStats):
 @dataclass
 class ServeStats(VerifyStats):
     fast_steps: int = 0  # batched decode steps this request took part in
+    reused: int = 0      # prompt positions whose K/V came from another prompt's blocks
+    preempted: int = 0   # times its blocks were taken back, to be recomputed
 
 
 # --- counting K/V work -------------------------------------------------------------------------

@@ -1,12 +1,26 @@
-"""A batched server with deterministic requests (seed 001, after LLM-42, arXiv 2601.17768). Fast
-path: each request advances one token per step in ONE batched pass, whose numbers depend on the
-batch as in real servers (split-KV attention splits by batch size; BLAS picks kernels by rows).
-Verifier: a deterministic request's positions are replayed alone, `window` rows per pass at
-boundaries fixed relative to the prompt, so every committed number comes from the same-shaped
-call whatever the batch; the shared verify core commits the matching prefix or rolls back."""
+"""A server: continuous batching over a paged KV cache, with deterministic requests (seed 001,
+after LLM-42, arXiv 2601.17768).
+
+One engine loop, one step at a time: (1) requests that have arrived are admitted, first come
+first served, while the pool has blocks for their prompt (sharing the blocks of a prefix another
+request already computed), and each is prefilled alone; (2) deterministic requests whose window
+is full are verified; (3) every other running request advances one token in ONE batched decode
+pass, preempting the newest requests (their blocks freed, their tokens kept, to be recomputed on
+readmission) when the pool cannot give every row its next slot; (4) finished requests leave and
+give their blocks back at once.
+
+The batched pass's numbers depend on the batch, as in real servers (split-KV attention splits by
+batch size; BLAS picks kernels by rows). A deterministic request's positions are therefore
+replayed alone, `window` rows per pass at boundaries fixed relative to the prompt, and the shared
+verify core commits the matching prefix or rolls back: its output is bit-identical whatever the
+batch, the arrivals and the preemptions. (It neither uses shared prefix blocks, which another
+request's differently shaped pass computed, nor is recomputed in one pass: its prompt is
+prefilled alone and its windows replayed as they were.)
+"""
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -14,8 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from . import validate
-from .cache import Cache, KVCache
-from .config import GPTConfig
+from .paged import BlockPool, BlockTable, PagedCache, block_hash
 from .records import ServeStats, TraceEvent
 from .sampling import SamplingParams
 from .verify import accept_matching, round_events, verify_and_commit
@@ -53,33 +66,6 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length
     return out.to(q.dtype)                                             # (B, nh, 1, hs)
 
 
-class RaggedCaches(Cache):
-    """Each request's own KVCache, stepped together in one batched pass: row b continues from its
-    own length, and `update` returns keys right-padded to the longest row."""
-
-    def __init__(self, caches: list[KVCache]):
-        self.caches = caches
-
-    def get_seq_length(self, layer_idx: int = 0) -> torch.Tensor:
-        """(B, 1): each row's cached length, so each row's positions continue from its own."""
-        lengths = [[c.get_seq_length(layer_idx)] for c in self.caches]
-        return torch.tensor(lengths, device=self.caches[0].device)
-
-    def check_fits(self, cfg: GPTConfig, batch_size: int, n_new: int, device, dtype) -> None:
-        if batch_size != len(self.caches):
-            raise ValueError(f"batch of {batch_size} rows for {len(self.caches)} request caches")
-        for cache in self.caches:
-            cache.check_fits(cfg, 1, n_new, device, dtype)
-
-    def update(self, key: torch.Tensor, value: torch.Tensor,
-               layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ks, vs = zip(*(c.update(key[b:b + 1], value[b:b + 1], layer_idx)
-                       for b, c in enumerate(self.caches)))
-        longest = max(k.size(2) for k in ks)
-        return tuple(torch.cat([F.pad(t, (0, 0, 0, longest - t.size(2))) for t in ts])
-                     for ts in (ks, vs))  # 2 x (B, nh, longest, hs)
-
-
 @dataclass
 class Request:
     prompt: list[int]
@@ -89,6 +75,7 @@ class Request:
     top_k: int | None = None
     seed: int = 0               # sampling is seeded per position: the same request, the same draws
     eos_id: int | None = None
+    arrival: int = 0            # the engine step at which it arrives
 
     @property
     def sampling(self) -> SamplingParams:
@@ -104,13 +91,22 @@ class RequestOutput:
     fast_logits: list[torch.Tensor] = field(default_factory=list)  # per fast step, when recorded
 
 
-class _State:
-    def __init__(self, model, request: Request, prompt: list[int], window: int, verified: bool):
-        self.request, self.prompt, self.verified = request, prompt, verified
+class ServeOutputs(list):
+    """One RequestOutput per request, in order, and the block pool they were served from: its
+    `log` holds (step, what, block, request) for every block allocated, shared, copied, freed or
+    unshared, and every preemption."""
+    pool: BlockPool
+
+
+class _Sequence:
+    """One request inside the server: its tokens, its block table, and its progress."""
+
+    def __init__(self, index: int, request: Request, prompt: list[int], verified: bool):
+        self.index, self.request, self.prompt, self.verified = index, request, prompt, verified
         self.sampling = request.sampling
         self.seq = list(prompt)
         self.proposals: list[int] = []  # fast-path tokens awaiting verification
-        self.cache = KVCache.for_model(model, max_len=len(prompt) + request.max_new_tokens + window)
+        self.table = BlockTable(owner=index)
         self.stats = ServeStats(prompt_len=len(prompt))
         self.events: list[TraceEvent] = []
         self.fast_logits: list[torch.Tensor] = []
@@ -141,75 +137,183 @@ class _State:
         self.seq = self.prompt + new
 
 
-def serve(model, requests: list[Request], window: int = 4, verify: bool = True,
-          trace: bool = False, record_logits: bool = False) -> list[RequestOutput]:
-    """Run `requests` to completion together; deterministic ones are verified every `window`
-    positions. With `verify=False` every request keeps the fast path's tokens as they come, as a
-    plain batched server does: then its output depends on its companions."""
+def serve(model, requests, window: int = 4, verify: bool = True, trace: bool = False,
+          record_logits: bool = False, *, block_size: int = 16, num_blocks: int | None = None,
+          prefix_caching: bool = True) -> ServeOutputs:
+    """Serve `requests` (each arriving at its `arrival` step) to completion. The pool holds
+    `num_blocks` blocks of `block_size` positions (default: enough for every request at once);
+    `prefix_caching` lets a prompt reuse the full blocks another prompt with the same beginning
+    computed. Deterministic requests are verified every `window` positions; with `verify=False`
+    every request keeps the fast path's tokens as they come, as a plain batched server does."""
     requests = list(requests)
-    prompts = validate.serve_call(model, requests, window)
-    device = model.device
-    states = [_State(model, r, p, window, verified=verify and r.deterministic)
-              for r, p in zip(requests, prompts)]
-
-    def verifier(rows: list[int], cache: KVCache) -> torch.Tensor:
-        return model(torch.tensor([rows], device=device), cache=cache)[0]  # batch 1, `window` rows
-
+    prompts, num_blocks = validate.serve_call(model, requests, window, block_size, num_blocks)
+    pool = BlockPool(model.config, num_blocks, block_size, device=model.device, dtype=model.dtype)
+    seqs = [_Sequence(i, r, p, verify and r.deterministic)
+            for i, (r, p) in enumerate(zip(requests, prompts))]
+    waiting = deque(sorted(seqs, key=lambda s: (s.request.arrival, s.index)))
+    running: list[_Sequence] = []
+    server = _Server(model, pool, window, prefix_caching, record_logits, running, waiting)
     with torch.inference_mode():
-        for st in states:  # prefill alone: it depends on the request only
-            logits = model(torch.tensor([st.prompt], device=device), cache=st.cache,
-                           last_only=True)[0, -1]
-            st.seq.append(st.sampling.choose(logits, len(st.seq)))
-            n = len(st.prompt)
-            st.events.append(TraceEvent(kind="prefill", step=0, input_ids=tuple(st.prompt),
-                                        positions=tuple(range(n)), cache_len_after=n,
-                                        kv_computed=n, token=st.seq[-1]))
-        step = 1
-        while active := [st for st in states if not st.done]:
-            for st in active:
-                if st.verified and st.ready_to_verify(window):
-                    _verify(st, window, verifier, step)
-            batch = [st for st in active
-                     if not st.done and not (st.verified and st.ready_to_verify(window))]
-            if batch:
-                _fast_step(model, batch, step, record_logits)
-            step += 1
-    outputs = []
-    for st in states:
-        st.finish()
-        st.stats.new_tokens = len(st.new_tokens)
-        outputs.append(RequestOutput(st.request, st.new_tokens, st.stats,
-                                     st.events if trace else None, st.fast_logits))
+        while waiting or running:
+            # 1. Admit what has arrived, first come first served, while its prompt fits.
+            while (waiting and waiting[0].request.arrival <= server.step
+                   and server.admit(waiting[0])):
+                running.append(waiting.popleft())
+            # 2. Verify the deterministic requests whose window is full: alone, a fixed shape.
+            for s in [s for s in running if s.verified and s.ready_to_verify(window)]:
+                server.verify(s)
+            # 3. One batched decode pass for everyone else (preempting if the pool is short).
+            server.decode([s for s in running if not s.done
+                           and not (s.verified and s.ready_to_verify(window))])
+            # 4. Finished requests leave; their blocks go back to the pool at once.
+            for s in [s for s in running if s.done]:
+                server.release(s)
+                running.remove(s)
+            server.step += 1
+            if not running and waiting:  # idle until the next arrival
+                server.step = max(server.step, waiting[0].request.arrival)
+    outputs = ServeOutputs()
+    for s in seqs:
+        s.finish()
+        s.stats.new_tokens = len(s.new_tokens)
+        outputs.append(RequestOutput(s.request, s.new_tokens, s.stats,
+                                     s.events if trace else None, s.fast_logits))
+    outputs.pool = pool
     return outputs
 
 
-def _fast_step(model, batch: list[_State], step: int, record_logits: bool) -> None:
-    """One batched decode step: every request in `batch` feeds its newest token."""
-    device = model.device
-    fed = [(st.seq + st.proposals)[-1] for st in batch]
-    positions = [len(st.seq) + len(st.proposals) - 1 for st in batch]  # = each row's cache length
-    lengths = torch.tensor([p + 1 for p in positions], device=device)
-    n_splits = num_kv_splits(len(batch), model.config.n_head, int(lengths.max()))
-    attention = partial(split_kv_attention, lengths=lengths, n_splits=n_splits)
-    logits = model(torch.tensor([[t] for t in fed], device=device),
-                   cache=RaggedCaches([st.cache for st in batch]), last_only=True,
-                   attention=attention)[:, -1]  # (B, vocab)
-    for st, row, token_in, pos in zip(batch, logits, fed, positions):
-        token = st.sampling.choose(row, pos + 1)
-        (st.proposals if st.verified else st.seq).append(token)
-        st.stats.fast_steps += 1
-        if record_logits:
-            st.fast_logits.append(row.clone())
-        st.events.append(TraceEvent(
-            kind="decode", step=step, input_ids=(token_in,), positions=(pos,), token=token,
-            cache_len_before=pos, cache_len_after=pos + 1, kv_computed=1, batch=len(batch),
-            n_splits=n_splits, unverified=st.verified))
+class _Server:
+    """The engine loop's moves on one request or one batch; serve() decides when to make them."""
 
+    def __init__(self, model, pool, window, prefix_caching, record_logits, running, waiting):
+        self.model, self.pool, self.window = model, pool, window
+        self.prefix_caching, self.record_logits = prefix_caching, record_logits
+        self.running, self.waiting, self.step = running, waiting, 0
 
-def _verify(st: _State, window: int, verifier, step: int) -> None:
-    accept = partial(accept_matching, sampling=st.sampling, first_position=len(st.seq))
-    rnd = verify_and_commit(st.seq, list(st.proposals), st.cache, verifier, accept,
-                            start=st.window_start(window), rows=window)
-    st.proposals.clear()
-    st.stats.record(rnd)
-    st.events.extend(round_events(step, rnd, len(st.seq)))
+    def run(self, s: _Sequence, tokens: list[int]) -> torch.Tensor:
+        """One pass of one sequence over `tokens`, after its cached positions: (T, vocab)."""
+        cache = PagedCache(self.pool, [s.table])
+        cache.reserve(len(tokens))
+        return self.model(torch.tensor([tokens], device=self.model.device), cache=cache)[0]
+
+    def admit(self, s: _Sequence) -> bool:
+        """Prefill a new request (or recompute a preempted one) if the pool has its blocks."""
+        bs, pool = self.pool.block_size, self.pool
+        known = s.seq if not s.verified else s.prompt  # what must be in the cache to go on
+        shared = self.shared_prefix(s) if self.prefix_caching and not s.verified else []
+        if pool.n_free < -(-len(known) // bs) - len(shared) + 1:
+            return False
+        pool.step = self.step
+        for block in shared:  # another prompt's blocks with the same tokens: K/V reused
+            pool.share(block, s.index)
+        s.table.blocks, s.table.length = list(shared), len(shared) * bs
+        s.stats.reused += s.table.length
+        first, before = s.table.length, s.table.length
+        if s.verified and len(s.seq) > len(s.prompt):  # deterministic: as it was computed
+            self.run(s, s.prompt)
+            for start in range(len(s.prompt), len(s.seq) - 1, self.window):
+                rows = s.seq[start:start + self.window]
+                self.run(s, rows + [0] * (self.window - len(rows)))
+                PagedCache(pool, [s.table]).crop(start + len(rows))
+            PagedCache(pool, [s.table]).crop(len(s.seq) - 1)
+            kind = "recompute"
+        else:
+            logits = self.run(s, known[first:])[-1]
+            token = s.sampling.choose(logits, len(known))
+            s.seq = known + [token]
+            kind = "prefill" if len(known) == len(s.prompt) else "recompute"
+        self.publish(s)
+        fed = s.seq[:-1]
+        s.events.append(TraceEvent(
+            kind=kind, step=self.step, input_ids=tuple(fed),
+            positions=tuple(range(first, len(fed))), cache_len_before=before,
+            cache_len_after=s.table.length, kv_computed=len(fed) - first, token=s.seq[-1]))
+        return True
+
+    def shared_prefix(self, s: _Sequence) -> list[int]:
+        """The pool's blocks that already hold this prompt's first full blocks (at least one
+        prompt token is left to compute: its logits give the first new token)."""
+        bs, blocks, h = self.pool.block_size, [], ""
+        for i in range((len(s.prompt) - 1) // bs):
+            h = block_hash(h, s.prompt[i * bs:(i + 1) * bs])
+            if h not in self.pool.by_hash:
+                break
+            blocks.append(self.pool.by_hash[h])
+        return blocks
+
+    def publish(self, s: _Sequence) -> None:
+        """Make this prompt's full blocks findable by their hashes, for the prompts to come."""
+        bs, h = self.pool.block_size, ""
+        for i in range(len(s.prompt) // bs):
+            h = block_hash(h, s.prompt[i * bs:(i + 1) * bs])
+            block = s.table.blocks[i]
+            if h not in self.pool.by_hash:
+                self.pool.by_hash[h], self.pool.hash_of[block] = block, h
+
+    def make_room(self, needed, keep: _Sequence) -> None:
+        """Preempt the newest running requests but `keep` until `needed()` blocks are free (the
+        newest have waited least; recomputing them later costs least)."""
+        while self.pool.n_free < needed():
+            victim = next(s for s in reversed(self.running) if s is not keep)
+            self.preempt(victim)
+
+    def preempt(self, s: _Sequence) -> None:
+        self.pool.step = self.step
+        self.pool.log.append((self.step, "preempt", -1, s.index))
+        s.proposals.clear()  # unverified work is dropped; committed tokens are kept
+        self.release(s)
+        s.stats.preempted += 1
+        s.events.append(TraceEvent(kind="preempt", step=self.step, cache_len_before=len(s.seq) - 1,
+                                   cache_len_after=0))
+        self.running.remove(s)
+        self.waiting.appendleft(s)
+
+    def release(self, s: _Sequence) -> None:
+        self.pool.step = self.step
+        for block in reversed(s.table.blocks):
+            self.pool.release(block, s.index)
+        s.table.blocks, s.table.length = [], 0
+
+    def verify(self, s: _Sequence) -> None:
+        bs = self.pool.block_size
+        self.make_room(lambda: -(-(len(s.seq) + self.window) // bs) - len(s.table.blocks), s)
+        self.pool.step = self.step
+        rnd = verify_and_commit(
+            s.seq, list(s.proposals), PagedCache(self.pool, [s.table]),
+            lambda rows, cache: self.run(s, rows),
+            partial(accept_matching, sampling=s.sampling, first_position=len(s.seq)),
+            start=s.window_start(self.window), rows=self.window)
+        s.proposals.clear()
+        s.stats.record(rnd)
+        s.events.extend(round_events(self.step, rnd, len(s.seq)))
+
+    def decode(self, batch: list[_Sequence]) -> None:
+        """One batched decode step: every request in `batch` feeds its newest token."""
+        def needed() -> int:
+            return PagedCache(self.pool, [s.table for s in batch if s in self.running]
+                              ).blocks_needed(1)
+        if not batch:
+            return
+        self.make_room(needed, keep=batch[0])  # the oldest always goes on
+        batch = [s for s in batch if s in self.running]
+        cache = PagedCache(self.pool, [s.table for s in batch])
+        self.pool.step = self.step
+        cache.reserve(1)
+        device = self.model.device
+        fed = [(s.seq + s.proposals)[-1] for s in batch]
+        positions = [len(s.seq) + len(s.proposals) - 1 for s in batch]  # = each row's length
+        lengths = torch.tensor([p + 1 for p in positions], device=device)
+        n_splits = num_kv_splits(len(batch), self.model.config.n_head, int(lengths.max()))
+        attention = partial(split_kv_attention, lengths=lengths, n_splits=n_splits)
+        logits = self.model(torch.tensor([[t] for t in fed], device=device), cache=cache,
+                            last_only=True, attention=attention)[:, -1]  # (B, vocab)
+        for s, row, token_in, pos in zip(batch, logits, fed, positions):
+            token = s.sampling.choose(row, pos + 1)
+            (s.proposals if s.verified else s.seq).append(token)
+            s.stats.fast_steps += 1
+            if self.record_logits:
+                s.fast_logits.append(row.clone())
+            s.events.append(TraceEvent(
+                kind="decode", step=self.step, input_ids=(token_in,), positions=(pos,),
+                token=token, cache_len_before=pos, cache_len_after=pos + 1, kv_computed=1,
+                batch=len(batch), n_splits=n_splits, unverified=s.verified))

@@ -270,17 +270,50 @@ def batch_call(model, prompts, max_new_tokens, sp, pad_id) -> list[list[int]]:
     return rows
 
 
-def serve_call(model, requests, window) -> list[list[int]]:
-    """Also returns each request's prompt as a list of ids."""
+def serve_call(model, requests, window, block_size, num_blocks) -> tuple[list[list[int]], int]:
+    """Returns each request's prompt as a list of ids, and the pool's size in blocks."""
     int_at_least("window", window, hint=" (positions verified per pass)")
+    int_at_least("block_size", block_size, hint=" (positions per block)")
     if not requests:
         raise ValueError("no requests to serve")
-    prompts = []
+    prompts, sizes = [], []
     for i, r in enumerate(requests):
         prompts.append(token_ids(r.prompt, model.config.vocab_size))
         sampling(r.sampling, model.config.vocab_size)
         int_at_least(f"request {i}: max_new_tokens", r.max_new_tokens)
-        _fits(len(prompts[-1]) + r.max_new_tokens + window, model.config.block_size,
-              f"request {i}: {len(prompts[-1])} prompt + {r.max_new_tokens} new + {window} "
-              f"window rows", "max_new_tokens or the window")
-    return prompts
+        int_at_least(f"request {i}: arrival", r.arrival, 0, hint=" (an engine step)")
+        positions = len(prompts[-1]) + r.max_new_tokens + window
+        _fits(positions, model.config.block_size, f"request {i}: {len(prompts[-1])} prompt + "
+              f"{r.max_new_tokens} new + {window} window rows", "max_new_tokens or the window")
+        sizes.append(-(-positions // block_size) + 1)  # its blocks, one of them copied
+    if num_blocks is None:
+        return prompts, sum(sizes)
+    int_at_least("num_blocks", num_blocks, hint=" (blocks in the pool)")
+    if max(sizes) > num_blocks:
+        i = sizes.index(max(sizes))
+        raise ValueError(f"request {i} needs {sizes[i]} blocks of {block_size} positions, more "
+                         f"than the whole pool ({num_blocks}); raise num_blocks or block_size, or "
+                         f"shorten the request")
+    return prompts, num_blocks
+
+
+def pool(num_blocks, block_size) -> None:
+    int_at_least("num_blocks", num_blocks, hint=" (blocks in the pool)")
+    int_at_least("block_size", block_size, hint=" (positions per block)")
+
+
+def paged_fits(cache, cfg, batch_size, n_new, device, dtype) -> None:
+    keys = cache.pool.keys
+    if (len(keys), keys[0].shape[1], keys[0].shape[3]) != (cfg.n_layer, cfg.n_head, cfg.head_dim):
+        raise ValueError("the block pool was built for another model's shapes; build it with "
+                         "BlockPool(model.config, ...)")
+    if batch_size != len(cache.tables):
+        raise ValueError(f"batch of {batch_size} rows for {len(cache.tables)} block tables")
+    if keys[0].device != device or keys[0].dtype != dtype:
+        raise ValueError(f"the block pool is {keys[0].dtype} on {keys[0].device} but the model is "
+                         f"{dtype} on {device}")
+    short = [t.owner for t in cache.tables
+             if len(t.blocks) * cache.pool.block_size < t.length + n_new]
+    if short:
+        raise ValueError(f"sequences {short} have no room for {n_new} more positions: call "
+                         f"cache.reserve({n_new}) before the pass")

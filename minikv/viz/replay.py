@@ -61,13 +61,13 @@ def replay(trace: list[TraceEvent]) -> list[Snapshot]:
             status = status[:keep] + ["prompt"] * len(e.input_ids) + ["generated"]
             cache_len = written = e.cache_len_after
         elif e.kind in ("prefill", "recompute"):
-            fresh = e.step == 0 or e.kind == "prefill"
+            fresh = e.kind == "prefill" or (e.step == 0 and not status)
             tokens = list(e.input_ids) + [e.token]
             status = (["prompt"] * len(e.input_ids) if fresh
                       else status[: len(e.input_ids)]) + ["generated"]
-            if e.kind == "prefill":
-                cache_len = written = e.cache_len_after
-            else:
+            if e.kind == "prefill" or e.cache_len_after:  # a server's recompute refills a cache
+                cache_len, written = e.cache_len_after, max(written, e.cache_len_after)
+            else:  # naive decoding keeps nothing
                 computed_in = "none"
         elif e.kind == "decode":
             tokens.append(e.token)
@@ -90,6 +90,8 @@ def replay(trace: list[TraceEvent]) -> list[Snapshot]:
                 status[p] = "accepted"
             for p in e.rejected:
                 status[p] = "rejected"
+        elif e.kind == "preempt":  # the server took its blocks back: nothing cached is live
+            computed, cache_len = [], 0
         elif e.kind == "rollback":
             computed = []
             cache_len = e.cache_len_after
@@ -120,9 +122,15 @@ def caption(snap: Snapshot, decode=None) -> str:
     if e.kind == "prefill":
         return (f"prefill: {len(e.input_ids)} prompt tokens at positions {_span(e.positions)} → "
                 f"cache length {e.cache_len_after}; first new token {word(e.token)}")
+    if e.kind == "recompute" and e.cache_len_after:
+        return (f"readmitted: recompute K/V of positions {_span(e.positions)} into new blocks → "
+                f"cache length {e.cache_len_after}; next {word(e.token)}")
     if e.kind == "recompute":
         return (f"naive step {e.step + 1}: recompute K/V for all {len(e.input_ids)} positions "
                 f"{_span(e.positions)} → {word(e.token)}")
+    if e.kind == "preempt":
+        return (f"preempted: the pool is full, so its blocks go to other requests; its "
+                f"{e.cache_len_before} cached positions will be recomputed when it is readmitted")
     if e.kind == "decode":
         where = (f" (batch of {e.batch}, {e.n_splits} KV splits"
                  f"{', unverified' if e.unverified else ''})"

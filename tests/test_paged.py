@@ -1,0 +1,165 @@
+"""The paged KV cache and the continuous-batching server: every request's output equals generating
+it alone, whatever the arrivals and however small the pool; no block leaks; shared blocks are
+copied before they are written; deterministic requests are bit-identical whatever happens around
+them."""
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import minikv
+from minikv.engine.paged import BlockPool, BlockTable, PagedCache
+
+from conftest import varied_model
+
+MODEL = varied_model().double()           # float64: no near-tie can flip a greedy token
+MODEL32 = varied_model("small", seed=0)
+
+
+def alone(model, request):
+    return minikv.generate(model, request.prompt, request.max_new_tokens,
+                           eos_id=request.eos_id).tokens
+
+
+def test_a_paged_cache_holds_what_a_kv_cache_holds():
+    torch.manual_seed(0)
+    ids = torch.randint(0, 512, (1, 23))
+    pool = BlockPool(MODEL.config, 10, 4, dtype=torch.float64)
+    paged = PagedCache(pool, [BlockTable(owner=0)])
+    flat = minikv.KVCache.for_model(MODEL, max_len=30)
+    with torch.no_grad():
+        for chunk in (ids[:, :9], ids[:, 9:10], ids[:, 10:23]):  # prefill, a decode, a chunk
+            paged.reserve(chunk.shape[1])
+            a = MODEL(chunk, cache=paged)
+            b = MODEL(chunk, cache=flat)
+            torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    assert paged.get_seq_length() == flat.get_seq_length() == 23
+    assert len(paged.tables[0].blocks) == 6 and pool.n_free == 4      # ceil(23 / 4) blocks
+    for layer in range(MODEL.config.n_layer):
+        blocks = pool.keys[layer][paged.tables[0].blocks]            # (6, nh, 4, hs)
+        gathered = blocks.transpose(0, 1).reshape(MODEL.config.n_head, -1, 16)[:, :23]
+        torch.testing.assert_close(gathered, flat.keys[layer][0, :, :23], atol=0, rtol=0)
+
+
+def test_crop_gives_blocks_back():
+    pool = BlockPool(MODEL.config, 8, 4, dtype=torch.float64)
+    cache = PagedCache(pool, [BlockTable(owner=0)])
+    cache.reserve(14)
+    with torch.no_grad():
+        MODEL(torch.arange(1, 15).view(1, -1), cache=cache)
+    assert pool.n_free == 4
+    cache.crop(5)
+    assert cache.get_seq_length() == 5 and len(cache.tables[0].blocks) == 2 and pool.n_free == 6
+    cache.crop(0)
+    assert pool.n_free == 8
+
+
+def test_copy_on_write_leaves_the_other_sharer_alone():
+    pool = BlockPool(MODEL.config, 8, 4, dtype=torch.float64)
+    a = PagedCache(pool, [BlockTable(owner=0)])
+    a.reserve(6)
+    with torch.no_grad():
+        MODEL(torch.tensor([[1, 2, 3, 4, 5, 6]]), cache=a)
+    b_table = BlockTable(owner=1, blocks=list(a.tables[0].blocks), length=6)
+    for block in b_table.blocks:
+        pool.share(block, 1)
+    before = [t[a.tables[0].blocks].clone() for t in pool.keys + pool.values]
+    b = PagedCache(pool, [b_table])
+    b.reserve(1)  # block 1 is shared and half full: b gets its own copy before writing
+    assert b_table.blocks[0] == a.tables[0].blocks[0] and b_table.blocks[1] != a.tables[0].blocks[1]
+    with torch.no_grad():
+        MODEL(torch.tensor([[9]]), cache=b)
+    after = [t[a.tables[0].blocks] for t in pool.keys + pool.values]
+    assert all(torch.equal(x, y) for x, y in zip(before, after))  # a's K/V untouched
+    assert [entry[1] for entry in pool.log].count("copy") == 1
+
+
+def requests_from(seed, n, vocab=512, max_prompt=20, max_new=12, spread=6, det=False):
+    rng = random.Random(seed)
+    return [minikv.Request([rng.randrange(vocab) for _ in range(rng.randint(1, max_prompt))],
+                           rng.randint(1, max_new), arrival=rng.randrange(spread),
+                           deterministic=det and k == 0, temperature=0.8 if det and k == 0 else 0,
+                           seed=seed)
+            for k in range(n)]
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 7), block_size=st.sampled_from([1, 2, 4, 8]),
+       tight=st.booleans(), prefix=st.booleans())
+def test_every_request_gets_what_it_would_get_alone(seed, n, block_size, tight, prefix):
+    requests = requests_from(seed, n)
+    biggest = max(-(-(len(r.prompt) + r.max_new_tokens + 4) // block_size) + 1 for r in requests)
+    num_blocks = biggest if tight else None  # tight: only the largest request fits at once
+    outs = minikv.serve(MODEL, requests, block_size=block_size, num_blocks=num_blocks,
+                        prefix_caching=prefix)
+    for r, out in zip(requests, outs):
+        assert out.tokens == alone(MODEL, r)
+    assert outs.pool.n_free == outs.pool.num_blocks and all(c == 0 for c in outs.pool.ref)
+
+
+def test_a_small_pool_preempts_and_still_gets_every_output_right():
+    requests = requests_from(3, 6, max_prompt=30, max_new=20, spread=2)
+    outs = minikv.serve(MODEL, requests, block_size=4, num_blocks=16)
+    assert sum(o.stats.preempted for o in outs) > 0
+    assert [o.tokens for o in outs] == [alone(MODEL, r) for r in requests]
+    assert outs.pool.n_free == 16
+
+
+def test_prefix_caching_reuses_a_shared_prompt():
+    system = list(range(1, 41))                     # a 40-token "system prompt"
+    requests = [minikv.Request(system + [50 + k, 60 + k], 6, arrival=k) for k in range(4)]
+    with_cache = minikv.serve(MODEL, requests, block_size=8, prefix_caching=True)
+    without = minikv.serve(MODEL, requests, block_size=8, prefix_caching=False)
+    assert [o.tokens for o in with_cache] == [o.tokens for o in without]
+    assert [o.stats.reused for o in with_cache] == [0, 40, 40, 40]  # 5 full blocks shared
+    assert "share" in [entry[1] for entry in with_cache.pool.log]
+    assert with_cache.pool.n_free == with_cache.pool.num_blocks
+
+
+def test_deterministic_requests_are_bit_identical_whatever_the_arrivals():
+    det = minikv.Request([5, 6, 7, 8], 30, deterministic=True, temperature=0.8, seed=1)
+    outputs = set()
+    for pattern in range(12):
+        others = requests_from(100 + pattern, pattern % 6, vocab=2048, max_prompt=30, max_new=25,
+                               spread=8)
+        det.arrival = pattern % 4
+        blocks = None if pattern % 3 else 14  # some patterns with a pool small enough to preempt
+        out = minikv.serve(MODEL32, [det] + others, window=4, block_size=4, num_blocks=blocks)
+        outputs.add(tuple(out[0].tokens))
+    assert len(outputs) == 1
+
+
+def test_a_preempted_deterministic_request_is_recomputed_exactly():
+    """Found by search: a crowd and a pool size in which the deterministic request itself is
+    preempted (and later recomputed); its output is still the one it gets alone."""
+    det = minikv.Request([5, 6, 7, 8], 24, deterministic=True, temperature=0.8, seed=2)
+    alone_out = minikv.serve(MODEL32, [det], block_size=4)[0]
+    for seed in range(40):
+        crowd = requests_from(seed, 4, vocab=2048, max_prompt=16, max_new=20, spread=1)
+        det.arrival = 1  # after the first others: the newest running request when the pool fills
+        for num_blocks in (10, 12, 14):
+            try:
+                out = minikv.serve(MODEL32, crowd + [det], block_size=4, num_blocks=num_blocks)
+            except ValueError:  # a request larger than this pool
+                continue
+            if out[-1].stats.preempted:
+                assert out[-1].tokens == alone_out.tokens
+                assert out.pool.n_free == num_blocks
+                return
+    raise AssertionError("no crowd in range preempts the deterministic request")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(block_size=0), "block_size must be a positive int"),
+    (dict(num_blocks=0), "num_blocks must be a positive int"),
+    (dict(num_blocks=1), "more than the whole pool"),
+    (dict(requests=[minikv.Request([1, 2], 3, arrival=-1)]), "arrival must be an int >= 0"),
+    (dict(requests=[minikv.Request([1] * 60, 3)], num_blocks=3, block_size=8),
+     "more than the whole pool"),
+])
+def test_bad_input(kwargs, message):
+    args = dict(requests=[minikv.Request([1, 2, 3], 4)]) | kwargs
+    with pytest.raises(ValueError, match=message):
+        minikv.serve(MODEL32, **args)
