@@ -35,6 +35,17 @@ class TraceEvent:
     sequence_len: int = 0               # and the sequence's length after it
 
 
+@dataclass(frozen=True)
+class PoolStep:
+    """The block pool after one engine step of the server: each request's block table (blocks in
+    position order) and cached length, every block's reference count, and what the step did."""
+    step: int
+    tables: dict[int, tuple[int, ...]]   # request -> its blocks
+    lengths: dict[int, int]              # request -> cached positions
+    ref: tuple[int, ...]                 # per block: how many requests hold it (0: free)
+    log: tuple[tuple[int, str, int, int], ...]  # (step, what, block, request) of this step
+
+
 # --- statistics --------------------------------------------------------------------------------
 @dataclass
 class Stats:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from . import validate
 from .paged import BlockPool, BlockTable, PagedCache, block_hash
-from .records import ServeStats, TraceEvent
+from .records import PoolStep, ServeStats, TraceEvent
 from .sampling import SamplingParams
 from .verify import accept_matching, round_events, verify_and_commit
 
@@ -96,6 +96,7 @@ class ServeOutputs(list):
     `log` holds (step, what, block, request) for every block allocated, shared, copied, freed or
     unshared, and every preemption."""
     pool: BlockPool
+    pool_steps: list[PoolStep]  # the pool after every engine step, when traced
 
 
 class _Sequence:
@@ -153,6 +154,8 @@ def serve(model, requests, window: int = 4, verify: bool = True, trace: bool = F
     waiting = deque(sorted(seqs, key=lambda s: (s.request.arrival, s.index)))
     running: list[_Sequence] = []
     server = _Server(model, pool, window, prefix_caching, record_logits, running, waiting)
+    steps: list[PoolStep] = []
+    logged = 0
     with torch.inference_mode():
         while waiting or running:
             # 1. Admit what has arrived, first come first served, while its prompt fits.
@@ -169,6 +172,12 @@ def serve(model, requests, window: int = 4, verify: bool = True, trace: bool = F
             for s in [s for s in running if s.done]:
                 server.release(s)
                 running.remove(s)
+            if trace:
+                steps.append(PoolStep(
+                    server.step, {s.index: tuple(s.table.blocks) for s in running},
+                    {s.index: s.table.length for s in running}, tuple(pool.ref),
+                    tuple(e for e in pool.log[logged:])))
+                logged = len(pool.log)
             server.step += 1
             if not running and waiting:  # idle until the next arrival
                 server.step = max(server.step, waiting[0].request.arrival)
@@ -178,7 +187,7 @@ def serve(model, requests, window: int = 4, verify: bool = True, trace: bool = F
         s.stats.new_tokens = len(s.new_tokens)
         outputs.append(RequestOutput(s.request, s.new_tokens, s.stats,
                                      s.events if trace else None, s.fast_logits))
-    outputs.pool = pool
+    outputs.pool, outputs.pool_steps = pool, steps
     return outputs
 
 

@@ -1,9 +1,13 @@
 """Checkers for chapter 03 (seed 000, the KV cache inside reasoning: coin flips).
 
-Ground truth comes from the corpus (`CoinFlip.states`); the model's answers from the engine
-itself, each question recomputed from scratch; the K/V work from `KVCounter`'s hooks, so a solution
-that recomputes the prefix instead of forking the cache is caught. The models are the notebook's own
-(the shipped course models).
+Every expectation is computed at run time, from the corpus and the engine: cache cuts from the
+tokenizer (`len(tok.encode(question.prefix(i)))`), the model's answers by asking each question from
+scratch, K/V work by `KVCounter`'s hooks, forward passes by `PassCounter`, and the caches a
+function fills are compared, every layer, keys and values, with a one-pass prefill of the same
+tokens. So the checkers keep working when the course models are retrained or the corpus's names
+change. Cases run on the shipped models (loaded on the CPU) and on small random models
+(`tiny_model`), whose answers are far from the truth, so a function that returns the truth instead
+of the model's answers is caught.
 """
 from __future__ import annotations
 
@@ -11,151 +15,504 @@ import random
 
 import torch
 
-from ...engine import KVCounter
-from ..corpus import CoinFlip, coin_flip_eval, random_coin_flip
-from . import call, expect, fail, passed
+from ...engine import GPT, KVCache, KVCounter, generate
+from ..checkpoint import load_course_model
+from ..corpus import CoinFlip, coin_flip_eval
+from ..tokenizer import load_tokenizer
+from . import CheckFailed, PassCounter, call, fail, int_list, passed, tiny_model
 
-SUFFIX = ". What's the state? A:"
-
-
-def _question(start: str, pattern: str,
-              names=("Alice", "Bob", "Carol", "Dave", "Eve", "Frank", "Grace", "Henry")
-              ) -> CoinFlip:
-    """CoinFlip from a pattern like "FNF" (F: flips, N: doesn't flip)."""
-    return CoinFlip(start, tuple((name, c == "F") for name, c in zip(names, pattern)))
+NEAR_TIE = 1e-3  # top-two logits closer than this: either token is accepted (kernels' rounding)
 
 
-# --- exercise 1: the ground truth after each step -------------------------------------------------
-
-def check_coin_states(coin_states) -> None:
-    """coin_states(start, flips) -> the state before anyone (index 0) and after each person."""
-    name = "coin_states"
-    rng = random.Random(3)
-    cases = [("heads", ""), ("tails", ""), ("heads", "F"), ("heads", "N"), ("tails", "FF"),
-             ("heads", "FN"), ("tails", "NNN"), ("heads", "FFFFFFFF"), ("tails", "NFNFFNNF")]
-    cases += [(q.start, "".join("F" if f else "N" for _, f in q.steps)) for q in
-              (random_coin_flip(rng) for _ in range(6))]
-    for start, pattern in cases:
-        flips = [c == "F" for c in pattern]
-        case = f"start={start!r}, flips={flips}"
-        want = _question(start, pattern).states
-        got = call(name, case, coin_states, start, list(flips))
-        if not isinstance(got, (list, tuple)):
-            fail(name, case, want, got,
-                 "return a list of 'heads' / 'tails', one more than there are people")
-        got = list(got)
-        hint = ("index 0 is the start state, then one state per person: len(flips) + 1 in all"
-                if len(got) != len(want) else
-                "a person who flips turns the coin over; one who doesn't leaves it as it was")
-        expect(got == want, name, case, want, got, hint)
-    passed(name, len(cases))
+def _show(value, width: int = 90) -> str:
+    text = repr(value)
+    text = text if len(text) <= width else text[:width] + "..."
+    return f"{type(value).__name__} {text}"
 
 
-# --- exercise 2: intermediate answers from a forked cache -----------------------------------------
-
-@torch.inference_mode()
-def _recomputed_answers(model, tok, q: CoinFlip) -> list[str]:
-    """The reference: every question(i) fed from scratch, greedy token after "A:"."""
-    answers = []
-    for i in range(len(q.steps) + 1):
-        ids = torch.tensor([tok.encode(q.question(i))], device=model.device)
-        answers.append(tok.decode([int(model(ids, last_only=True)[0, -1].argmax())]).strip())
-    return answers
+def _floats(value) -> bool:
+    """Is `value` a list, tuple, array or tensor of floats (numbers, but not ints)?"""
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None:
+        return getattr(dtype, "is_floating_point", False) or getattr(dtype, "kind", "") == "f"
+    return (isinstance(value, (list, tuple)) and len(value) > 0
+            and all(isinstance(v, float) for v in value))
 
 
-def check_intermediate_answers(intermediate_answers, target, draft, tok) -> None:
-    """intermediate_answers(model, tok, question) -> the model's answer after each person, computed
-    on forks of one cache: answers equal the recomputed ones, and the K/V work is one prefix plus
-    one suffix per fork."""
-    name = "intermediate_answers"
-    suffix_len = len(tok.encode(SUFFIX))
-    cases = [(target, "target", _question("heads", "FF")),
-             (target, "target", _question("tails", "N")),
-             (target, "target", _question("heads", "NFFNF")),
-             (target, "target", _question("tails", "FNNFFNFF")),
-             (draft, "draft", _question("heads", "FFFFFF")),
-             (draft, "draft", _question("heads", "FFFFFNF"))]
-    # the draft answers some of these steps wrongly (with clear margins): the model's answers, not
-    # the truth
-    for model, model_name, q in cases:
-        case = f"{model_name}, {q.prompt()!r}"
-        want = _recomputed_answers(model, tok, q)
-        with KVCounter(model) as counter:
-            got = call(name, case, intermediate_answers, model, tok, q)
-        if not isinstance(got, (list, tuple)):
-            fail(name, case, want, got,
-                 "return a list of answers, one per step i = 0..n (the start, then each person)")
-        got = [a.strip() if isinstance(a, str) else a for a in got]
-        hint = ("one answer per cache cut: i = 0 (the start sentence) up to n (everyone), "
-                "so n + 1 answers"
-                if len(got) != len(want) else
-                "fork the cache cut after person i, feed '. What's the state? A:' into the fork, "
-                "and decode the greedy next token (stripped of its leading space); "
-                "these are the model's answers, not the truth")
-        expect(got == want, name, case, want, got, hint)
-        prefix_len = len(tok.encode(q.prefix(len(q.steps))))
-        least = prefix_len + (n_forks := len(q.steps) + 1) * suffix_len
-        # room for a few answer tokens per fork
-        most = prefix_len + suffix_len + n_forks * (suffix_len + 4)
-        expect(counter.count >= least, name, case + " (K/V vectors computed per layer)",
-               f">= {least}", counter.count,
-               "every clause and every question's suffix has to go through the model once")
-        expect(counter.count <= most, name, case + " (K/V vectors computed per layer)",
-               f"<= {most}", counter.count,
-               f"too much K/V work, as if the prefix were recomputed: compute each clause's K/V "
-               f"once ({prefix_len} in all), then per fork only the {suffix_len} suffix tokens "
-               f"and the answer (cache.fork(), then "
-               f"model(idx, cache=fork) or generate(..., cache=fork))")
-    passed(name, len(cases))
+def _suffix(q: CoinFlip) -> str:
+    """The text a question adds after the statement's cut: ". What's the state? A:"."""
+    return q.question(0)[len(q.prefix(0)):]
 
 
-# --- exercise 3: accuracy by number of people -----------------------------------------------------
+def _promise(tok, q: CoinFlip) -> tuple[list[int], list[int], list[int]]:
+    """The statement's tokens, the cuts after each clause and the suffix's tokens, after checking
+    the chapter's claim on this question: each prefix's tokens, and each question's, start the
+    full prompt's tokens (clauses end on token boundaries). A corpus that broke it would make
+    every fork wrong; that is no learner's fault, so it is not a CheckFailed."""
+    n = len(q.steps)
+    statement, suffix = tok.encode(q.prefix(n)), tok.encode(_suffix(q))
+    cuts = [len(tok.encode(q.prefix(i))) for i in range(n + 1)]
+    for i, cut in enumerate(cuts):
+        if (statement[:cut] != tok.encode(q.prefix(i))
+                or tok.encode(q.question(i)) != statement[:cut] + suffix):
+            raise RuntimeError(f"the corpus broke chapter 03's promise: {q.prefix(i)!r} does not "
+                               f"end on a token boundary of {q.prompt()!r}")
+    return statement, cuts, suffix
 
-@torch.inference_mode()
-def _reference(model, tok, questions: list[CoinFlip],
-               margin: float = 0.05) -> tuple[list[CoinFlip], dict[int, float]]:
-    """The rule of minikv.course.evaluate.coin_flip_accuracy (greedy token after "A:" equals
-    " " + answer), one question at a time, on the questions whose top two logits are more than
-    `margin` apart: near-ties are left out, so batched and one-at-a-time forward passes agree on
-    every kept question whatever the kernels' rounding."""
-    kept, right, total = [], {}, {}
-    for q in questions:
-        logits = model(torch.tensor([tok.encode(q.prompt())], device=model.device),
-                       last_only=True)[0, -1]
-        top = logits.topk(2)
-        if float(top.values[0] - top.values[1]) <= margin:
-            continue
-        kept.append(q)
+
+def _questions() -> list[CoinFlip]:
+    """Held-out questions (the corpus's test split, 1 to 8 people, two of each), nobody at all,
+    and two with long names made of many tokens."""
+    qs = coin_flip_eval(2, seed=30)
+    qs.append(CoinFlip("tails", ()))
+    qs.append(CoinFlip("tails", (("Maximilian", True), ("Anastasia-Rose", False),
+                                 ("Bo", True))))
+    rng = random.Random(31)
+    qs.append(CoinFlip("heads", tuple((name, rng.random() < 0.5) for name in (
+        "Wilhelmina", "Xiomara", "Oluwaseun", "Jean-Baptiste", "Siobhan"))))
+    return qs
+
+
+# --- exercise 1: where the states live ----------------------------------------------------------
+
+def check_clause_cuts(clause_cuts) -> None:
+    """clause_cuts(tok, question) -> [len(tok.encode(question.prefix(i))) for i = 0..n]: the
+    cache's length after the start sentence and after each person's clause."""
+    name = "clause_cuts"
+    tok = load_tokenizer()
+    cases = _questions()
+    for q in cases:
         n = len(q.steps)
-        right[n] = right.get(n, 0) + (int(top.indices[0]) == tok.encode(" " + q.answer)[0])
-        total[n] = total.get(n, 0) + 1
-    return kept, {n: right[n] / total[n] for n in sorted(total)}
+        case = f"{q.prompt()!r} ({n} {'person' if n == 1 else 'people'})"
+        # the property the cuts are for (checked by _promise): the prompt's first cut tokens
+        # are exactly the tokens of prefix(i), so a cache cut there is prefix(i)'s cache
+        statement, want, suffix = _promise(tok, q)
+        got = call(name, case, clause_cuts, tok, q)
+        cuts = int_list(got)
+        if cuts is None:
+            fail(name, case, want, _show(got),
+                 "cache lengths are ints: 6.0 is not 6; count tokens with len(...), an int"
+                 if _floats(got) else
+                 "return a list of ints, one cache length per cut (did you forget to return it?)")
+        # the usual mistakes, each recognised by what it produces
+        words = [len(q.prefix(i).split()) for i in range(n + 1)]
+        chars = [len(q.prefix(i)) for i in range(n + 1)]
+        question = [len(tok.encode(q.question(i))) for i in range(n + 1)]
+        cot = [len(tok.encode(q.prefix(i, cot=True))) for i in range(n + 1)]
+        clauses = [(f"{who} flips" if flips else f"{who} doesn't flip") for who, flips in q.steps]
+        apart = [len(tok.encode(q.prefix(0)))]
+        for clause in clauses:  # each clause's own tokens, without the ". " / ", then " between
+            apart.append(apart[-1] + len(tok.encode(clause)))
+        hints = [
+            (want[1:], "index 0 is the cut after the start sentence, before anyone: n + 1 cuts"),
+            (want[:-1], "the last cut is after the last person: i runs over 0..n, n + 1 cuts"),
+            (chars, "these are character counts (len of the text): a cache holds one slot per "
+                    "TOKEN; count tok.encode(...)"),
+            (words, "these are word counts: a cache holds one slot per TOKEN, and a word can be "
+                    "several tokens (\"'s\", long names); count tok.encode(...)"),
+            ([c - 1 for c in want], "off by one: these are the positions of each clause's last "
+                                    "token; the cache's length after it is one more"),
+            ([c + 1 for c in want], "off by one: you counted the token after the clause (the ',' "
+                                    "or '.'), which belongs to what comes next"),
+            (question, "these are the lengths of the whole questions, suffix \". What's the "
+                       "state? A:\" included: the fork point is before the suffix, "
+                       "len(tok.encode(question.prefix(i)))"),
+            (cot, "these are cuts of the chain-of-thought form (prefix(i, cot=True)); the "
+                  "question is asked in the plain form"),
+            (apart, "you added up each clause's own tokens but not the separators between "
+                    "clauses ('.', ', then')"),
+        ]
+        hint = next((h for wrong, h in hints if cuts == wrong and wrong != want),
+                    "the cut after person i is the number of tokens of question.prefix(i)")
+        if len(cuts) != n + 1 and cuts not in (want[1:], want[:-1]):
+            hint = f"one cut per step: i = 0 (the start sentence) up to n = {n}, so {n + 1} ints"
+        if cuts != want:
+            bad = next((i for i, (c, w) in enumerate(zip(cuts, want)) if c != w), None)
+            if bad is not None and 0 <= cuts[bad] <= len(statement) + len(suffix):
+                prompt_ids = statement + suffix
+                hint += (f" (your cut {bad} keeps the prompt's first {cuts[bad]} tokens, "
+                         f"{tok.decode(prompt_ids[:cuts[bad]])!r}; the clause ends at "
+                         f"{q.prefix(bad)!r})")
+            fail(name, case, want, cuts, hint)
+    passed(name, len(cases))
 
 
-def check_accuracy_by_count(accuracy_by_count, target, draft, tok) -> None:
-    """accuracy_by_count(model, tok, questions) -> {number of people: fraction answered right},
-    against the rule of minikv.course.evaluate.coin_flip_accuracy on held-out questions."""
-    name = "accuracy_by_count"
-    n_cases = 0
-    for model, model_name, n_per_count, seed in ((draft, "draft", 5, 0), (draft, "draft", 4, 7),
-                                                 (target, "target", 2, 1)):
-        questions, want = _reference(model, tok, coin_flip_eval(n_per_count, seed=seed))
-        case = (f"{model_name}, {len(questions)} questions of "
-                f"coin_flip_eval({n_per_count}, seed={seed}) (near-ties left out)")
-        got = call(name, case, accuracy_by_count, model, tok, list(questions))
-        if not isinstance(got, dict):
-            fail(name, case, want, got, "return a dict {number of people: fraction correct}")
-        hint = ("keys are the numbers of people (1..8), len(question.steps)"
-                if set(got) != set(want) else
-                "correct when the greedy token after 'A:' is ' ' + question.answer "
-                "(with its leading space); a fraction in [0, 1] per number of people")
-        try:
-            same = set(got) == set(want) and all(abs(float(got[k]) - want[k]) < 1e-9 for k in want)
-        except (TypeError, ValueError):
-            same = False
-        expect(same, name, case, want, got, hint)
-        n_cases += 1
-    passed(name, n_cases)
+# --- exercise 2: intermediate answers Z_i, on forks of one cache --------------------------------
+
+def _from_scratch(model: GPT, ids: list[int]) -> torch.Tensor:
+    """The last position's logits for `ids`, fed whole into a model without a cache."""
+    return model(torch.tensor([ids], device=model.device), last_only=True)[0, -1].float()
 
 
-__all__ = ["check_coin_states", "check_intermediate_answers", "check_accuracy_by_count"]
+def _accepted(logits: torch.Tensor) -> list[int]:
+    """The greedy token, and the runner-up when it is a near tie."""
+    top = logits.topk(2)
+    near = float(top.values[0] - top.values[1]) < NEAR_TIE
+    return [int(t) for t in top.indices[: 2 if near else 1]]
+
+
+def _prefilled(model: GPT, ids: list[int], max_len: int) -> KVCache:
+    cache = KVCache.for_model(model, max_len=max_len)
+    model(torch.tensor([ids], device=model.device), cache=cache)
+    return cache
+
+
+def _first_difference(cache: KVCache, reference: KVCache, length: int) -> int | None:
+    """The first position (< length) where some layer's key or value differs from the
+    reference's, or None when every layer, keys and values, matches."""
+    same = torch.ones(length, dtype=torch.bool)
+    for a, b in zip(cache.keys + cache.values, reference.keys + reference.values):
+        close = torch.isclose(a[:, :, :length], b[:, :, :length], atol=1e-4, rtol=1e-4)
+        same &= close.all(dim=3).all(dim=1).all(dim=0).cpu()
+    return None if bool(same.all()) else int((~same).nonzero()[0])
+
+
+def _cases_for_answers():
+    target, tok = load_course_model("target", "cpu")
+    draft, _ = load_course_model("draft", "cpu")
+    noise = tiny_model(3, vocab_size=tok.n_vocab)  # answers nowhere near the truth
+    qs = coin_flip_eval(1, seed=32)  # one held-out question per number of people
+    extra = _questions()[-3:]  # nobody; long names
+    cases = [(target, "target", q) for q in (qs[0], qs[2], qs[4], qs[7], extra[1], extra[0])]
+    cases += [(draft, "draft", q) for q in (qs[5], qs[6])]
+    cases += [(noise, "a random model", q) for q in (qs[3], extra[2])]
+    return tok, cases
+
+
+def check_intermediate_answers(intermediate_answers) -> None:
+    """intermediate_answers(model, tok, question, cache) -> the model's greedy answer after each
+    person i = 0..n, asked on forks of `cache`, which the function fills with the statement
+    clause by clause and leaves holding exactly the statement."""
+    name = "intermediate_answers"
+    tok, cases = _cases_for_answers()
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        for model, model_name, q in cases:
+            n = len(q.steps)
+            case = f"{model_name}, {q.prompt()!r}"
+            statement, cuts, suffix = _promise(tok, q)
+            # what each question gives from scratch: the greedy token after "A:", as a word
+            accepted = [[tok.decode([t]).strip() for t in _accepted(
+                _from_scratch(model, statement[:cut] + suffix))] for cut in cuts]
+            want = [a[0] for a in accepted]
+            room = min(model.config.block_size, len(statement) + (n + 1) * (len(suffix) + 3))
+            cache = KVCache.for_model(model, max_len=room)
+            with KVCounter(model) as counter:
+                got = call(name, case, intermediate_answers, model, tok, q, cache)
+            _check_answer_shape(name, case, q, want, got)
+            cot = tok.encode(q.prefix(n, cot=True))
+            _check_kv_work(name, case, model, counter.count, statement, cot, cuts, suffix, cache)
+            _check_main_cache(name, case, model, cache, statement, cot, cuts, suffix)
+            _check_answers(name, case, q, want, accepted, list(got))
+    passed(name, len(cases))
+
+
+def _check_answer_shape(name, case, q, want, got) -> None:
+    n = len(q.steps)
+    if not isinstance(got, (list, tuple)):
+        fail(name, case, want, _show(got),
+             "return a list of str, the answer after each step i = 0..n"
+             + (" (did you forget to return it?)" if got is None else
+                f", not a {type(got).__name__}"))
+    if any(not isinstance(a, str) for a in got):
+        fail(name, case, want, _show(got),
+             "each answer is a str: decode the greedy token with tok.decode([token]) and strip "
+             "its leading space (not a token id or a tensor)")
+    if len(got) != n + 1:
+        hint = (f"one answer per cut: i = 0 (the start sentence, before anyone) up to n = {n}, "
+                f"so {n + 1} answers")
+        if list(got) == want[1:]:
+            hint = "you left out i = 0, the answer after the start sentence: " + hint
+        fail(name, case, want, list(got), hint)
+
+
+def _holds(model: GPT, cache: KVCache, ids: list[int], extra: int = 0) -> bool:
+    """Does `cache` hold the K/V a prefill of `ids` leaves, every layer, K and V (and at most
+    `extra` positions more)?"""
+    return (len(ids) <= cache.get_seq_length() <= len(ids) + extra and len(ids) > 0
+            and _first_difference(cache, _prefilled(model, ids, len(ids)), len(ids)) is None)
+
+
+def _check_kv_work(name, case, model, count, statement, cot, cuts, suffix, cache) -> None:
+    n_asks, s = len(cuts), len(suffix)
+    least = len(statement) + n_asks * s
+    most = least + 2 * n_asks  # up to two answer tokens fed back per fork (generate(..., 3))
+    where = case + " (K/V vectors your function computed, per layer)"
+    if least <= count <= most:
+        return
+    if cot != statement and _holds(model, cache, cot):
+        fail(name, where, f"{least} to {most}", count,
+             "this is the work of the chain-of-thought statement (prefix(i, cot=True), "
+             "\"..., so it's tails\"): ask in the plain form, question.prefix(i)")
+    recomputed = sum(cut + s for cut in cuts)
+    if count > most:
+        fail(name, where, f"{least} to {most}", count,
+             "too much K/V work"
+             + (f", {count} >= {recomputed}, what asking every question from scratch costs"
+                if count >= recomputed else "")
+             + f": this is recomputing the prefix for every question. Compute each clause's "
+               f"K/V once into `cache` ({len(statement)} in all), then per question only the "
+               f"{s} suffix tokens, on cache.fork()")
+    fail(name, where, f"{least} to {most}", count,
+         f"too little K/V work: every clause ({len(statement)} tokens) and, on each of the "
+         f"{n_asks} forks, the {s} suffix tokens must go through the model once"
+         + (" (the cache you were given is empty: fill it)" if cache.get_seq_length() == 0
+            else ""))
+
+
+def _check_main_cache(name, case, model, cache, statement, cot, cuts, suffix) -> None:
+    """The cache the function was given holds the statement, every layer, keys and values, and
+    nothing else: the questions went into forks."""
+    S, s, length = len(statement), len(suffix), cache.get_seq_length()
+    where = case + " (the cache you were given, after your function returned)"
+    want = f"{S} positions: the statement's K/V in every layer"
+    if length == 0:
+        fail(name, where, want, "an empty cache",
+             "fill the cache you are given (the `cache` argument) with the statement, clause by "
+             "clause, and ask each question on cache.fork()")
+    if cot != statement and _holds(model, cache, cot):
+        fail(name, where, want, f"{length} positions",
+             "that is the chain-of-thought statement (prefix(i, cot=True), \"..., so it's "
+             "tails\"): fill the cache with the plain form, question.prefix(i)")
+    starts = [0] + cuts[:-1]
+    overlap = [t for a, b in zip(starts, cuts) for t in statement[max(a - 1, 0):b]]
+    if overlap != statement and _holds(model, cache, overlap):
+        fail(name, where, want, f"{length} positions = {S} + {len(overlap) - S}",
+             "each clause after the first was fed one token too many: a slice like "
+             "ids[done - 1:cut] feeds the previous clause's last token again. The next clause "
+             "starts at ids[done]")
+    if any(_holds(model, cache, statement[:c] + suffix, extra=2) for c in cuts[:-1]):
+        fail(name, where, want, f"{length} positions",
+             "the cache was cropped back to a cut and the question fed into it: crop only moves "
+             "the length back, so the clauses after the cut are lost (and overwritten) and "
+             "nothing restores them. Ask on cache.fork() and leave the cache whole")
+    asked = length - S  # the suffix (and up to two answer tokens) once per question?
+    if any(asked == len(cuts) * (s + j) for j in range(3)):
+        fail(name, where, want, f"{length} positions = {S} + {len(cuts)} x {asked // len(cuts)}",
+             f"the question's suffix went into the cache itself, {len(cuts)} times: you forgot "
+             f"to fork. Ask on cache.fork(), a copy, so the cache holds only the statement and "
+             f"the next clause follows the last one, not a question")
+    if length != S:
+        fail(name, where, want, f"{length} positions",
+             "the cache must hold exactly the statement's tokens, prefix(n), once")
+    reference = _prefilled(model, statement, S)
+    bad = _first_difference(cache, reference, S)
+    if bad is None:
+        return
+    restarted = KVCache.for_model(model, max_len=S)  # seed 003's bug, clause by clause
+    for start, end in zip([0] + cuts[:-1], cuts):
+        model(torch.tensor([statement[start:end]], device=model.device), cache=restarted,
+              positions=torch.arange(end - start, device=model.device))
+    if _first_difference(cache, restarted, S) is None:
+        fail(name, where, want, f"different K/V from position {bad} on (in some layer)",
+             "each clause was fed at positions starting from 0 again (seed 003's position "
+             "bug): with a cache, positions continue from cache.get_seq_length(); let the model "
+             "do it (don't pass positions)")
+    fail(name, where, want, f"different K/V from position {bad} on (in some layer, key or value)",
+         "the right length, but the K/V at these positions are not the statement's: something "
+         "was written over them (feeding the question after crop(cut) overwrites the clauses "
+         "after the cut; crop only moves the length back), or they were computed from other "
+         "tokens. Ask on cache.fork(), and feed each clause once, in order")
+
+
+def _check_answers(name, case, q, want, accepted, got) -> None:
+    if all(g in a for g, a in zip(got, accepted)):
+        return
+    hint = ("fork the cache cut after person i, feed the question's suffix into the fork, and "
+            "decode the greedy token after 'A:' (the argmax of the LAST position's logits), "
+            "stripped of its leading space")
+    if got == q.states and want != q.states:
+        hint = ("these are the true states S_i (question.states), not the model's answers Z_i: "
+                "ask the model")
+    elif [g.strip() for g in got] == want:
+        hint = "strip the answer's leading space: ' tails' -> 'tails'"
+    fail(name, case, want, got, hint)
+
+
+# --- exercise 3: prefix sharing by hand ---------------------------------------------------------
+
+def _cases_for_prefixes():
+    target, tok = load_course_model("target", "cpu")
+    rng = random.Random(33)
+    a, b = tiny_model(4), tiny_model(5)
+    vocab = a.config.vocab_size
+
+    def ids(k):
+        return [rng.randrange(vocab) for _ in range(k)]
+    story = tok.encode("Once upon a time there was a little fox named Max.")
+    coin = tok.encode("A coin's state is heads. Alice flips, then Bob doesn't flip")
+    return [
+        (a, "a random model", ids(12), [ids(3), ids(1), ids(5)], 6),
+        (b, "a random model", ids(1), [ids(2), ids(4)], 1),
+        (b, "a random model", ids(20), [ids(7)], 4),
+        (a, "a random model", ids(6), [ids(2), ids(2), ids(2), ids(3)], 3),
+        (target, "target", story, [tok.encode(" One day, Max"), tok.encode(" Max liked to"),
+                                   tok.encode(" It was")], 5),
+        (target, "target", coin, [tok.encode(". What's the state? A:"),
+                                  tok.encode(", then Carol flips. What's the state? A:")], 3),
+    ]
+
+
+def _continuations(model: GPT, prefix: list[int], suffixes: list[list[int]], n_new: int,
+                   fork: bool = True) -> list[list[int]]:
+    """Greedy continuations decoded on forks of one prefix cache (fork=False: on the prefix cache
+    itself, one suffix after the other: what sharing without forking gives)."""
+    shared = _prefilled(model, prefix, len(prefix) + sum(len(s) + n_new for s in suffixes))
+    outs = []
+    for s in suffixes:
+        outs.append(generate(model, s, n_new, cache=shared.fork() if fork else shared).tokens)
+    return outs
+
+
+def check_shared_prefix_answers(shared_prefix_answers) -> None:
+    """shared_prefix_answers(model, prefix_ids, suffixes, n_new) -> (continuations, prefix_cache):
+    the greedy n_new tokens after prefix + suffix, for each suffix, with the prefix's K/V
+    computed once (one pass) and each suffix continued on a fork of its cache, which is left
+    holding the prefix only."""
+    name = "shared_prefix_answers"
+    cases = _cases_for_prefixes()
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        for model, model_name, prefix, suffixes, n_new in cases:
+            case = (f"{model_name}, prefix {prefix}, suffixes {suffixes}, n_new={n_new}")
+            # the reference: each prefix + suffix generated from scratch, with its logits
+            refs = [generate(model, prefix + s, n_new, return_logits=True) for s in suffixes]
+            want = [r.tokens for r in refs]
+            with KVCounter(model) as counter, PassCounter(model) as passes:
+                try:
+                    got = call(name, case, shared_prefix_answers, model, list(prefix),
+                               [list(s) for s in suffixes], n_new)
+                except CheckFailed as e:
+                    if "the cache holds" not in str(e):
+                        raise
+                    raise CheckFailed(f"{e}\n  hint: a fork has the max_len of the cache it "
+                                      f"copies: make the prefix's cache big enough for the "
+                                      f"prefix, the longest suffix and n_new tokens") from None
+            continuations, prefix_cache = _unpack(name, case, want, got)
+            tokens = _token_lists(name, case, want, continuations, prefix, suffixes, n_new)
+            _check_prefix_work(name, case, counter.count, passes.passes, prefix, suffixes, n_new)
+            _check_prefix_cache(name, case, model, prefix_cache, prefix, suffixes, n_new)
+            _check_continuations(name, case, model, want, refs, tokens, prefix, suffixes, n_new)
+    passed(name, len(cases))
+
+
+def _unpack(name, case, want, got):
+    if isinstance(got, tuple) and len(got) == 2:
+        return got
+    looks_like_tokens = isinstance(got, (list, tuple)) and len(got) == len(want) and all(
+        isinstance(g, (list, tuple, torch.Tensor)) for g in got)
+    fail(name, case, "(continuations, prefix_cache)", _show(got),
+         "return a pair: the list of continuations AND the prefix's KVCache "
+         "(return continuations, prefix_cache)" if looks_like_tokens else
+         "return a tuple of two things: (continuations, prefix_cache)")
+
+
+def _token_lists(name, case, want, continuations, prefix, suffixes, n_new):
+    rows = continuations
+    if isinstance(rows, torch.Tensor) and rows.dim() == 2:
+        rows = list(rows)
+    if not isinstance(rows, (list, tuple)):
+        fail(name, case, want, _show(continuations),
+             "continuations: a list with one list of token ids per suffix")
+    if len(rows) != len(suffixes):
+        fail(name, case, want, _show(continuations),
+             f"one continuation per suffix: {len(suffixes)} lists")
+    tokens = [int_list(r) for r in rows]
+    if any(t is None for t in tokens):
+        fail(name, case, want, _show(continuations),
+             "each continuation is a list of int token ids (not floats, not text)")
+    for t, s in zip(tokens, suffixes):
+        if len(t) != n_new:
+            hint = f"each continuation is exactly the n_new = {n_new} new tokens"
+            if len(t) == n_new + len(s) or len(t) == n_new + len(s) + len(prefix):
+                hint += ", without the suffix or the prefix in front"
+            elif len(t) == n_new - 1:
+                hint += " (off by one: the first new token comes from the suffix's pass)"
+            fail(name, case, want, tokens, hint)
+    return tokens
+
+
+def _check_prefix_work(name, case, count, passes, prefix, suffixes, n_new) -> None:
+    P, m = len(prefix), len(suffixes)
+    right = P + sum(len(s) + n_new - 1 for s in suffixes)
+    where = case + " (K/V vectors your function computed, per layer)"
+    if count != right:
+        if count == right + m:
+            hint = (f"off by one per suffix: you fed the last new token back into the model. "
+                    f"Its K/V is never used: n_new tokens need the suffix's pass and "
+                    f"n_new - 1 = {n_new - 1} decode passes")
+        elif count >= right + (m - 1) * P and m > 1 or count == right + P:
+            hint = (f"the prefix's K/V were computed more than once: this is recomputing the "
+                    f"prefix for every suffix. Prefill the {P} prefix tokens ONCE into a cache, "
+                    f"then continue each suffix on prefix_cache.fork()")
+        elif count > right:
+            hint = "more K/V work than needed: feed each token through the model once"
+        else:
+            hint = ("too little K/V work: the prefix once, then each suffix and all but the last "
+                    "of its new tokens, must each go through the model")
+        fail(name, where, f"{P} + sum(len(suffix) + n_new - 1) = {right}", count, hint)
+    want_passes = 1 + m * n_new
+    if len(passes) != want_passes:
+        singles = sum(1 for shape in passes if shape is not None and shape[1] == 1)
+        hint = ("one pass for the prefix, then per suffix one pass over the whole suffix and "
+                "one pass per further token")
+        if P > 1 and (P, ) not in [shape[1:] for shape in passes if shape]:
+            hint = (f"the prefix was not prefilled in one pass (no pass fed {P} tokens): feed "
+                    f"all of prefix_ids in one model(...) call; " + hint)
+        elif singles > m * (n_new - 1):
+            hint = "a suffix was fed token by token: feed each suffix in one pass; " + hint
+        fail(name, case + " (forward passes)", want_passes, len(passes), hint)
+
+
+def _check_prefix_cache(name, case, model, prefix_cache, prefix, suffixes, n_new) -> None:
+    where = case + " (the prefix cache you returned)"
+    P = len(prefix)
+    want = f"a KVCache holding the {P} prefix positions, as a prefill leaves them"
+    if not isinstance(prefix_cache, KVCache):
+        fail(name, where, want, _show(prefix_cache),
+             "return the KVCache you prefilled with the prefix, second in the pair")
+    if (prefix_cache.n_layer != model.config.n_layer or prefix_cache.batch_size != 1
+            or prefix_cache.n_head != model.config.n_head):
+        fail(name, where, want, repr(prefix_cache), "a cache for this model, batch size 1")
+    length = prefix_cache.get_seq_length()
+    if length > P:
+        grown = [P + sum(len(s) + n_new - 1 for s in suffixes[:k + 1])
+                 for k in range(len(suffixes))]
+        fail(name, where, want, f"{length} positions",
+             "the suffixes and their tokens went into the prefix's own cache"
+             + (" (one after the other: sharing one cache without forking)"
+                if length in grown or length in [g + k + 1 for k, g in enumerate(grown)] else "")
+             + ": continue each suffix on prefix_cache.fork(), so the prefix's cache stays as the "
+               "prefill left it, ready for the next request")
+    if length < P:
+        fail(name, where, want, f"{length} positions",
+             "the prefix's cache must still hold the whole prefix")
+    bad = _first_difference(prefix_cache, _prefilled(model, prefix, P), P)
+    if bad is not None:
+        fail(name, where, want, f"different K/V from position {bad} on (in some layer)",
+             "the right length, but something wrote over the prefix's K/V (a suffix fed after "
+             "crop? into a cache that is not a fork?): continue each suffix on "
+             "prefix_cache.fork()")
+
+
+def _check_continuations(name, case, model, want, refs, tokens, prefix, suffixes, n_new) -> None:
+    for k, (ref, got) in enumerate(zip(refs, tokens)):
+        for t, (token, logits) in enumerate(zip(ref.tokens, ref.logits)):
+            if got[t] == token:
+                continue
+            if got[t] in _accepted(logits):  # a near tie: later tokens may differ too
+                break
+            hint = ("greedy decoding on a fork of the prefix's cache: the suffix in one pass, "
+                    "then feed each new token; each continuation must equal generating "
+                    "prefix + suffix from scratch")
+            if len(suffixes) > 1 and tokens == _continuations(model, prefix, suffixes, n_new,
+                                                             fork=False):
+                hint = ("these are the tokens you get when every suffix continues on ONE shared "
+                        "cache, without forking: suffix 2 then sees suffix 1 and its tokens "
+                        "(contaminated). Fork the prefix's cache for each suffix")
+            elif got == ref.tokens[1:] + got[-1:] or got[1:] == ref.tokens[:-1]:
+                hint = ("off by one: the first new token is the argmax of the suffix's last "
+                        "position; then feed each new token to get the next")
+            fail(name, f"{case}, suffix {k}", want[k], got, hint)
+
+
+__all__ = ["check_clause_cuts", "check_intermediate_answers", "check_shared_prefix_answers",
+           "CheckFailed"]

@@ -1,0 +1,145 @@
+"""Pictures and a stepper of the server's block pool (minikv.serve(..., trace=True).pool_steps):
+which request holds each block, which blocks are shared or free, and each request's block table,
+engine step by engine step."""
+from __future__ import annotations
+
+import base64
+from collections import Counter
+
+import ipywidgets as widgets
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch, Rectangle
+
+from ..engine.records import PoolStep
+from .draw import png
+
+# One hue per request, none of them a token-state colour (minikv.viz.draw.COLORS).
+OWNER_COLORS = ("#7b52ab", "#2a9d8f", "#264653", "#8c564b", "#b5838d", "#6d597a", "#606c38",
+                "#bc6c25")
+SHARED_HATCH = "xx"
+
+
+def owner_color(request: int) -> str:
+    return OWNER_COLORS[request % len(OWNER_COLORS)]
+
+
+def pool_caption(step: PoolStep) -> str:
+    """What this engine step did to the pool, in words."""
+    what = Counter(kind for _, kind, _, _ in step.log)
+    owners = {kind: sorted({r for _, k, _, r in step.log if k == kind}) for kind in what}
+    parts = []
+    if what["share"]:
+        parts.append(f"{what['share']} block(s) shared by request(s) {owners['share']} "
+                     f"(prefix caching: K/V reused)")
+    if what["allocate"]:
+        parts.append(f"{what['allocate']} block(s) allocated to {owners['allocate']}")
+    if what["copy"]:
+        parts.append(f"{what['copy']} shared block(s) copied before a write (copy-on-write)")
+    if what["preempt"]:
+        parts.append(f"request(s) {owners['preempt']} preempted: their blocks freed, to be "
+                     f"recomputed")
+    freed = [r for r in owners.get("free", []) if r not in owners.get("preempt", [])]
+    if what["free"] or what["unshare"]:
+        parts.append(f"{what['free']} block(s) freed, {what['unshare']} unshared, by {freed}")
+    free = sum(1 for r in step.ref if r == 0)
+    return (f"engine step {step.step}: " + ("; ".join(parts) or "decode: no block changed hands")
+            + f" · {free} of {len(step.ref)} blocks free")
+
+
+def draw_pool(step: PoolStep, columns: int = 16, ax=None) -> Figure:
+    """The pool as a grid of blocks (owner colour, hatched when shared, white when free) above
+    every running request's block table."""
+    owners: dict[int, list[int]] = {}
+    for request, blocks in step.tables.items():
+        for block in blocks:
+            owners.setdefault(block, []).append(request)
+    n = len(step.ref)
+    grid_rows = -(-n // columns)
+    rows = grid_rows + 1 + len(step.tables)
+    if ax is None:
+        fig = Figure(figsize=(10, 1.0 + 0.42 * rows))
+        FigureCanvasAgg(fig)
+        ax = fig.add_axes((0.01, 0.01, 0.98, 0.99 - 0.45 / fig.get_figheight()))
+    for block in range(n):
+        x, y = block % columns, -(block // columns)
+        held = owners.get(block, [])
+        color = owner_color(held[0]) if held else "white"
+        ax.add_patch(Rectangle((x, y), 0.92, 0.8, facecolor=color, edgecolor="#777777",
+                               linewidth=0.6, hatch=SHARED_HATCH if len(held) > 1 else None,
+                               gid=f"block:{block}"))
+        ax.text(x + 0.46, y + 0.62, str(block), ha="center", va="center", fontsize=5,
+                color="white" if held else "#999999")
+        if held:  # who holds it: one request, or several sharing it
+            ax.text(x + 0.46, y + 0.28, f"×{len(held)}" if len(held) > 1 else str(held[0]),
+                    ha="center", va="center", fontsize=5.5, color="white", fontweight="bold")
+    y = -grid_rows + 0.1
+    for request, blocks in sorted(step.tables.items()):
+        y -= 1
+        ax.text(-0.3, y + 0.4, f"request {request} · {step.lengths[request]} positions",
+                ha="right", va="center", fontsize=8)
+        for i, block in enumerate(blocks):
+            ax.add_patch(Rectangle((i, y), 0.92, 0.8, facecolor=owner_color(request),
+                                   edgecolor="#777777", linewidth=0.6,
+                                   hatch=SHARED_HATCH if step.ref[block] > 1 else None))
+            ax.text(i + 0.46, y + 0.4, str(block), ha="center", va="center", fontsize=6,
+                    color="white")
+    ax.set_xlim(-9, columns + 4)
+    ax.set_ylim(y - 0.8, 1.2)
+    ax.axis("off")
+    ax.set_title(pool_caption(step), fontsize=8, loc="left", wrap=True)
+    handles = [Patch(facecolor=owner_color(r), label=f"request {r}") for r in sorted(step.tables)]
+    handles += [Patch(facecolor="#cccccc", hatch=SHARED_HATCH, label="shared"),
+                Patch(facecolor="white", edgecolor="#777777", label="free")]
+    ax.legend(handles=handles, loc="upper right", bbox_to_anchor=(1.0, 1.0), fontsize=6,
+              frameon=False, ncol=1)
+    return ax.figure
+
+
+class PoolStepper(widgets.VBox):
+    """Step through a server run's pool: the picture, the caption, and the numbers it shows."""
+
+    def __init__(self, steps: list[PoolStep], title: str = ""):
+        if not steps:
+            raise ValueError("no pool steps: serve with trace=True to record them")
+        self.steps, self._pngs = steps, {}
+        self.slider = widgets.IntSlider(value=1, min=1, max=len(steps), description="step",
+                                        continuous_update=False)
+        self.prev_button = widgets.Button(description="◀ Prev", layout=widgets.Layout(width="90px"))
+        self.next_button = widgets.Button(description="Next ▶", layout=widgets.Layout(width="90px"))
+        self.prev_button.on_click(lambda _: self.go(self.index - 1))
+        self.next_button.on_click(lambda _: self.go(self.index + 1))
+        self.caption, self.image = widgets.HTML(), widgets.Image(format="png")
+        for widget, name in ((self.prev_button, "prev"), (self.next_button, "next"),
+                             (self.caption, "caption"), (self.image, "image")):
+            widget.add_class(f"minikv-{name}")
+        header = widgets.HTML(f"<b>{title}</b>")
+        controls = widgets.HBox([self.prev_button, self.next_button, self.slider])
+        super().__init__([header, controls, self.caption, self.image])
+        self.slider.observe(lambda change: self._render(), names="value")
+        self._render()
+
+    @property
+    def index(self) -> int:
+        return self.slider.value - 1
+
+    def go(self, index: int) -> None:
+        self.slider.value = min(max(index, 0), len(self.steps) - 1) + 1
+
+    def picture(self, index: int) -> bytes:
+        if index not in self._pngs:
+            self._pngs[index] = png(draw_pool(self.steps[index]))
+        return self._pngs[index]
+
+    def _render(self) -> None:
+        i = self.index
+        self.image.value = self.picture(i)
+        self.prev_button.disabled, self.next_button.disabled = i == 0, i == len(self.steps) - 1
+        self.caption.value = (f"<code>step {i + 1}/{len(self.steps)}</code> "
+                              f"{pool_caption(self.steps[i])}")
+
+    def _repr_mimebundle_(self, **kwargs):
+        bundle = super()._repr_mimebundle_(**kwargs)
+        bundle["image/png"] = base64.b64encode(self.picture(self.index)).decode()
+        bundle["text/plain"] = f"PoolStepper: {len(self.steps)} steps"
+        return bundle
