@@ -1,55 +1,350 @@
-"""Chapter 00: the checkers accept the solutions and reject plausible wrong answers."""
+"""Chapter 00: the checkers accept the solutions, let the exercise stub's NotImplementedError
+through, and reject every plausible wrong answer below with a hint that names the mistake."""
+import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
 
+import minikv
+from minikv.course import checks
 from minikv.course.checks import CheckFailed, ch00
+from minikv.engine.model import causal_attention
 
 from conftest import stub
+
+# --- the solutions ------------------------------------------------------------------------------
 
 
 def count_params(cfg):
     C = cfg.n_embd
-    return cfg.vocab_size * C + cfg.block_size * C + cfg.n_layer * (12 * C * C + 13 * C) + 2 * C
+    per_block = (2 * 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + (C * 4 * C + 4 * C)
+                 + (4 * C * C + C))
+    return cfg.vocab_size * C + cfg.block_size * C + cfg.n_layer * per_block + 2 * C
 
 
 def encode_documents(tok, docs):
-    return [t for doc in docs for t in tok.encode(doc) + [tok.eot_token]]
+    ids = []
+    for doc in docs:
+        ids += tok.encode(doc) + [tok.eot_token]
+    return ids
+
+
+def encode_documents_joined(tok, docs):
+    """Also right: one text with the special token allowed."""
+    return tok.encode("".join(d + "<|endoftext|>" for d in docs), allowed_special={"<|endoftext|>"})
+
+
+def forward_by_hand(model, idx):
+    tr = model.transformer
+    x = tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1], device=idx.device))
+    for i, block in enumerate(tr.h):
+        x = block(x, None, i, causal_attention)
+    return model.lm_head(tr.ln_f(x))
+
+
+def attention_spelled_out(block, x, causal=True):
+    """One block's attention written out: q kᵀ / √hs, the causal mask, softmax, times v."""
+    B, T, C = x.shape
+    nh = block.attn.n_head
+    q, k, v = block.attn.c_attn(x).split(C, dim=2)
+    q, k, v = (t.view(B, T, nh, C // nh).transpose(1, 2) for t in (q, k, v))
+    scores = q @ k.transpose(-1, -2) / (C // nh) ** 0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, C)
+    return block.attn.c_proj(y)
+
+
+def forward_spelled_out(model, idx, causal=True):
+    """Also right (with causal=True): every block written out."""
+    tr = model.transformer
+    x = tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1]))
+    for block in tr.h:
+        x = x + attention_spelled_out(block, block.ln_1(x), causal)
+        x = x + block.mlp(block.ln_2(x))
+    return model.lm_head(tr.ln_f(x))
 
 
 def test_solutions_pass(capsys):
+    state = torch.get_rng_state()
     ch00.check_count_params(count_params)
-    ch00.check_next_tokens(lambda logits: logits[:, -1].argmax(-1))
+    ch00.check_count_params(lambda cfg: np.int64(count_params(cfg)))  # a numpy int is an int
     ch00.check_encode_documents(encode_documents)
-    ch00.check_encode_documents(lambda tok, docs: tok.encode(  # also right
-        "".join(d + "<|endoftext|>" for d in docs), allowed_special={"<|endoftext|>"}))
-    assert capsys.readouterr().out.count("✓") == 4
+    ch00.check_encode_documents(encode_documents_joined)
+    ch00.check_forward_by_hand(forward_by_hand)
+    ch00.check_forward_by_hand(forward_spelled_out)
+    assert capsys.readouterr().out.count("✓") == 6
+    assert torch.equal(torch.get_rng_state(), state), "a checker moved the caller's random state"
 
 
-@pytest.mark.parametrize("check, wrong", [
-    # counts the tied head twice
-    (ch00.check_count_params, lambda cfg: count_params(cfg) + cfg.vocab_size * cfg.n_embd),
-    # forgets ln_f
-    (ch00.check_count_params, lambda cfg: count_params(cfg) - 2 * cfg.n_embd),
-    # forgets the biases
-    (ch00.check_count_params, lambda cfg: count_params(cfg) - cfg.n_layer * 13 * cfg.n_embd),
-    # first position
-    (ch00.check_next_tokens, lambda logits: logits[:, 0].argmax(-1)),
-    # every position
-    (ch00.check_next_tokens, lambda logits: logits.argmax(-1)),
-    # shape (B, 1)
-    (ch00.check_next_tokens, lambda logits: logits[:, -1].argmax(-1, keepdim=True)),
-    # no EOT
-    (ch00.check_encode_documents, lambda tok, docs: [t for d in docs for t in tok.encode(d)]),
-    # EOT between only
-    (ch00.check_encode_documents,
-     lambda tok, docs: tok.encode("<|endoftext|>".join(docs), allowed_special="all")),
-    (ch00.check_encode_documents, lambda tok, docs: tok.encode(" ".join(docs)) + [tok.eot_token]),
-])
-def test_wrong_answers_fail(check, wrong):
-    with pytest.raises(CheckFailed):
+@pytest.mark.parametrize("check", [ch00.check_count_params, ch00.check_encode_documents,
+                                   ch00.check_forward_by_hand])
+def test_stub_raises_not_implemented(check):
+    with pytest.raises(NotImplementedError):
+        check(stub)
+
+
+def test_a_patched_checker_does_not_silence_the_check_cell(monkeypatch):
+    """What an exercise cell could do: replace the checker. The check cell's fresh copy runs."""
+    monkeypatch.setattr(ch00, "check_forward_by_hand", lambda fn: print("✓ (patched)"))
+    with pytest.raises(AssertionError, match="without the position embeddings"):
+        checks.fresh("ch00").check_forward_by_hand(no_position_embeddings)
+
+
+def fails_with(check, wrong, *fragments):
+    with pytest.raises(CheckFailed) as info:
         check(wrong)
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in:\n{message}"
 
 
-def test_stub_fails():
-    for check in (ch00.check_count_params, ch00.check_next_tokens, ch00.check_encode_documents):
-        with pytest.raises(NotImplementedError):
-            check(stub)
+# --- exercise 1: count the parameters -----------------------------------------------------------
+
+def count_as_float(cfg):
+    """124439808.0: a true division somewhere."""
+    return float(count_params(cfg))
+
+
+def count_half_mlp_as_float(cfg):
+    C = cfg.n_embd
+    per_block = 4 * C + 3 * C * C + 3 * C + C * C + C + 8 * C * C / 2 * 2 + 5 * C
+    return cfg.vocab_size * C + cfg.block_size * C + cfg.n_layer * per_block + 2 * C
+
+
+def count_with_commas(cfg):
+    return f"{count_params(cfg):,}"
+
+
+def count_head_twice(cfg):
+    return count_params(cfg) + cfg.vocab_size * cfg.n_embd
+
+
+def count_without_ln_f(cfg):
+    return count_params(cfg) - 2 * cfg.n_embd
+
+
+def count_without_biases(cfg):
+    return count_params(cfg) - cfg.n_layer * 9 * cfg.n_embd
+
+
+def count_without_block_layernorms(cfg):
+    return count_params(cfg) - cfg.n_layer * 4 * cfg.n_embd
+
+
+def count_matrices_only(cfg):
+    C = cfg.n_embd
+    return cfg.vocab_size * C + cfg.block_size * C + cfg.n_layer * 12 * C * C
+
+
+def count_without_wpe(cfg):
+    return count_params(cfg) - cfg.block_size * cfg.n_embd
+
+
+def count_without_attention_proj(cfg):
+    return count_params(cfg) - cfg.n_layer * (cfg.n_embd ** 2 + cfg.n_embd)
+
+
+def count_mlp_width_c(cfg):
+    C = cfg.n_embd
+    per_block = 4 * C + 3 * C * C + 3 * C + C * C + C + (C * C + C) + (C * C + C)
+    return cfg.vocab_size * C + cfg.block_size * C + cfg.n_layer * per_block + 2 * C
+
+
+@pytest.mark.parametrize("wrong, fragments", [
+    (count_as_float, ["return an int, not a float"]),
+    (count_half_mlp_as_float, ["return an int, not a float"]),
+    (count_with_commas, ["return an int, not a str"]),
+    (count_head_twice, ["count the LM head as well", "tied"]),
+    (count_without_ln_f, ["forget the final LayerNorm"]),
+    (count_without_biases, ["forget the biases"]),
+    (count_without_block_layernorms, ["forget the two LayerNorms of each block"]),
+    (count_matrices_only, ["count only the weight matrices"]),
+    (count_without_wpe, ["forget the position embeddings"]),
+    (count_without_attention_proj, ["output projection c_proj"]),
+    (count_mlp_width_c, ["MLP's hidden width is C"]),
+])
+def test_count_params_wrong_answers(wrong, fragments):
+    fails_with(ch00.check_count_params, wrong, "count_params: wrong for", *fragments)
+
+
+# --- exercise 2: documents as one token stream --------------------------------------------------
+
+def stream_without_eot(tok, docs):
+    return [t for d in docs for t in tok.encode(d)]
+
+
+def stream_eot_between(tok, docs):
+    return tok.encode("<|endoftext|>".join(docs), allowed_special="all")
+
+
+def stream_one_eot_at_the_end(tok, docs):
+    return [t for d in docs for t in tok.encode(d)] + [tok.eot_token]
+
+
+def stream_joined_with_spaces(tok, docs):
+    return tok.encode(" ".join(docs)) + [tok.eot_token]
+
+
+def stream_eot_before(tok, docs):
+    return [t for d in docs for t in [tok.eot_token] + tok.encode(d)]
+
+
+def stream_skips_empty(tok, docs):
+    return [t for d in docs if d for t in tok.encode(d) + [tok.eot_token]]
+
+
+def stream_eot_as_text(tok, docs):
+    return [t for d in docs for t in tok.encode(d + "<|endoftext|>", disallowed_special=())]
+
+
+def stream_gpt2_eot(tok, docs):
+    return [t for d in docs for t in tok.encode(d) + [50256]]
+
+
+def stream_per_document(tok, docs):
+    return [tok.encode(d) + [tok.eot_token] for d in docs]
+
+
+def stream_as_tensor(tok, docs):
+    return torch.tensor(encode_documents(tok, docs), dtype=torch.long)
+
+
+def stream_as_numpy(tok, docs):
+    return np.array(encode_documents(tok, docs))
+
+
+def stream_of_floats(tok, docs):
+    return [float(t) for t in encode_documents(tok, docs)]
+
+
+@pytest.mark.parametrize("wrong, fragments", [
+    (stream_without_eot, ["forget <|endoftext|>"]),
+    (stream_eot_between, ["only BETWEEN documents"]),
+    (stream_one_eot_at_the_end, ["one <|endoftext|> at the very end"]),
+    (stream_joined_with_spaces, ["join the documents into one text"]),
+    (stream_eot_before, ["BEFORE each document"]),
+    (stream_skips_empty, ["skip the empty document"]),
+    (stream_eot_as_text, ["as ordinary characters"]),
+    (stream_gpt2_eot, ["50256 is GPT-2's"]),
+    (stream_per_document, ["one list per document"]),
+    (stream_as_tensor, ["not a torch.Tensor"]),
+    (stream_as_numpy, ["not a numpy.ndarray"]),
+    (stream_of_floats, ["must be an int", "float"]),
+])
+def test_encode_documents_wrong_answers(wrong, fragments):
+    fails_with(ch00.check_encode_documents, wrong, "encode_documents: wrong for", *fragments)
+
+
+# --- exercise 3: the forward pass by hand -------------------------------------------------------
+
+def calls_the_model(model, idx):
+    return model(idx)
+
+
+def calls_forward(model, idx):
+    return model.forward(idx)
+
+
+def calls_forward_through_an_alias(model, idx):
+    run = minikv.GPT.forward
+    return run(model, idx)
+
+
+def no_position_embeddings(model, idx):
+    tr = model.transformer
+    x = tr.wte(idx)
+    for i, block in enumerate(tr.h):
+        x = block(x, None, i, causal_attention)
+    return model.lm_head(tr.ln_f(x))
+
+
+def positions_from_one(model, idx):
+    tr = model.transformer
+    x = tr.wte(idx) + tr.wpe(torch.arange(1, idx.shape[1] + 1))
+    for i, block in enumerate(tr.h):
+        x = block(x, None, i, causal_attention)
+    return model.lm_head(tr.ln_f(x))
+
+
+def no_final_layernorm(model, idx):
+    tr = model.transformer
+    x = tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1]))
+    for i, block in enumerate(tr.h):
+        x = block(x, None, i, causal_attention)
+    return model.lm_head(x)
+
+
+def head_before_layernorm(model, idx):
+    tr = model.transformer
+    x = tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1]))
+    for i, block in enumerate(tr.h):
+        x = block(x, None, i, causal_attention)
+    return tr.ln_f(model.lm_head(x))
+
+
+def last_position_only(model, idx):
+    return forward_by_hand(model, idx)[:, -1]
+
+
+def last_position_kept(model, idx):
+    return forward_by_hand(model, idx)[:, -1:]
+
+
+def as_numpy(model, idx):
+    return forward_by_hand(model, idx).detach().numpy()
+
+
+def argmax_ids(model, idx):
+    return forward_by_hand(model, idx).argmax(-1)
+
+
+def batch_dropped(model, idx):
+    return forward_by_hand(model, idx)[0]
+
+
+def no_causal_mask(model, idx):
+    return forward_spelled_out(model, idx, causal=False)
+
+
+def no_mask_through_sdpa(model, idx):
+    tr = model.transformer
+    x = tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1]))
+    for i, block in enumerate(tr.h):
+        x = block(x, None, i, F.scaled_dot_product_attention)
+    return model.lm_head(tr.ln_f(x))
+
+
+def two_blocks_hardcoded(model, idx):
+    """Written against the tiny preset's 2 layers."""
+    tr = model.transformer
+    x = tr.wte(idx) + tr.wpe(torch.arange(idx.shape[1]))
+    x = tr.h[0](x, None, 0, causal_attention)
+    x = tr.h[1](x, None, 1, causal_attention) if len(tr.h) > 1 else x
+    return model.lm_head(tr.ln_f(x))
+
+
+def a_tuple(model, idx):
+    return forward_by_hand(model, idx), None
+
+
+@pytest.mark.parametrize("wrong, fragments", [
+    (calls_the_model, ["called minikv's own", "GPT.forward"]),
+    (calls_forward, ["called minikv's own", "GPT.forward"]),
+    (calls_forward_through_an_alias, ["called minikv's own", "GPT.forward"]),
+    (no_position_embeddings, ["without the position embeddings"]),
+    (positions_from_one, ["positions start at 1"]),
+    (no_final_layernorm, ["forget the final LayerNorm"]),
+    (head_before_layernorm, ["apply the LM head before the final LayerNorm"]),
+    (last_position_only, ["return only the last position"]),
+    (last_position_kept, ["return only the last position"]),
+    (as_numpy, ["not a numpy array"]),
+    (argmax_ids, ["not the argmax ids"]),
+    (batch_dropped, ["dropped the batch dimension"]),
+    (no_causal_mask, ["without the causal mask"]),
+    (no_mask_through_sdpa, ["without the causal mask"]),
+    (two_blocks_hardcoded, ["run only 2 of the model's 3 blocks"]),
+    (a_tuple, ["return the logits tensor itself"]),
+])
+def test_forward_by_hand_wrong_answers(wrong, fragments):
+    fails_with(ch00.check_forward_by_hand, wrong, *fragments)

@@ -1,11 +1,16 @@
-"""Chapter 02's checkers accept the solutions and reject stubs and plausible wrong answers,
-quickly."""
+"""Chapter 02's checkers accept the solutions, let the stubs' NotImplementedError through, and
+reject every plausible wrong answer with a message that names the mistake; quickly, and without
+touching the caller's random state."""
 import math
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
+import minikv
 from minikv.course.checks import CheckFailed, ch02
+from minikv.engine.cache import Cache
 
 from conftest import stub
 
@@ -13,123 +18,703 @@ from conftest import stub
 # --- exercise 1: cache bytes ---------------------------------------------------------------------
 def cache_bytes(cfg, seq_len, batch_size=1, bytes_per_value=2, n_kv_head=None):
     heads = cfg.n_head if n_kv_head is None else n_kv_head
-    return 2 * cfg.n_layer * batch_size * heads * seq_len * cfg.head_dim * bytes_per_value
+    return cfg.n_layer * 2 * batch_size * heads * seq_len * cfg.head_dim * bytes_per_value
 
 
-def cache_bytes_no_v(cfg, seq_len, batch_size=1, bytes_per_value=2, n_kv_head=None):  # forgets V
+def cache_bytes_no_v(cfg, seq_len, batch_size=1, bytes_per_value=2, n_kv_head=None):  # keys only
     heads = cfg.n_head if n_kv_head is None else n_kv_head
     return cfg.n_layer * batch_size * heads * seq_len * cfg.head_dim * bytes_per_value
 
 
 def cache_bytes_ignores_gqa(cfg, seq_len, batch_size=1, bytes_per_value=2, n_kv_head=None):
-    return 2 * cfg.n_layer * batch_size * cfg.n_head * seq_len * cfg.head_dim * bytes_per_value
+    return cfg.n_layer * 2 * batch_size * cfg.n_head * seq_len * cfg.head_dim * bytes_per_value
 
 
-def cache_bytes_mib_float(cfg, seq_len, batch_size=1, bytes_per_value=2, n_kv_head=None):
+def cache_bytes_group_size(cfg, seq_len, batch_size=1, bytes_per_value=2, n_kv_head=None):
+    heads = cfg.n_head if n_kv_head is None else cfg.n_head // n_kv_head
+    return cfg.n_layer * 2 * batch_size * heads * seq_len * cfg.head_dim * bytes_per_value
+
+
+def cache_bytes_no_batch(cfg, seq_len, batch_size=1, bytes_per_value=2, n_kv_head=None):
+    return cache_bytes(cfg, seq_len, 1, bytes_per_value, n_kv_head)
+
+
+def cache_bytes_one_layer(cfg, seq_len, batch_size=1, bytes_per_value=2, n_kv_head=None):
+    return cache_bytes(cfg, seq_len, batch_size, bytes_per_value, n_kv_head) // cfg.n_layer
+
+
+def cache_bytes_values_not_bytes(cfg, seq_len, batch_size=1, bytes_per_value=2, n_kv_head=None):
+    return cache_bytes(cfg, seq_len, batch_size, 1, n_kv_head)
+
+
+def cache_bytes_bits(cfg, seq_len, batch_size=1, bytes_per_value=2, n_kv_head=None):
+    return 8 * cache_bytes(cfg, seq_len, batch_size, bytes_per_value, n_kv_head)
+
+
+def cache_bytes_n_embd(cfg, seq_len, batch_size=1, bytes_per_value=2, n_kv_head=None):
+    heads = cfg.n_head if n_kv_head is None else n_kv_head
+    return cfg.n_layer * 2 * batch_size * heads * seq_len * cfg.n_embd * bytes_per_value
+
+
+def cache_bytes_mib(cfg, seq_len, batch_size=1, bytes_per_value=2, n_kv_head=None):
     return cache_bytes(cfg, seq_len, batch_size, bytes_per_value, n_kv_head) / 2**20
+
+
+def cache_bytes_float(cfg, seq_len, batch_size=1, bytes_per_value=2, n_kv_head=None):
+    return float(cache_bytes(cfg, seq_len, batch_size, bytes_per_value, n_kv_head))
+
+
+def cache_bytes_numpy(cfg, seq_len, batch_size=1, bytes_per_value=2, n_kv_head=None):
+    heads = cfg.n_head if n_kv_head is None else n_kv_head
+    return np.prod([cfg.n_layer, 2, batch_size, heads, seq_len, cfg.head_dim, bytes_per_value],
+                   dtype=np.float64)
+
+
+def cache_bytes_engine(cfg, seq_len, batch_size=1, bytes_per_value=2, n_kv_head=None):
+    dtype = {1: torch.float8_e4m3fn, 2: torch.float16, 4: torch.float32}[bytes_per_value]
+    return minikv.kv_cache_bytes(cfg, seq_len, batch_size, dtype, n_kv_head)
 
 
 # --- exercise 2: K/V work ------------------------------------------------------------------------
 def kv_work(prompt_len, new_tokens):
     if new_tokens == 0:
         return 0, 0
-    return new_tokens * prompt_len + new_tokens * (new_tokens - 1) // 2, prompt_len + new_tokens - 1
+    naive = sum(prompt_len + i for i in range(new_tokens))
+    return naive, prompt_len + new_tokens - 1
 
 
 def kv_work_seed_formula(prompt_len, new_tokens):  # N(N+1)/2 and N: right only for a 1-token prompt
     return new_tokens * (new_tokens + 1) // 2, new_tokens
 
 
-def kv_work_off_by_one(prompt_len, new_tokens):  # feeds the last new token too
+def kv_work_feeds_last(prompt_len, new_tokens):  # one pass too many: the last new token fed too
     n = new_tokens
     return n * prompt_len + n * (n + 1) // 2, prompt_len + n
 
 
-# --- exercise 3: position ids --------------------------------------------------------------------
-def decode_positions(cache, n_new=1):
-    start = cache.get_seq_length()
-    return list(range(start, start + n_new))
+def kv_work_prefill_one(prompt_len, new_tokens):  # the prefill counted as one vector
+    n = new_tokens
+    return (n * prompt_len + n * (n - 1) // 2, n) if n else (0, 0)
 
 
-def decode_positions_bug(cache, n_new=1):  # seed 003's wrong approach
-    return list(range(n_new))
+def kv_work_no_growth(prompt_len, new_tokens):  # naive recomputes the prompt only
+    n = new_tokens
+    return (n * prompt_len, prompt_len + n - 1) if n else (0, 0)
 
 
-def decode_positions_capacity(cache, n_new=1):  # seed 003's size(2), on a preallocated buffer
-    start = cache.keys[0].size(2)
-    return list(range(start, start + n_new))
+def kv_work_swapped(prompt_len, new_tokens):
+    return tuple(reversed(kv_work(prompt_len, new_tokens)))
 
 
-def decode_positions_plus_one(cache, n_new=1):
-    start = cache.get_seq_length() + 1
-    return torch.arange(start, start + n_new)
+def kv_work_no_zero_case(prompt_len, new_tokens):  # no special case for new_tokens = 0
+    n = new_tokens
+    return n * prompt_len + n * (n - 1) // 2, prompt_len + n - 1
 
 
-# --- exercise 4: cached attention ----------------------------------------------------------------
-def cached_attention(q, k_cache, v_cache, k_new, v_new):
-    k, v = torch.cat([k_cache, k_new], dim=2), torch.cat([v_cache, v_new], dim=2)
-    weights = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.size(-1)), dim=-1)
-    return weights @ v
+def kv_work_float(prompt_len, new_tokens):  # "/ 2": (25.0, 7.0) for the seed's table
+    if new_tokens == 0:
+        return 0, 0
+    n = new_tokens
+    return n * prompt_len + n * (n - 1) / 2, prompt_len + n - 1
 
 
-# the training-time causal mask, misapplied
-def cached_attention_tril(q, k_cache, v_cache, k_new, v_new):
-    k, v = torch.cat([k_cache, k_new], dim=2), torch.cat([v_cache, v_new], dim=2)
+def kv_work_half_off(prompt_len, new_tokens):  # 25.5 for 25: int() truncation would let it pass
+    naive, cached = kv_work(prompt_len, new_tokens)
+    return naive + 0.5, cached
+
+
+def kv_work_numpy(prompt_len, new_tokens):
+    return np.array(kv_work(prompt_len, new_tokens), dtype=np.float32)
+
+
+def kv_work_one_number(prompt_len, new_tokens):  # only the saving
+    naive, cached = kv_work(prompt_len, new_tokens)
+    return naive - cached
+
+
+def kv_work_triple(prompt_len, new_tokens):  # the saving appended
+    naive, cached = kv_work(prompt_len, new_tokens)
+    return naive, cached, naive - cached
+
+
+def kv_work_engine(prompt_len, new_tokens):  # asks the engine instead of counting
+    model = minikv.GPT(minikv.GPTConfig.preset("tiny"))
+    ids = list(range(1, prompt_len + 1))
+    return (minikv.generate(model, ids, new_tokens, mode="naive").stats.kv_computed,
+            minikv.generate(model, ids, new_tokens, mode="cached").stats.kv_computed)
+
+
+# --- exercise 3: attention over a cache ----------------------------------------------------------
+def cached_attention(q, k, v):
+    T, L = q.size(-2), k.size(-2)
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))
-    mask = torch.ones(1, k.size(2), dtype=torch.bool).tril()
+    if T > 1:
+        mask = torch.ones(T, L, dtype=torch.bool).tril(diagonal=L - T)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def cached_attention_sdpa(q, k, v):  # also right: sdpa with the rectangular mask
+    T, L = q.size(-2), k.size(-2)
+    mask = torch.ones(T, L, dtype=torch.bool).tril(diagonal=L - T)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def cached_attention_is_causal(q, k, v):  # the training-time kernel, reused over a cache
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def cached_attention_is_causal_for_chunks(q, k, v):  # right for T == 1, top-left for chunks
+    return F.scaled_dot_product_attention(q, k, v, is_causal=q.size(-2) > 1)
+
+
+def cached_attention_plain_tril(q, k, v):  # tril() without the diagonal offset
+    T, L = q.size(-2), k.size(-2)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))
+    mask = torch.ones(T, L, dtype=torch.bool).tril()
     return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
 
 
-def cached_attention_unscaled(q, k_cache, v_cache, k_new, v_new):
-    k, v = torch.cat([k_cache, k_new], dim=2), torch.cat([v_cache, v_new], dim=2)
-    return torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+def cached_attention_no_mask(q, k, v):  # "one row needs no mask", applied to every T
+    return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.size(-1)), dim=-1) @ v
 
 
-def cached_attention_cache_only(q, k_cache, v_cache, k_new, v_new):  # forgets to append the new K/V
-    if k_cache.size(2) == 0:
-        return v_new
-    return torch.softmax(q @ k_cache.transpose(-1, -2) / math.sqrt(q.size(-1)), dim=-1) @ v_cache
+def cached_attention_mask_only_prefill(q, k, v):  # masks only when nothing is cached
+    return F.scaled_dot_product_attention(q, k, v, is_causal=q.size(-2) == k.size(-2))
 
 
-CASES = [
-    (ch02.check_cache_bytes, cache_bytes, [cache_bytes_no_v, cache_bytes_ignores_gqa,
-                                           cache_bytes_mib_float]),
-    (ch02.check_kv_work, kv_work, [kv_work_seed_formula, kv_work_off_by_one]),
-    (ch02.check_decode_positions, decode_positions, [decode_positions_bug,
-                                                     decode_positions_capacity,
-                                                     decode_positions_plus_one]),
-    (ch02.check_cached_attention, cached_attention, [cached_attention_tril,
-                                                     cached_attention_unscaled,
-                                                     cached_attention_cache_only]),
+def cached_attention_unscaled(q, k, v):
+    T, L = q.size(-2), k.size(-2)
+    mask = torch.ones(T, L, dtype=torch.bool).tril(diagonal=L - T)
+    scores = (q @ k.transpose(-1, -2)).masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def cached_attention_by_head_dim(q, k, v):  # / head_dim instead of / sqrt(head_dim)
+    T, L = q.size(-2), k.size(-2)
+    mask = torch.ones(T, L, dtype=torch.bool).tril(diagonal=L - T)
+    scores = (q @ k.transpose(-1, -2) / q.size(-1)).masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def cached_attention_softmax_rows(q, k, v):  # softmax over the queries
+    T, L = q.size(-2), k.size(-2)
+    mask = torch.ones(T, L, dtype=torch.bool).tril(diagonal=L - T)
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))).masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-2) @ v
+
+
+def cached_attention_mask_after(q, k, v):  # the mask zeroes the weights after the softmax
+    T, L = q.size(-2), k.size(-2)
+    mask = torch.ones(T, L, dtype=torch.bool).tril(diagonal=L - T)
+    weights = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.size(-1)), dim=-1)
+    return (weights * mask) @ v
+
+
+def cached_attention_sees_not_itself(q, k, v):  # diagonal L - T - 1
+    T, L = q.size(-2), k.size(-2)
+    mask = torch.ones(T, L, dtype=torch.bool).tril(diagonal=L - T - 1)
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))).masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def cached_attention_sees_next(q, k, v):  # diagonal L - T + 1
+    T, L = q.size(-2), k.size(-2)
+    mask = torch.ones(T, L, dtype=torch.bool).tril(diagonal=L - T + 1)
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))).masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def cached_attention_inverted_mask(q, k, v):  # masked_fill where the mask is True
+    T, L = q.size(-2), k.size(-2)
+    mask = torch.ones(T, L, dtype=torch.bool).tril(diagonal=L - T)
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))).masked_fill(mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def cached_attention_in_place(q, k, v):  # scales k in place: inside the model, the cache's k
+    T, L = q.size(-2), k.size(-2)
+    k /= math.sqrt(q.size(-1))
+    mask = torch.ones(T, L, dtype=torch.bool).tril(diagonal=L - T)
+    return torch.softmax((q @ k.transpose(-1, -2)).masked_fill(~mask, float("-inf")), -1) @ v
+
+
+def cached_attention_last_row(q, k, v):  # the old one-row exercise: one output row whatever T
+    weights = torch.softmax(q[..., -1:, :] @ k.transpose(-1, -2) / math.sqrt(q.size(-1)), dim=-1)
+    return weights @ v
+
+
+def cached_attention_heads_last(q, k, v):  # returns (B, T, n_head, head_dim), as after transpose
+    return cached_attention(q, k, v).transpose(1, 2)
+
+
+def cached_attention_float64(q, k, v):  # "more precise", but the model's next layer is fp32
+    return cached_attention(q.double(), k.double(), v.double())
+
+
+def cached_attention_numpy(q, k, v):
+    return cached_attention(q, k, v).numpy()
+
+
+def cached_attention_with_weights(q, k, v):  # (output, weights), as some libraries return
+    return cached_attention(q, k, v), None
+
+
+def cached_attention_engine(q, k, v):  # calls the kernel the exercise asks for
+    return minikv.engine.causal_attention(q, k, v)
+
+
+# --- exercise 4: add the cache yourself ----------------------------------------------------------
+class MyKVCache(Cache):
+    def __init__(self):
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def get_seq_length(self, layer_idx=0):
+        return self.keys[layer_idx].shape[2] if len(self.keys) > layer_idx else 0
+
+    def check_fits(self, *args):
+        pass
+
+    def update(self, key, value, layer_idx):
+        if layer_idx == len(self.keys):
+            self.keys.append(key)
+            self.values.append(value)
+        else:
+            self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key], dim=2)
+            self.values[layer_idx] = torch.cat([self.values[layer_idx], value], dim=2)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def crop(self, max_length):
+        self.keys = [k[:, :, :max_length] for k in self.keys]
+        self.values = [v[:, :, :max_length] for v in self.values]
+
+
+class StubCache(Cache):  # the exercise as students receive it
+    def __init__(self):
+        self.keys, self.values = [], []
+
+    def get_seq_length(self, layer_idx=0):
+        stub()
+
+    def check_fits(self, *args):
+        pass
+
+    def update(self, key, value, layer_idx):
+        stub()
+
+    def crop(self, max_length):
+        stub()
+
+
+class CacheZeroLength(MyKVCache):  # seed 003's bug: every pass's positions restart at 0
+    def get_seq_length(self, layer_idx=0):
+        return 0
+
+
+class CacheCountsLayers(MyKVCache):
+    def get_seq_length(self, layer_idx=0):
+        return len(self.keys)
+
+
+class CacheCountsEveryUpdate(MyKVCache):  # adds T at every layer's update
+    def __init__(self):
+        super().__init__()
+        self.length = 0
+
+    def get_seq_length(self, layer_idx=0):
+        return self.length
+
+    def update(self, key, value, layer_idx):
+        self.length += key.shape[2]
+        return super().update(key, value, layer_idx)
+
+    def crop(self, max_length):
+        super().crop(max_length)
+        self.length = max_length
+
+
+class CacheCountsPasses(MyKVCache):  # one per pass, however many positions it adds
+    def __init__(self):
+        super().__init__()
+        self.passes = 0
+
+    def get_seq_length(self, layer_idx=0):
+        return self.passes
+
+    def update(self, key, value, layer_idx):
+        self.passes += layer_idx == 0
+        return super().update(key, value, layer_idx)
+
+
+class CacheReadsHeads(MyKVCache):  # size(1) of (B, n_head, L, head_dim)
+    def get_seq_length(self, layer_idx=0):
+        return self.keys[0].size(1) if self.keys else 0
+
+
+class CacheFloatLength(MyKVCache):
+    def get_seq_length(self, layer_idx=0):
+        return float(super().get_seq_length(layer_idx))
+
+
+class CacheLengthNoReturn(MyKVCache):  # computes the length, forgets to return it
+    def get_seq_length(self, layer_idx=0):
+        length = self.keys[layer_idx].shape[2] if self.keys else 0  # noqa: F841
+
+
+class CacheEmptyCrash(MyKVCache):  # fails before the first update
+    def get_seq_length(self, layer_idx=0):
+        return self.keys[0].shape[2]
+
+
+class CacheReturnsNew(MyKVCache):  # stores everything, but attention would see this step only
+    def update(self, key, value, layer_idx):
+        super().update(key, value, layer_idx)
+        return key, value
+
+
+class CacheCatDim1(MyKVCache):  # concatenates along the heads
+    def update(self, key, value, layer_idx):
+        if layer_idx == len(self.keys):
+            self.keys.append(key)
+            self.values.append(value)
+        else:
+            self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key], dim=1)
+            self.values[layer_idx] = torch.cat([self.values[layer_idx], value], dim=1)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+
+class CacheCatLastDim(MyKVCache):  # concatenates along head_dim
+    def update(self, key, value, layer_idx):
+        if layer_idx == len(self.keys):
+            self.keys.append(key)
+            self.values.append(value)
+        else:
+            self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key], dim=-1)
+            self.values[layer_idx] = torch.cat([self.values[layer_idx], value], dim=-1)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+
+class CacheNewFirst(MyKVCache):  # prepends the new positions
+    def update(self, key, value, layer_idx):
+        if layer_idx == len(self.keys):
+            self.keys.append(key)
+            self.values.append(value)
+        else:
+            self.keys[layer_idx] = torch.cat([key, self.keys[layer_idx]], dim=2)
+            self.values[layer_idx] = torch.cat([value, self.values[layer_idx]], dim=2)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+
+class CacheSwapped(MyKVCache):
+    def update(self, key, value, layer_idx):
+        keys, values = super().update(key, value, layer_idx)
+        return values, keys
+
+
+class CacheKeysTwice(MyKVCache):
+    def update(self, key, value, layer_idx):
+        keys, _ = super().update(key, value, layer_idx)
+        return keys, keys
+
+
+class CacheReturnsNothing(MyKVCache):
+    def update(self, key, value, layer_idx):
+        super().update(key, value, layer_idx)
+
+
+class CacheIgnoresLayer(MyKVCache):  # one growing tensor for every layer
+    def update(self, key, value, layer_idx):
+        if not self.keys:
+            self.keys.append(key)
+            self.values.append(value)
+        else:
+            self.keys[-1] = torch.cat([self.keys[-1], key], dim=2)
+            self.values[-1] = torch.cat([self.values[-1], value], dim=2)
+        return self.keys[-1], self.values[-1]
+
+
+class CacheFirstUpdateCrash(MyKVCache):  # no case for a layer's first update
+    def update(self, key, value, layer_idx):
+        self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key], dim=2)
+        self.values[layer_idx] = torch.cat([self.values[layer_idx], value], dim=2)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+
+class CacheNeverCrops(MyKVCache):
+    def crop(self, max_length):
+        pass
+
+
+class CacheCropsCounter(MyKVCache):  # crop moves a counter; update appends after the old data
+    def __init__(self):
+        super().__init__()
+        self.length = 0
+
+    def get_seq_length(self, layer_idx=0):
+        return self.length
+
+    def update(self, key, value, layer_idx):
+        if layer_idx == 0:
+            self.length += key.shape[2]
+        return super().update(key, value, layer_idx)
+
+    def crop(self, max_length):
+        self.length = max_length
+
+
+class CacheCropsLayer0(MyKVCache):
+    def crop(self, max_length):
+        self.keys[0] = self.keys[0][:, :, :max_length]
+        self.values[0] = self.values[0][:, :, :max_length]
+
+
+class CacheCropsKeysOnly(MyKVCache):
+    def crop(self, max_length):
+        self.keys = [k[:, :, :max_length] for k in self.keys]
+
+
+class CacheCropsLast(MyKVCache):  # keeps the newest positions
+    def crop(self, max_length):
+        self.keys = [k[:, :, k.shape[2] - max_length:] for k in self.keys]
+        self.values = [v[:, :, v.shape[2] - max_length:] for v in self.values]
+
+
+class CacheCropEmpties(MyKVCache):  # crop as reset
+    def crop(self, max_length):
+        self.keys, self.values = [], []
+
+
+class CacheCropOffByOne(MyKVCache):  # "the last kept index is max_length - 1", sliced once more
+    def crop(self, max_length):
+        super().crop(max(max_length - 1, 0))
+
+
+class CacheClassLists(Cache):  # the lists as class attributes: every instance shares them
+    keys: list = []
+    values: list = []
+    get_seq_length = MyKVCache.get_seq_length
+    check_fits = MyKVCache.check_fits
+    update = MyKVCache.update
+
+    def crop(self, max_length):
+        self.keys[:] = [k[:, :, :max_length] for k in self.keys]
+        self.values[:] = [v[:, :, :max_length] for v in self.values]
+
+
+class CacheNotACache:  # forgets the base class
+    __init__ = MyKVCache.__init__
+    get_seq_length = MyKVCache.get_seq_length
+    check_fits = MyKVCache.check_fits
+    update = MyKVCache.update
+    crop = MyKVCache.crop
+
+
+class CacheOnKVCache(minikv.KVCache):  # the engine's cache, renamed
+    def __init__(self):
+        super().__init__(n_layer=3, batch_size=2, n_head=5, head_dim=7, max_len=64)
+
+
+class CacheWrapsEngine(MyKVCache):  # the engine's KVCache inside, built on the first update
+    def update(self, key, value, layer_idx):
+        if not hasattr(self, "inner"):
+            B, nh, _, hs = key.shape
+            self.inner = minikv.KVCache(1, B, nh, hs, max_len=64)
+        self.inner.update(key, value, 0)
+        return super().update(key, value, layer_idx)
+
+
+# --- what the checkers must say ------------------------------------------------------------------
+SOLUTIONS = [
+    (ch02.check_cache_bytes, (cache_bytes,), "cache_bytes"),
+    (ch02.check_kv_work, (kv_work,), "kv_work"),
+    (ch02.check_cached_attention, (cached_attention,), "cached_attention"),
+    (ch02.check_cached_attention, (cached_attention_sdpa,), "cached_attention"),
+    (ch02.check_my_kv_cache, (MyKVCache, cached_attention), "MyKVCache"),
+]
+
+STUBS = [
+    (ch02.check_cache_bytes, (stub,)),
+    (ch02.check_kv_work, (stub,)),
+    (ch02.check_cached_attention, (stub,)),
+    (ch02.check_my_kv_cache, (StubCache, stub)),
+    (ch02.check_my_kv_cache, (StubCache, cached_attention)),
+    (ch02.check_my_kv_cache, (MyKVCache, stub)),  # the cache done, the attention not yet
+]
+
+WRONG = [  # (checker, arguments, a fragment of the message that names the mistake)
+    (ch02.check_cache_bytes, (cache_bytes_no_v,), "only the keys"),
+    (ch02.check_cache_bytes, (cache_bytes_ignores_gqa,), "ignore n_kv_head"),
+    (ch02.check_cache_bytes, (cache_bytes_group_size,), "group size"),
+    (ch02.check_cache_bytes, (cache_bytes_no_batch,), "forget batch_size"),
+    (ch02.check_cache_bytes, (cache_bytes_one_layer,), "forget the layers"),
+    (ch02.check_cache_bytes, (cache_bytes_values_not_bytes,), "count values, not bytes"),
+    (ch02.check_cache_bytes, (cache_bytes_bits,), "count bits"),
+    (ch02.check_cache_bytes, (cache_bytes_n_embd,), "n_embd AND the heads"),
+    (ch02.check_cache_bytes, (cache_bytes_mib,), "a float"),
+    (ch02.check_cache_bytes, (cache_bytes_float,), "a float (even 3686400.0) is refused"),
+    (ch02.check_cache_bytes, (cache_bytes_numpy,), "numpy float64"),
+    (ch02.check_cache_bytes, (cache_bytes_engine,), "called minikv's own"),
+    (ch02.check_kv_work, (kv_work_seed_formula,), "seed 003's N(N+1)/2"),
+    (ch02.check_kv_work, (kv_work_feeds_last,), "also feed the last new token"),
+    (ch02.check_kv_work, (kv_work_prefill_one,), "prefill computes the prompt's"),
+    (ch02.check_kv_work, (kv_work_no_growth,), "tokens generated so far"),
+    (ch02.check_kv_work, (kv_work_swapped,), "swapped"),
+    (ch02.check_kv_work, (kv_work_no_zero_case,), "new_tokens=0 means no forward pass"),
+    (ch02.check_kv_work, (kv_work_float,), "25.0 as much as 25.5"),
+    (ch02.check_kv_work, (kv_work_half_off,), "got:      'tuple (25.5, 7)'"),
+    (ch02.check_kv_work, (kv_work_numpy,), "numpy ndarray"),
+    (ch02.check_kv_work, (kv_work_one_number,), "a pair (naive, cached) of two ints"),
+    (ch02.check_kv_work, (kv_work_triple,), "a pair (naive, cached) of two ints"),
+    (ch02.check_kv_work, (kv_work_engine,), "called minikv's own"),
+    (ch02.check_cached_attention, (cached_attention_is_causal,), "is_causal=True"),
+    (ch02.check_cached_attention, (cached_attention_is_causal_for_chunks,), "top-left corner"),
+    (ch02.check_cached_attention, (cached_attention_plain_tril,), "a plain .tril()"),
+    (ch02.check_cached_attention, (cached_attention_no_mask,), "no mask for T > 1"),
+    (ch02.check_cached_attention, (cached_attention_mask_only_prefill,), "see their future"),
+    (ch02.check_cached_attention, (cached_attention_unscaled,), "not divided by sqrt(head_dim)"),
+    (ch02.check_cached_attention, (cached_attention_by_head_dim,), "divide by head_dim"),
+    (ch02.check_cached_attention, (cached_attention_softmax_rows,), "softmax over the queries"),
+    (ch02.check_cached_attention, (cached_attention_mask_after,), "after the softmax"),
+    (ch02.check_cached_attention, (cached_attention_sees_not_itself,), "its own key included"),
+    (ch02.check_cached_attention, (cached_attention_sees_next,), "the next one's key"),
+    (ch02.check_cached_attention, (cached_attention_inverted_mask,), "mask inverted"),
+    (ch02.check_cached_attention, (cached_attention_in_place,), "changed in place"),
+    (ch02.check_cached_attention, (cached_attention_last_row,), "one output row per new query"),
+    (ch02.check_cached_attention, (cached_attention_heads_last,), "heads in dim 1"),
+    (ch02.check_cached_attention, (cached_attention_float64,), "compute in q's dtype"),
+    (ch02.check_cached_attention, (cached_attention_numpy,), "a numpy ndarray"),
+    (ch02.check_cached_attention, (cached_attention_with_weights,), "not a tuple"),
+    (ch02.check_cached_attention, (cached_attention_engine,), "called minikv's own"),
+    (ch02.check_my_kv_cache, (CacheZeroLength, cached_attention), "position-offset bug"),
+    (ch02.check_my_kv_cache, (CacheCountsLayers, cached_attention), "number of layers"),
+    (ch02.check_my_kv_cache, (CacheCountsEveryUpdate, cached_attention), "once per layer"),
+    (ch02.check_my_kv_cache, (CacheCountsPasses, cached_attention), "counts passes"),
+    (ch02.check_my_kv_cache, (CacheReadsHeads, cached_attention), "a wrong dimension"),
+    (ch02.check_my_kv_cache, (CacheFloatLength, cached_attention), "return a Python int"),
+    (ch02.check_my_kv_cache, (CacheLengthNoReturn, cached_attention), "NoneType None"),
+    (ch02.check_my_kv_cache, (CacheEmptyCrash, cached_attention), "holds 0 positions"),
+    (ch02.check_my_kv_cache, (CacheReturnsNew, cached_attention), "only this step's"),
+    (ch02.check_my_kv_cache, (CacheCatDim1, cached_attention), "along the wrong dimension"),
+    (ch02.check_my_kv_cache, (CacheCatLastDim, cached_attention), "along the wrong dimension"),
+    (ch02.check_my_kv_cache, (CacheNewFirst, cached_attention), "new positions came first"),
+    (ch02.check_my_kv_cache, (CacheSwapped, cached_attention), "the pair is swapped"),
+    (ch02.check_my_kv_cache, (CacheKeysTwice, cached_attention), "the other tensor"),
+    (ch02.check_my_kv_cache, (CacheReturnsNothing, cached_attention), "return keys, values"),
+    (ch02.check_my_kv_cache, (CacheIgnoresLayer, cached_attention), "self.keys[layer_idx]"),
+    (ch02.check_my_kv_cache, (CacheFirstUpdateCrash, cached_attention), "first update of a"),
+    (ch02.check_my_kv_cache, (CacheNeverCrops, cached_attention), "grows but never crops"),
+    (ch02.check_my_kv_cache, (CacheCropsCounter, cached_attention), "positions crop removed"),
+    (ch02.check_my_kv_cache, (CacheCropsLayer0, cached_attention), "every layer's keys and"),
+    (ch02.check_my_kv_cache, (CacheCropsKeysOnly, cached_attention), "only the keys"),
+    (ch02.check_my_kv_cache, (CacheCropsLast, cached_attention), "kept the LAST"),
+    (ch02.check_my_kv_cache, (CacheCropEmpties, cached_attention), "crop emptied the cache"),
+    (ch02.check_my_kv_cache, (CacheCropOffByOne, cached_attention), "off by one"),
+    (ch02.check_my_kv_cache, (CacheClassLists, cached_attention), "not as class attributes"),
+    (ch02.check_my_kv_cache, (CacheNotACache, cached_attention), "subclass minikv.engine"),
+    (ch02.check_my_kv_cache, (CacheOnKVCache, cached_attention), "not on KVCache"),
+    (ch02.check_my_kv_cache, (CacheWrapsEngine, cached_attention), "called minikv's own"),
+    (ch02.check_my_kv_cache, (MyKVCache(), cached_attention), "the class itself"),
+    (ch02.check_my_kv_cache, (MyKVCache, cached_attention_no_mask), "exercise 3"),
+    (ch02.check_my_kv_cache, (MyKVCache, cached_attention_is_causal), "exercise 3"),
 ]
 
 
-@pytest.mark.parametrize("checker, solution, wrong", CASES,
-                         ids=lambda x: getattr(x, "__name__", ""))
-def test_checker_accepts_solution(checker, solution, wrong, capsys):
-    checker(solution)
-    assert capsys.readouterr().out.startswith(f"✓ {solution.__name__}: all ")
+def _name(x):
+    return getattr(x, "__name__", type(x).__name__)
 
 
-@pytest.mark.parametrize("checker, solution, wrong", CASES,
-                         ids=lambda x: getattr(x, "__name__", ""))
-def test_checker_rejects_wrong_answers(checker, solution, wrong):
-    for fn in wrong:
-        with pytest.raises(CheckFailed, match=solution.__name__):
-            checker(fn)
+@pytest.mark.parametrize("checker, args, exercise", SOLUTIONS,
+                         ids=lambda x: _name(x) if callable(x) else "")
+def test_checker_accepts_solution(checker, args, exercise, capsys):
+    checker(*args)
+    assert capsys.readouterr().out.startswith(f"✓ {exercise}: all ")
 
 
-@pytest.mark.parametrize("checker, solution, wrong", CASES,
-                         ids=lambda x: getattr(x, "__name__", ""))
-def test_checker_fails_on_stub(checker, solution, wrong):
+@pytest.mark.parametrize("checker, args", STUBS,
+                         ids=lambda x: "-".join(map(_name, x)) if isinstance(x, tuple) else "")
+def test_stub_raises_not_implemented_through_the_checker(checker, args):
     with pytest.raises(NotImplementedError):
-        checker(stub)
+        checker(*args)
+
+
+@pytest.mark.parametrize("checker, args, fragment", WRONG, ids=lambda x: (
+    _name(x[0]) if isinstance(x, tuple) else ""))
+def test_checker_names_the_mistake(checker, args, fragment):
+    with pytest.raises(CheckFailed) as failure:
+        checker(*args)
+    message = str(failure.value)
+    assert fragment in message, message
 
 
 def test_checkers_leave_global_rng_alone():
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
-    ch02._MODELS.clear()
-    ch02.check_decode_positions(decode_positions)
+    for checker, args, _ in SOLUTIONS:
+        checker(*args)
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_a_learner_drawing_random_numbers_leaves_the_rng_alone():
+    def noisy(prompt_len, new_tokens):  # right, but draws from the global generator
+        torch.rand(1)
+        return kv_work(prompt_len, new_tokens)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    ch02.check_kv_work(noisy)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_a_patched_checker_does_not_silence_the_check_cell(monkeypatch):
+    """One line in an exercise cell that replaces the checker must not make a wrong answer pass:
+    the check cells run a fresh copy of ch02, loaded from the package's file."""
+    import minikv.course.checks as checks
+
+    def silent(fn):
+        print("✓ kv_work: all 9 cases pass")
+    monkeypatch.setattr(ch02, "check_kv_work", silent)
+    monkeypatch.setattr(ch02, "_KV_WORK_MISTAKES", [])
+    with pytest.raises(CheckFailed, match="seed 003's N"):
+        checks.fresh("ch02").check_kv_work(kv_work_seed_formula)
+
+
+def test_a_replaced_engine_function_is_refused(monkeypatch):
+    import minikv.course.checks as checks
+
+    def fake_generate(*args, **kwargs):  # would make generate agree with any answer
+        raise AssertionError("never called")
+    monkeypatch.setattr(minikv, "generate", fake_generate)
+    with pytest.raises(CheckFailed, match="minikv.generate is not the packaged one"):
+        checks.fresh("ch02")
+
+
+@pytest.mark.parametrize("cls, method", [(minikv.KVCache, "update"), (minikv.KVCache, "crop"),
+                                         (minikv.GPT, "forward"), (minikv.KVCounter, "count")])
+def test_a_replaced_engine_method_is_refused(monkeypatch, cls, method):
+    """KVCache.update made to behave like a wrong answer would change generate's reference."""
+    monkeypatch.setattr(cls, method, CacheReturnsNew.update)
+    with pytest.raises(CheckFailed, match=f"{cls.__name__}.{method} is not the packaged one"):
+        ch02.check_my_kv_cache(CacheReturnsNew, cached_attention)
+
+
+def test_check_cells_are_two_lines_after_their_exercise():
+    """Each exercise cell of the solution is followed by exactly one check cell, in the shared
+    two-line form, which calls the checker on what that cell defines."""
+    import nbformat
+
+    from minikv.course import notebooks as course
+    nb = nbformat.read(course.ROOT / "solutions/02_kv_cache_guide.ipynb", as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    calls = []
+    for before, cell in zip(code, code[1:]):
+        if "check" not in cell.metadata.get("tags", []):
+            continue
+        first, second = cell.source.splitlines()
+        assert first == "import importlib, minikv.course.checks as checks"
+        assert second.startswith('importlib.reload(checks).fresh("ch02").check_')
+        defined = second.split("(", 3)[-1].rstrip(")").split(", ")[0]
+        assert course.BEGIN in before.source and f" {defined}(" in before.source
+        calls.append(second.split(".check_")[1].split("(")[0])
+    assert calls == ["cache_bytes", "kv_work", "cached_attention", "my_kv_cache"]

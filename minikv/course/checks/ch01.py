@@ -1,25 +1,175 @@
 """Checkers for chapter 01 (seed 002, prefill and decode).
 
-The learner's decode loop is compared with `minikv.generate(..., mode="cached")` on a small random
-model and on the course target, with the K/V work counted by `KVCounter` (a loop that recomputes
-the prompt fails); the positions and cache-length exercises are compared with the engine's own
-trace.
+- greedy_decode: the tokens against `minikv.generate(..., mode="cached")` on a random model and the
+  course target; every forward pass counted (one (1, T) prefill, then (1, 1) decode passes, one per
+  new token but the last), all into the same cache; the engine's generate may not be called;
+- chunked_prefill: the last logits and the whole cache (every layer's keys and values) against a
+  one-pass prefill, with exactly ceil(len / chunk) passes of the right sizes into one cache;
+- pass_cost: against `minikv.bench.pass_cost`, as ints, on many shapes, without calling it.
+
+Each usual mistake is recognised (from the passes the model saw, or by computing what the mistake
+would give) and named in the hint.
 """
 from __future__ import annotations
 
-from ...engine import GPT, KVCounter, generate
+import functools
+
+import torch
+
+from ... import bench
+from ...engine import GPT, GPTConfig, KVCache, generate
 from ..checkpoint import load_course_model
-from . import call, expect, passed, tiny_model
+from . import PassCounter, as_int, cache_state, call, expect, fail, forbid, passed, tiny_model
 
 
-def _random_model() -> GPT:
-    return tiny_model(1)
+def _keeps_rng(check):
+    """Run a checker under torch.random.fork_rng: the caller's random state is left alone."""
+    @functools.wraps(check)
+    def run(fn) -> None:
+        with torch.random.fork_rng(devices=[]):
+            check(fn)
+    return run
 
 
+class _PassLog:
+    """For each forward pass of `model`: the cache it was given (None without one), that cache's
+    length before the pass, and the explicit positions (None when the model derives them from the
+    cache). The pass shapes themselves are counted by PassCounter."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model, self.passes = model, []
+
+    def __enter__(self) -> _PassLog:
+        def hook(module, args, kwargs):
+            cache = args[1] if len(args) > 1 else kwargs.get("cache")
+            positions = args[2] if len(args) > 2 else kwargs.get("positions")
+            length = cache.get_seq_length() if isinstance(cache, KVCache) else None
+            if isinstance(positions, torch.Tensor):
+                positions = [int(p) for p in positions.reshape(-1, positions.shape[-1])[0]]
+            self.passes.append((cache, length, positions))
+        self.handle = self.model.register_forward_pre_hook(hook, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+
+def _token_list(name: str, case: str, expected, got) -> list[int]:
+    """The learner's token ids as a list of ints, or a CheckFailed saying what came back."""
+    if isinstance(got, torch.Tensor) or type(got).__module__ == "numpy":
+        fail(name, case, expected, got, f"return a Python list of ints, not a "
+             f"{type(got).__module__}.{type(got).__name__} (collect int(token) in a list, or "
+             f"call .tolist())")
+    if not isinstance(got, (list, tuple)):
+        fail(name, case, expected, got, f"return a list of token ids, not a {type(got).__name__}")
+    ints = [as_int(t) for t in got]
+    for t, i in zip(got, ints):
+        if i is None:
+            fail(name, case, expected, list(got), f"every token id must be an int, got {t!r} "
+                 f"({type(t).__name__}): int(logits[0, -1].argmax())")
+    return ints
+
+
+# --- exercise 1: the prefill + decode loop ------------------------------------------------------
+
+def _greedy(model: GPT, prompt: list[int], n: int, eos_id, row: int = -1) -> list[int]:
+    """Cached greedy decoding that picks the prefill's token from position `row` (the usual
+    mistake is row 0: the first position's logits)."""
+    cache = KVCache.for_model(model, max_len=len(prompt) + n)
+    tokens, idx = [], torch.tensor([prompt])
+    with torch.inference_mode():
+        while len(tokens) < n:
+            token = int(model(idx, cache=cache)[0, row if not tokens else -1].argmax())
+            tokens.append(token)
+            if token == eos_id:
+                break
+            idx = torch.tensor([[token]])
+    return tokens
+
+
+def _check_decode_passes(name: str, case: str, prompt, shapes, log) -> None:
+    """One (1, P) prefill into an empty cache, then (1, 1) passes, all into that same cache."""
+    P = len(prompt)
+    if not shapes:
+        fail(name, case, f"a first pass of shape (1, {P})", "no forward pass of the model",
+             "call model(idx, cache=cache): the prefill on the whole prompt, then one pass per "
+             "new token")
+    if shapes[0] != (1, P):
+        hint = f"the prefill feeds the whole prompt in ONE pass, idx of shape (1, {P})"
+        if P > 1 and shapes[:P] == [(1, 1)] * P:
+            hint = ("this is what you get when you prefill the prompt one token at a time: feed "
+                    "the whole prompt in one pass, that is what a prefill is")
+        elif P > 1 and shapes[0] == (1, P - 1):
+            hint = ("this is what you get when the prefill leaves out the prompt's last token "
+                    "and feeds it in a second pass: the prefill's last position already gives "
+                    "the first new token")
+        elif shapes[0] is not None and len(shapes[0]) != 2:
+            hint = "idx must have shape (1, T): a batch of one sequence, torch.tensor([ids])"
+        fail(name, case, f"first pass of shape (1, {P}) (the prefill)",
+             f"passes of shapes {shapes[:8]}{' ...' if len(shapes) > 8 else ''}", hint)
+    for i, shape in enumerate(shapes[1:], 1):
+        if shape != (1, 1):
+            hint = "each decode pass feeds only the newest token, idx of shape (1, 1)"
+            if shape == (1, P + i):
+                hint = ("this is what you get when you recompute the whole sequence every step "
+                        "(naive decoding): with a KV cache, feed only the newest token")
+            fail(name, case, f"pass {i + 1} of shape (1, 1) (a decode pass)",
+                 f"passes of shapes {shapes[:8]}{' ...' if len(shapes) > 8 else ''}", hint)
+    caches = [c for c, _, _ in log]
+    if any(c is None for c in caches):
+        i = next(i for i, c in enumerate(caches) if c is None)
+        fail(name, case, "every pass given the cache", f"pass {i + 1} ran without a cache",
+             "call model(idx, cache=cache) every time: without the cache, a decode pass sees "
+             "only its own token")
+    first = caches[0]
+    for i, (cache, length, _) in enumerate(log):
+        if cache is not first:
+            fail(name, case, "every pass into the cache the prefill filled",
+                 f"pass {i + 1} got a different cache object",
+                 "this is what you get when you make a new cache every step: make one cache "
+                 "before the loop and give it to every pass (it holds the earlier positions)")
+        if length != (0 if i == 0 else P + i - 1):
+            fail(name, case, f"cache length {0 if i == 0 else P + i - 1} before pass {i + 1}",
+                 f"cache length {length}",
+                 "start from an empty cache and never crop or reset it: it must hold every "
+                 "position fed so far")
+    for i, (_, _, positions) in enumerate(log):
+        right = list(range(P)) if i == 0 else [P + i - 1]
+        if positions is not None and positions != right:
+            hint = ("leave positions out: the model starts them where the cache ends, "
+                    "cache.get_seq_length()")
+            if i > 0 and positions == [0]:
+                hint = ("this is seed 003's bug (chapter 02): positions restart at 0 every "
+                        "step; a decode pass sits at the next position, " + hint)
+            fail(name, case, f"pass {i + 1} at positions {right}", f"positions {positions}",
+                 hint)
+
+
+def _decode_token_hint(model, prompt, n, eos_id, expected, got) -> str:
+    if eos_id is not None and expected and expected[-1] == eos_id:
+        if got == expected[:-1]:
+            return ("this is what you get when you drop the EOS: the token that stops generation "
+                    "is part of the result (append it, then stop)")
+        if len(got) > len(expected) and got[:len(expected)] == expected:
+            return ("this is what you get when you do not stop at EOS: stop right after "
+                    "emitting eos_id")
+    if got == expected[:-1]:
+        return "one token short: return max_new_tokens tokens (or up to and including the EOS)"
+    if len(got) > n:
+        return f"more than max_new_tokens={n} tokens"
+    if got == _greedy(model, prompt, n, eos_id, row=0):
+        return ("this is what you get when the first token comes from the prefill's FIRST "
+                "position: use the last position's logits, logits[0, -1]")
+    return "pick argmax of the last position's logits each pass; stop right after eos_id"
+
+
+@_keeps_rng
 def check_greedy_decode(greedy_decode) -> None:
-    """greedy_decode(model, prompt_ids, max_new_tokens, eos_id) == generate(..., mode="cached")."""
+    """greedy_decode(model, prompt_ids, max_new_tokens, eos_id) == generate(..., mode="cached")
+    .tokens, with exactly one (1, T) prefill and one (1, 1) pass per later token, all into the same
+    cache, and without calling minikv.generate."""
     name = "greedy_decode"
-    model = _random_model()
+    model = tiny_model(1)
     target, tok = load_course_model("target", "cpu")
     cases = [(model, [1, 2, 3], 12, None), (model, [7], 1, None),
              (model, [5, 9, 11, 2, 4], 20, None)]
@@ -33,56 +183,268 @@ def check_greedy_decode(greedy_decode) -> None:
         case = (f"prompt {prompt}, max_new_tokens={n}, eos_id={eos_id}"
                 + (" (course target)" if m is target else ""))
         expected = generate(m, prompt, n, mode="cached", eos_id=eos_id).tokens
-        with KVCounter(m) as counter:
+        with PassCounter(m) as counter, _PassLog(m) as log, forbid(name, generate):
             got = call(name, case, greedy_decode, m, list(prompt), n, eos_id)
-        got_list = [int(t) for t in got] if isinstance(got, (list, tuple)) else got
-        expect(got_list == expected, name, case, expected, got_list,
-               "prefill the whole prompt once, then feed only the newest token; "
-               "stop right after eos_id")
-        work = len(prompt) + len(expected) - 1
-        expect(counter.count == work, name, case, f"{work} K/V vectors computed per layer (cached)",
-               f"{counter.count}",
-               "feed the prompt once; after that, one token per pass, "
-               "and never feed the last token")
+        tokens = _token_list(name, case, expected, got)
+        _check_decode_passes(name, case, prompt, counter.passes, log.passes)
+        expect(tokens == expected, name, case, expected, tokens,
+               _decode_token_hint(m, prompt, n, eos_id, expected, tokens))
+        n_passes = len(counter.passes)
+        hint = f"one pass per new token: {len(expected)} passes for {len(expected)} tokens"
+        if n_passes == len(expected) + 1:
+            hint = ("this is what you get when you feed the last token too: it is returned, "
+                    "never fed (there is no next token to compute from it)")
+        expect(n_passes == len(expected), name, case, f"{len(expected)} forward passes",
+               f"{n_passes} forward passes", hint)
     passed(name, len(cases))
 
 
-def _trace(model: GPT, prompt_len: int, new_tokens: int):
-    return generate(model, list(range(1, prompt_len + 1)), new_tokens, mode="cached",
-                    trace=True).trace
+# --- exercise 2: chunked prefill ----------------------------------------------------------------
+
+def _chunk_sizes(length: int, chunk: int) -> list[int]:
+    return [min(chunk, length - i) for i in range(0, length, chunk)]
 
 
-def check_positions_fed(positions_fed) -> None:
-    """positions_fed(prompt_len, new_tokens) == the positions in generate's trace."""
-    name = "positions_fed"
-    model = _random_model()
-    cases = [(4, 4), (1, 1), (3, 5), (7, 2), (2, 10)]
-    for prompt_len, new in cases:
-        expected = [list(e.positions) for e in _trace(model, prompt_len, new)]
-        got = call(name, f"prompt_len={prompt_len}, new_tokens={new}", positions_fed,
-                   prompt_len, new)
-        got_list = [list(map(int, p)) for p in got] if isinstance(got, (list, tuple)) else got
-        expect(got_list == expected, name, f"prompt_len={prompt_len}, new_tokens={new}",
-               expected, got_list,
-               "the prefill feeds positions 0..prompt_len-1; "
-               "each decode pass feeds the next single position; "
-               "the last new token is never fed")
-    passed(name, len(cases))
+def _chunk_size_hint(length: int, chunk: int, sizes: list[int]) -> str:
+    expected = _chunk_sizes(length, chunk)
+    if sizes == expected[:-1] and length % chunk:
+        return ("this is what you get when the last, shorter chunk is dropped: it holds the "
+                f"last {length % chunk} token(s) (range(0, len(ids), chunk) keeps it)")
+    for other in (chunk - 1, chunk + 1):
+        if other >= 1 and sizes == _chunk_sizes(length, other):
+            return (f"chunk sizes off by one: this is what you get with chunks of {other} tokens "
+                    f"instead of {chunk}")
+    if sizes == [min(chunk + 1, length - i) for i in range(0, length, chunk)]:
+        return ("chunks overlap by one token (ids[i:i + chunk + 1]): off by one; each token is "
+                "fed exactly once, ids[i:i + chunk]")
+    if sizes == [length] and chunk < length:
+        return f"this is one pass over the whole prompt: feed it in chunks of {chunk} tokens"
+    if sizes == [1] * length and chunk > 1:
+        return f"this feeds one token per pass: a chunk holds {chunk} tokens"
+    return (f"{len(expected)} passes of {expected} tokens: chunks of `chunk` tokens, the last "
+            f"may be shorter")
 
 
-def check_cache_lengths(cache_lengths) -> None:
-    """cache_lengths(prompt_len, new_tokens) == cache_len_after of every event in generate's
-    trace."""
-    name = "cache_lengths"
-    model = _random_model()
-    cases = [(4, 5), (1, 1), (3, 6), (9, 2), (1, 12)]
-    for prompt_len, new in cases:
-        expected = [e.cache_len_after for e in _trace(model, prompt_len, new)]
-        case = f"prompt_len={prompt_len}, new_tokens={new}"
-        got = call(name, case, cache_lengths, prompt_len, new)
-        got_list = [int(n) for n in got] if isinstance(got, (list, tuple)) else got
-        expect(got_list == expected, name, case, expected, got_list,
-               "one entry per forward pass: the prefill leaves prompt_len positions cached, "
-               "each decode pass adds one; "
-               "the pass count is new_tokens (the last token is produced, never fed)")
-    passed(name, len(cases))
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(((a.double() - b.double()).abs()
+                                        <= 1e-5 * (1 + b.double().abs())).all())
+
+
+def _chunked_cases():
+    g = torch.Generator().manual_seed(1)
+    model = tiny_model(1)
+    ten = torch.randint(0, 512, (10,), generator=g).tolist()
+    for chunk in (4, 1, 3, 10, 16):  # 4 first: 4 + 4 + 2, where the usual mistakes differ
+        yield model, ten, chunk, "tiny random model"
+    yield tiny_model(4, n_layer=3), torch.randint(0, 512, (23,), generator=g).tolist(), 7, \
+        "tiny random model, 3 layers"
+    yield model, [7], 2, "tiny random model"
+    target, tok = load_course_model("target", "cpu")
+    yield target, tok.encode("The color of dog can vary widely. Once upon a time"), 5, \
+        "course target"
+
+
+@_keeps_rng
+def check_chunked_prefill(chunked_prefill) -> None:
+    """chunked_prefill(model, ids, chunk) -> (logits (vocab,), cache): the last position's logits
+    and a cache equal (within 1e-5, every layer's K and V) to a one-pass prefill's, filled in
+    ceil(len(ids) / chunk) passes of `chunk` tokens (the last may be shorter) into one cache."""
+    name = "chunked_prefill"
+    n_cases = 0
+    for model, ids, chunk, label in _chunked_cases():
+        L, V = len(ids), model.config.vocab_size
+        case = f"{label}, {L} ids, chunk={chunk}"
+        ref_cache = KVCache.for_model(model, max_len=L)
+        with torch.inference_mode():
+            ref_logits = model(torch.tensor([ids]), cache=ref_cache)[0, -1]
+            first_chunk_logits = model(torch.tensor([ids[:chunk]]))[0, -1]
+        ref = cache_state(ref_cache)
+        with PassCounter(model) as counter, _PassLog(model) as log:
+            got = call(name, case, chunked_prefill, model, list(ids), chunk)
+        # what came back
+        if isinstance(got, torch.Tensor):
+            fail(name, case, "(logits, cache)", f"a tensor of shape {tuple(got.shape)}",
+                 "return a pair: the last position's logits AND the cache")
+        if not isinstance(got, (tuple, list)) or len(got) != 2:
+            fail(name, case, "(logits, cache)", got if not isinstance(got, (tuple, list))
+                 else f"a {type(got).__name__} of {len(got)} items",
+                 "return a pair (logits, cache)")
+        logits, cache = got
+        if isinstance(logits, KVCache) and isinstance(cache, torch.Tensor):
+            fail(name, case, "(logits, cache)", "(cache, logits)", "return them in that order: "
+                 "(logits, cache)")
+        if not isinstance(cache, KVCache):
+            fail(name, case, "a minikv.KVCache", type(cache).__name__,
+                 "return the KVCache you filled as the second item")
+        if type(logits).__module__ == "numpy" or not isinstance(logits, torch.Tensor):
+            fail(name, case, f"a torch.Tensor of shape ({V},)", type(logits).__name__,
+                 "return the logits as a torch.Tensor (no .numpy(), no .tolist())")
+        # the passes
+        sizes = [s[1] if s is not None and len(s) == 2 else s for s in counter.passes]
+        expected_sizes = _chunk_sizes(L, chunk)
+        if any(s is None or len(s) != 2 or s[0] != 1 for s in counter.passes):
+            fail(name, case, "passes of shape (1, chunk)", f"passes of shapes {counter.passes}",
+                 "feed idx of shape (1, chunk): a batch of one sequence")
+        expect(sizes == expected_sizes, name, case,
+               f"{len(expected_sizes)} passes of {expected_sizes} tokens",
+               f"{len(sizes)} passes of {sizes} tokens", _chunk_size_hint(L, chunk, sizes))
+        caches = [c for c, _, _ in log.passes]
+        starts = [sum(expected_sizes[:i]) for i in range(len(expected_sizes))]
+        for i, (c, length, positions) in enumerate(log.passes):
+            if c is None:
+                fail(name, case, "every chunk fed into the cache", f"chunk {i + 1} had no cache",
+                     "call model(chunk_ids, cache=cache) for every chunk")
+            if c is not caches[0]:
+                fail(name, case, "one cache for every chunk",
+                     f"chunk {i + 1} went into a different cache",
+                     "this is what you get with a fresh cache per chunk: each chunk must attend "
+                     "to the keys and values of the chunks before it, so make ONE cache first")
+            if length != starts[i]:
+                fail(name, case, f"cache length {starts[i]} before chunk {i + 1}",
+                     f"cache length {length}", "start from an empty cache, never crop it")
+            right = list(range(starts[i], starts[i] + expected_sizes[i]))
+            if positions is not None and positions != right:
+                hint = (f"chunk {i + 1} must sit at positions {right[0]}..{right[-1]}: leave "
+                        f"positions out and the model continues from cache.get_seq_length()")
+                if i > 0 and positions and positions[0] == 0:
+                    hint = ("this is seed 003's bug (chapter 02): positions restart at 0 in "
+                            "every chunk; they must continue where the cache ends (leave "
+                            "positions out, the model starts at cache.get_seq_length())")
+                fail(name, case, f"positions {right}", f"positions {positions}", hint)
+        # the logits
+        logits = logits.detach().cpu()
+        if tuple(logits.shape) != (V,):
+            hint = f"the last position's logits only, shape ({V},): logits[0, -1]"
+            if logits.numel() == V:
+                hint = f"squeeze them to shape ({V},): logits[0, -1], not {tuple(logits.shape)}"
+            fail(name, case, f"logits of shape ({V},)", f"shape {tuple(logits.shape)}", hint)
+        if not _close(logits, ref_logits):
+            hint = "the logits of the prompt's last position, from the last chunk's pass"
+            if L > chunk and _close(logits, first_chunk_logits):
+                hint = ("this is what you get when you return the FIRST chunk's logits: the "
+                        "last chunk's last position predicts the next token")
+            error = float((logits.double() - ref_logits.double()).abs().max())
+            fail(name, case, "a one-pass prefill's last logits, within 1e-5",
+                 f"logits off by up to {error:.3g}", hint)
+        # the whole cache
+        expect(cache.get_seq_length() == L, name, case, f"cache length {L}",
+               f"cache length {cache.get_seq_length()}",
+               "the cache holds every prompt position once")
+        ref_len, ref_tensors = ref
+        for which, (a, b) in enumerate(zip(ref_tensors, cache.keys + cache.values)):
+            kind, layer = ("keys", "values")[which // len(cache.keys)], which % len(cache.keys)
+            if b.shape[:2] != a.shape[:2] or b.shape[-1] != a.shape[-1] or \
+                    not _close(b[:, :, :L].cpu(), a[:, :, :L]):
+                fail(name, case, f"layer {layer}'s {kind} equal to a one-pass prefill's "
+                     f"(within 1e-5)", f"layer {layer}'s {kind} differ",
+                     "the cache you return holds what the passes wrote, in every layer, keys "
+                     "and values: each chunk into the same cache at the positions that continue "
+                     "it, and nothing changed after the last chunk")
+        n_cases += 1
+    passed(name, n_cases)
+
+
+# --- exercise 3: what a pass costs --------------------------------------------------------------
+
+def _cost(cfg: GPTConfig, n_new: int, n_cached: int, bpv: int, mistake: str | None = None):
+    """(FLOPs, bytes) by minikv.bench.pass_cost's convention, or as a usual mistake gives it."""
+    C, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
+    pairs = n_new * n_cached + n_new * (n_new + 1) // 2
+    if mistake == "rectangle":
+        pairs = n_new * (n_cached + n_new)
+    elif mistake == "no diagonal":
+        pairs = n_new * n_cached + n_new * (n_new - 1) // 2
+    head_rows = n_new if mistake == "head on every row" else 1
+    attention = {"q·k only": 2 * C * L * pairs, "no attention": 0}.get(mistake, 4 * C * L * pairs)
+    flops = 2 * (n_new * L * 12 * C * C + head_rows * V * C) + attention
+    if mistake == "multiply-adds":
+        flops //= 2
+    embeddings = {"embeddings whole": V * C + cfg.block_size * C}.get(mistake, 2 * n_new * C)
+    head = 0 if mistake == "head not read" else V * C
+    small = 0 if mistake == "no biases" else L * 13 * C + 2 * C
+    weights = L * 12 * C * C + small + head + embeddings
+    positions = {"no cached K/V": n_new, "no new K/V": n_cached}.get(mistake, n_cached + n_new)
+    kv = (1 if mistake == "K only" else 2) * L * C * positions
+    return flops, (weights + kv) * {"elements": 1, "always 4 bytes": 4}.get(mistake, bpv)
+
+
+COST_MISTAKES = {
+    "rectangle": "this is what you get when you count the full rectangle n_new × (n_cached + "
+                 "n_new) of (query, key) pairs: under the causal mask new query i sees only "
+                 "n_cached + i keys (a triangle on the new part)",
+    "no diagonal": "this is what you get when a query does not see its own key: new query i "
+                   "sees n_cached + i keys, itself included",
+    "head on every row": "this is what you get with the LM head on every row: generate computes "
+                         "logits for the last position only (V·C multiply-adds once)",
+    "q·k only": "this is what you get when attention counts only q·k: the weights·v product "
+                "costs as much again (2·C multiply-adds per pair and layer in all)",
+    "no attention": "this is what you get when attention's own arithmetic is left out: q·k and "
+                    "weights·v, 2·C multiply-adds per (query, key) pair and layer",
+    "multiply-adds": "this is what you get when you count multiply-adds: a multiply-add is 2 "
+                     "FLOPs",
+    "embeddings whole": "this is what you get when the embeddings are counted whole: a pass "
+                        "reads only the n_new rows of wte and of wpe it looks up (all of wte is "
+                        "read once more, as the LM head)",
+    "head not read": "this is what you get when you forget the LM head's read: tied to wte, "
+                     "it still reads all V·C values of it",
+    "no biases": "this is what you get without the biases and LayerNorms in the bytes: "
+                 "13·C per layer and 2·C for ln_f",
+    "no cached K/V": "this is what you get when you forget reading the cached K/V: attention "
+                     "reads all n_cached positions' keys and values in every layer",
+    "no new K/V": "this is what you get when you forget writing the new K/V: n_new positions' "
+                  "keys and values go into the cache in every layer",
+    "K only": "this is what you get when you count only the keys: the cache holds a key AND a "
+              "value per position and layer (2·C values)",
+    "elements": "this is what you get when you count values, not bytes: multiply by "
+                "bytes_per_value",
+    "always 4 bytes": "this is what you get with 4 bytes per value whatever bytes_per_value "
+                      "says: use the argument (2 for fp16 or bf16)",
+}
+
+
+@_keeps_rng
+def check_pass_cost(pass_cost) -> None:
+    """pass_cost(cfg, n_new, n_cached, bytes_per_value=4) == minikv.bench.pass_cost(...) as two
+    ints, on GPT-2, the course models and toy shapes, for decode (n_new = 1) and prefill passes,
+    without calling minikv.bench.pass_cost."""
+    name = "pass_cost"
+    configs = [GPTConfig.preset(p) for p in ("gpt2", "target", "draft", "tiny")]
+    configs.append(GPTConfig(vocab_size=97, block_size=64, n_layer=3, n_head=2, n_embd=10))
+    # (4, 12) first: there every usual mistake gives its own numbers
+    passes = [(4, 12), (1, 0), (1, 16), (1, 999), (16, 0), (256, 0), (7, 3)]
+    n_cases = 0
+    for cfg in configs:
+        for n_new, n_cached in passes:
+            for bpv in ((4, 2) if (n_new, n_cached) == (4, 12) else (4,)):
+                case = (f"GPTConfig(vocab_size={cfg.vocab_size}, n_layer={cfg.n_layer}, "
+                        f"n_embd={cfg.n_embd}), n_new={n_new}, n_cached={n_cached}"
+                        + (f", bytes_per_value={bpv}" if bpv != 4 else ""))
+                expected = bench.pass_cost(cfg, n_new, n_cached, bytes_per_value=bpv)
+                kwargs = {} if bpv == 4 else {"bytes_per_value": bpv}
+                with forbid(name, bench.pass_cost):
+                    got = call(name, case, pass_cost, cfg, n_new, n_cached, **kwargs)
+                if type(got).__module__ == "numpy" or isinstance(got, torch.Tensor) or \
+                        not isinstance(got, (tuple, list)) or len(got) != 2:
+                    fail(name, case, expected, got, "return a pair of ints: (flops, bytes)")
+                flops, moved = (as_int(v) for v in got)
+                for label, value, raw in (("FLOPs", flops, got[0]), ("bytes", moved, got[1])):
+                    if value is None:
+                        fail(name, case, expected, tuple(got),
+                             f"{label} must be an int, not a {type(raw).__name__}: count with "
+                             f"integers (// not /, no float())")
+                mistakes = {m: _cost(cfg, n_new, n_cached, bpv, m) for m in COST_MISTAKES}
+                flops_hint = next((COST_MISTAKES[m] for m, (f, _) in mistakes.items()
+                                   if f == flops and f != expected[0]),
+                                  "2 FLOPs per multiply-add: 12·C² per new token and layer, "
+                                  "V·C for the LM head once, 2·C per (query, key) pair and layer")
+                expect(flops == expected[0], name, case + ": the FLOPs", expected[0], flops,
+                       flops_hint)
+                bytes_hint = next((COST_MISTAKES[m] for m, (_, b) in mistakes.items()
+                                   if b == moved and b != expected[1]),
+                                  "weights of the blocks and ln_f, n_new rows of wte and wpe, all "
+                                  "of wte as the head, the cached K/V read and the new K/V "
+                                  "written, times bytes_per_value")
+                expect(moved == expected[1], name, case + ": the bytes", expected[1], moved,
+                       bytes_hint)
+                n_cases += 1
+    passed(name, n_cases)

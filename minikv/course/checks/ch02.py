@@ -1,185 +1,709 @@
 """Checkers for chapter 02 (seed 003, the KV-cache visual guide).
 
-Each checker compares the learner's function with the engine itself: `kv_cache_bytes` and real
-caches' `nbytes`, the K/V vectors `generate` counts with its hooks, the logits the model gives at
-the positions it picks itself, and the engine's own attention kernel. Models here are tiny, random
-and on the CPU, so every checker runs in well under a second and leaves the caller's random state
-alone.
+Each checker compares the learner's code with the engine at run time: `kv_cache_bytes`, the K/V
+vectors `generate` counts with its hooks, the engine's attention kernel and its `KVCache`. The
+centrepiece, "add the cache yourself", drives the course target and tiny random models with the
+learner's cache (and attention) in a loop written here: a multi-token prefill, a second multi-token
+chunk over the filled cache, greedy decode steps, and rollbacks, compared with `generate` token for
+token and logit for logit, every layer's keys and values included. Every classic mistake is also
+looked for directly on small tensors, so the message can name it. Every checker leaves the caller's
+random state alone and runs in about a second on a busy CPU.
 """
 from __future__ import annotations
 
+import functools
+import inspect
+import math
+from pathlib import Path
+
 import torch
 
-from ...engine import GPT, GPTConfig, KVCache, causal_attention, generate, kv_cache_bytes
-from . import call, expect, fail, passed
+from ...engine import (
+    Cache,
+    GPTConfig,
+    KVCache,
+    KVCounter,
+    causal_attention,
+    generate,
+    kv_cache_bytes,
+)
+from ...engine import model as engine_model
+from ..checkpoint import load_course_model
+from . import (
+    ENGINE_DIR,
+    CheckFailed,
+    as_int,
+    expect,
+    fail,
+    forbid,
+    int_list,
+    passed,
+    same_cache_prefix,
+    tiny_model,
+)
 
-_MODELS: dict[str, GPT] = {}
+
+def _engine_methods_untouched() -> None:
+    """Raise unless the engine classes these checkers run (the model and its parts, KVCache,
+    KVCounter) still have their packaged methods: `fresh` checks the engine's module-level names,
+    and a method replaced in the notebook (KVCache.update, say) would change the reference."""
+    for cls in (KVCache, KVCounter, engine_model.GPT, engine_model.Block,
+                engine_model.CausalSelfAttention, engine_model.MLP):
+        for attr, value in vars(cls).items():
+            fn = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
+            code = getattr(inspect.unwrap(fn) if callable(fn) else fn, "__code__", None)
+            if code is not None and Path(code.co_filename).resolve().parent != ENGINE_DIR:
+                raise CheckFailed(f"minikv's {cls.__name__}.{attr} is not the packaged one (it "
+                                  f"was replaced in this notebook): restart the kernel and run "
+                                  f"the notebook from the top")
 
 
-def _tiny(name: str = "tiny", **overrides) -> GPT:
-    """A small random GPT on the CPU, built once, without touching the caller's RNG."""
-    key = f"{name}{sorted(overrides.items())}"
-    if key not in _MODELS:
+def _keeps_rng(check):
+    """Run a checker under torch.random.fork_rng, so that neither it nor the learner's code it
+    calls changes the notebook's random state; first make sure the engine is the packaged one."""
+    @functools.wraps(check)
+    def wrapper(*args, **kwargs):
+        _engine_methods_untouched()
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            _MODELS[key] = GPT(GPTConfig.preset(name, **overrides)).eval()
-    return _MODELS[key]
+            return check(*args, **kwargs)
+    return wrapper
+
+
+def _call(name: str, case: str, fn, *args, hint="your code raised on this input", **kw):
+    """Run the learner's code; a crash becomes a failed case that names the input, with a hint
+    (or a function of the exception that picks one)."""
+    try:
+        return fn(*args, **kw)
+    except (NotImplementedError, CheckFailed):
+        raise
+    except Exception as e:  # noqa: BLE001 - any crash is a wrong answer for this case
+        fail(name, case, "a result", f"{type(e).__name__}: {e}",
+             hint(e) if callable(hint) else hint)
+
+
+def _what(value) -> str:
+    """A short description of a wrong-typed answer, for messages."""
+    if type(value).__module__ == "numpy":
+        return f"a numpy {type(value).__name__} {value!r:.80}"
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}, {value.dtype}"
+    return f"{type(value).__name__} {value!r:.80}"
+
+
+def _diagnose(wrong: list[tuple[tuple, object]], mistakes) -> str:
+    """The hint of the first classic mistake that reproduces every wrong answer the learner gave
+    ((arguments, answer) pairs): looking at all of them tells apart mistakes that agree on one."""
+    for mistake, hint in mistakes:
+        if all(mistake(*args) == got for args, got in wrong):
+            return hint
+    return ""
 
 
 # --- exercise 1: cache bytes ----------------------------------------------------------------------
 
+def _bytes_mistakes():
+    def heads(cfg, kvh):
+        return cfg.n_head if kvh is None else kvh
+
+    def right(cfg, s, b, nb, kvh):
+        return cfg.n_layer * 2 * b * heads(cfg, kvh) * s * cfg.head_dim * nb
+    return [
+        (lambda cfg, s, b, nb, kvh: right(cfg, s, b, nb, kvh) // 2,
+         "this is what you get when you count only the keys (or only the values): the cache "
+         "holds both, so x 2"),
+        (lambda cfg, s, b, nb, kvh: right(cfg, s, b, nb, None),
+         "this is what you get when you ignore n_kv_head: with grouped-query attention only "
+         "n_kv_head K/V heads are cached, not n_head"),
+        (lambda cfg, s, b, nb, kvh: right(cfg, s, b, nb, cfg.n_head // kvh if kvh else None),
+         "this is what you get when you use the group size n_head // n_kv_head: n_kv_head is "
+         "itself the number of cached K/V heads"),
+        (lambda cfg, s, b, nb, kvh: right(cfg, s, 1, nb, kvh),
+         "this is what you get when you forget batch_size: every sequence has its own cache"),
+        (lambda cfg, s, b, nb, kvh: right(cfg, s, b, nb, kvh) // cfg.n_layer,
+         "this is what you get when you forget the layers: every layer caches its own K and V"),
+        (lambda cfg, s, b, nb, kvh: right(cfg, s, b, 1, kvh),
+         "this is what you get when you count values, not bytes: multiply by bytes_per_value"),
+        (lambda cfg, s, b, nb, kvh: right(cfg, s, b, nb, kvh) * 8,
+         "this is what you get when you count bits: the answer is in bytes"),
+        (lambda cfg, s, b, nb, kvh: right(cfg, s, b, nb, kvh) * cfg.n_head,
+         "this is what you get when you multiply by n_embd AND the heads: n_embd = n_head x "
+         "head_dim already counts every head"),
+    ]
+
+
+@_keeps_rng
 def check_cache_bytes(cache_bytes) -> None:
-    """cache_bytes(cfg, seq_len, batch_size, bytes_per_value, n_kv_head) against kv_cache_bytes and
-    a real cache."""
+    """cache_bytes(cfg, seq_len, batch_size, bytes_per_value, n_kv_head) -> an int, against
+    kv_cache_bytes and a real cache's nbytes."""
     name = "cache_bytes"
     gpt2 = GPTConfig.preset("gpt2")
-    # 8B-like shapes
     llama = GPTConfig(vocab_size=32000, block_size=4096, n_layer=32, n_head=32, n_embd=4096)
-    dtypes = {2: torch.float16, 4: torch.float32, 1: torch.float8_e4m3fn}
+    dtypes = {1: torch.float8_e4m3fn, 2: torch.float16, 4: torch.float32}
     cases = [  # cfg, seq_len, batch_size, bytes_per_value, n_kv_head
-        (gpt2, 100, 1, 2, None), (gpt2, 1024, 1, 2, None), (gpt2, 100, 4, 4, None),
+        (gpt2, 100, 1, 2, None), (gpt2, 100, 3, 4, None), (gpt2, 1024, 1, 2, None),
         (gpt2, 0, 1, 2, None), (gpt2, 100, 1, 2, 4), (llama, 4096, 1, 2, 8),
-        (llama, 4096, 8, 1, 8), (llama, 1, 1, 2, 1),
-        (GPTConfig.preset("target"), 256, 2, 4, None),
+        (llama, 4096, 8, 1, 8), (llama, 1, 1, 2, 1), (GPTConfig.preset("target"), 256, 2, 4, None),
     ]
-    for cfg, seq_len, batch, nbytes, kv_heads in cases:
-        case = (f"n_layer={cfg.n_layer}, n_head={cfg.n_head}, head_dim={cfg.head_dim}, "
-                f"seq_len={seq_len}, batch_size={batch}, bytes_per_value={nbytes}, "
-                f"n_kv_head={kv_heads}")
-        want = kv_cache_bytes(cfg, seq_len, batch, dtypes[nbytes], n_kv_head=kv_heads)
-        got = call(name, case, cache_bytes, cfg, seq_len, batch_size=batch,
-                   bytes_per_value=nbytes, n_kv_head=kv_heads)
-        hint = ("layers x 2 (K and V) x batch x KV heads x seq_len x head_dim x bytes per value; "
-                "with grouped-query attention only n_kv_head heads are cached" if kv_heads else
-                "layers x 2 (K and V) x batch x heads x seq_len x head_dim x bytes per value")
-        expect(isinstance(got, int) and not isinstance(got, bool) and got == want, name, case,
-               want, got, hint)
-    # and what a real cache holds: the tiny model's cache after 37 positions, fp32
-    model = _tiny()
+    rows = []
+    with forbid(name, kv_cache_bytes):
+        for cfg, seq_len, batch, nbytes, kvh in cases:
+            case = (f"n_layer={cfg.n_layer}, n_head={cfg.n_head}, head_dim={cfg.head_dim}, "
+                    f"seq_len={seq_len}, batch_size={batch}, bytes_per_value={nbytes}, "
+                    f"n_kv_head={kvh}")
+            got = _call(name, case, cache_bytes, cfg, seq_len, batch_size=batch,
+                        bytes_per_value=nbytes, n_kv_head=kvh)
+            rows.append(((cfg, seq_len, batch, nbytes, kvh), case, got))
+    wants = [kv_cache_bytes(cfg, s, b, dtypes[nb], n_kv_head=kvh) for cfg, s, b, nb, kvh in cases]
+    wrong = [(args, as_int(got)) for (args, _, got), want in zip(rows, wants)
+             if as_int(got) != want]
+    for (args, case, got), want in zip(rows, wants):
+        value = as_int(got)
+        if value is None:
+            hint = ("a number of bytes is an int: a float (even 3686400.0) is refused; use "
+                    "integer arithmetic and do not convert to MB or MiB"
+                    if isinstance(got, float) else "return one Python int")
+            fail(name, case, want, _what(got), hint)
+        if value != want:
+            fail(name, case, want, value, _diagnose(wrong, _bytes_mistakes())
+                 or "layers x 2 (K and V) x batch x cached heads x seq_len x head_dim x bytes")
+    # and what a real cache holds: a tiny model's fp32 cache after 37 positions
+    model = tiny_model(0)
     cache = KVCache.for_model(model, max_len=64)
-    with torch.inference_mode():
+    with torch.no_grad():
         model(torch.arange(1, 38)[None], cache=cache)
-    got = call(name, "the tiny model's real cache holding 37 positions (fp32)", cache_bytes,
-               model.config, 37, batch_size=1, bytes_per_value=4, n_kv_head=None)
-    expect(got == cache.nbytes, name, "the tiny model's real cache holding 37 positions (fp32)",
-           cache.nbytes, got, "compare with KVCache.nbytes")
+    case = "the tiny model's real cache holding 37 positions (fp32)"
+    with forbid(name, kv_cache_bytes):
+        got = _call(name, case, cache_bytes, model.config, 37, batch_size=1, bytes_per_value=4,
+                    n_kv_head=None)
+    expect(as_int(got) == cache.nbytes, name, case, cache.nbytes, got,
+           "compare with KVCache.nbytes")
     passed(name, len(cases) + 1)
 
 
 # --- exercise 2: K/V work with and without a cache ------------------------------------------------
 
+_KV_WORK_MISTAKES = [  # each as a student would write it, without a case for new_tokens = 0
+    (lambda p, n: (n * p + n * (n - 1) // 2, p + n - 1),
+     "new_tokens=0 means no forward pass at all: (0, 0); the formula gives a nonzero count "
+     "there"),
+    (lambda p, n: (n * (n + 1) // 2, n),
+     "this is seed 003's N(N+1)/2 and N: right only for a 1-token prompt; here the prompt has "
+     "prompt_len tokens"),
+    (lambda p, n: (n * p + n * (n + 1) // 2, p + n),
+     "this is what you get when you also feed the last new token: it is returned, never fed "
+     "back, so new_tokens tokens take new_tokens passes"),
+    (lambda p, n: (n * p + n * (n - 1) // 2, n),
+     "the naive count is right, but the cached prefill computes the prompt's prompt_len K/V "
+     "vectors, not 1"),
+    (lambda p, n: (n * p, p + n - 1),
+     "the cached count is right, but each naive step also recomputes the tokens generated so "
+     "far: step i feeds prompt_len + i tokens"),
+    (lambda p, n: (p + n - 1, n * p + n * (n - 1) // 2),
+     "the pair is swapped: return (naive, cached)"),
+]
+
+
+@_keeps_rng
 def check_kv_work(kv_work) -> None:
-    """kv_work(prompt_len, new_tokens) -> (naive, cached) K/V vectors per layer, against the
-    engine's counters."""
+    """kv_work(prompt_len, new_tokens) -> (naive, cached), ints, against the K/V vectors the
+    engine counts (stats.kv_computed)."""
     name = "kv_work"
-    model = _tiny()
-    cases = [(3, 5), (1, 4), (1, 1), (4, 0), (1, 10), (6, 3), (2, 12), (10, 1)]
-    for p, n in cases:
-        case = f"prompt_len={p}, new_tokens={n}"
-        prompt = list(range(1, p + 1))
-        want = (generate(model, prompt, n, mode="naive").stats.kv_computed,
-                generate(model, prompt, n, mode="cached").stats.kv_computed)
-        got = call(name, case, kv_work, p, n)
-        try:
-            got_pair = tuple(int(x) for x in got)
-        except (TypeError, ValueError):
-            fail(name, case, want, got, "return a pair (naive, cached) of ints")
-        hint = ("naive: step i feeds the prompt plus the i tokens made so far; the last new token "
-                "is never fed. cached: the prompt once, then one token per later step" if n else
-                "no new tokens: no forward pass at all")
-        expect(got_pair == want, name, case, want, got, hint)
+    model = tiny_model(0)
+    cases = [(3, 5), (1, 4), (1, 1), (4, 0), (1, 10), (6, 3), (2, 12), (10, 1), (5, 2)]
+    rows = []
+    with forbid(name, generate):
+        for p, n in cases:
+            case = f"prompt_len={p}, new_tokens={n}"
+            rows.append(((p, n), case, _call(name, case, kv_work, p, n)))
+    wants = [(generate(model, list(range(1, p + 1)), n, mode="naive").stats.kv_computed,
+              generate(model, list(range(1, p + 1)), n, mode="cached").stats.kv_computed)
+             for p, n in cases]
+    answers = [(args, tuple(int_list(got)) if int_list(got) is not None else None)
+               for args, _, got in rows]  # None: not a list of ints, refused below
+    wrong = [(args, got) for (args, got), want in zip(answers, wants) if got != want]
+    for (_, case, got), want in zip(rows, wants):
+        pair = int_list(got)
+        if pair is None or len(pair) != 2:
+            floats = isinstance(got, (tuple, list)) and any(isinstance(x, float) for x in got)
+            hint = ("K/V vectors are counted in ints: a float is refused, 25.0 as much as 25.5 "
+                    "(int() would turn 25.5 into 25); use // for the halves"
+                    if floats else "return a pair (naive, cached) of two ints")
+            fail(name, case, want, _what(got), hint)
+        if tuple(pair) != want:
+            fail(name, case, want, tuple(pair), _diagnose(wrong, _KV_WORK_MISTAKES)
+                 or "naive: step i feeds the prompt plus the i tokens made so far; cached: the "
+                    "prompt once, then one token per later step; the last new token is never fed")
     passed(name, len(cases))
 
 
-# --- exercise 3: the position-offset bug, fixed ---------------------------------------------------
+# --- exercise 3: attention over a cache, any number of new queries --------------------------------
 
-def _as_positions(got) -> list[int]:
-    if isinstance(got, torch.Tensor):
-        return [int(x) for x in got.flatten().tolist()]
-    return [int(x) for x in got]
-
-
-def check_decode_positions(decode_positions) -> None:
-    """decode_positions(cache, n_new) -> the position ids of the next n_new tokens, judged by the
-    model's logits."""
-    name = "decode_positions"
-    model = _tiny()
-    # (cached length, new tokens); (0, n) is a prefill
-    cases = [(3, 1), (0, 4), (7, 1), (12, 3), (20, 1)]
-    n_cases = 0
-    for length, n_new in cases + [("crop", 1)]:
-        # capacity 40: size(2) of a buffer is NOT the length
-        cache = KVCache.for_model(model, max_len=40)
-        with torch.inference_mode():
-            if length == "crop":
-                model(torch.arange(1, 16)[None], cache=cache)
-                cache.crop(9)  # a rollback: the next token goes to position 9, not 15
-                length = 9
-                case = "a cache that held 15 positions and was cropped back to 9, 1 new token"
-            else:
-                if length:
-                    model(torch.arange(1, length + 1)[None], cache=cache)
-                case = f"a cache holding {length} positions (capacity 40), {n_new} new token(s)"
-            new = torch.arange(30, 30 + n_new)[None]
-            got_raw = call(name, case, decode_positions, cache, n_new)
-            expect(cache.get_seq_length() == length, name, case,
-                   f"the cache left at length {length}", f"length {cache.get_seq_length()}",
-                   "only read the cache; do not feed or crop it")
-            try:
-                got = _as_positions(got_raw)
-            except (TypeError, ValueError):
-                fail(name, case, list(range(length, length + n_new)), got_raw,
-                     "return a list (or tensor) of ints")
-            want = list(range(length, length + n_new))
-            if len(got) != n_new or any(not 0 <= p < model.config.block_size for p in got):
-                fail(name, case, want, got,
-                     f"one position id per new token, each in [0, {model.config.block_size})")
-            # the engine picks positions itself
-            reference = model(new, cache=cache.fork())
-            yours = model(new, cache=cache.fork(), positions=torch.tensor(got))
-        hint = ("positions continue where the cache ends: cache.get_seq_length(), not 0 "
-                "(seed 003's bug) and not the buffer's size(2), which is its capacity")
-        expect(torch.equal(reference, yours), name, case,
-               f"positions {want} (the model's logits at them)", got, hint)
-        n_cases += 1
-    passed(name, n_cases)
+_TOP_LEFT = ("this is what you get with is_causal=True (or a plain .tril()) over a cache: the "
+             "triangle is anchored at the top-left corner, as if nothing were cached, so new "
+             "query 0 sees only key 0; new query i may see keys 0 .. L - T + i")
+_NO_MASK = ("this is what you get with no mask for T > 1: the new queries see their future; new "
+            "query i may see keys 0 .. L - T + i only (no mask is right only when T == 1)")
+_UNSCALED = "this is what you get when the scores are not divided by sqrt(head_dim)"
+_BY_HS = "this is what you get when you divide by head_dim: divide by sqrt(head_dim)"
+_ROWS = "this is what you get with softmax over the queries: take it over the keys (dim=-1)"
+_AFTER = ("this is what you get when the mask is applied after the softmax: mask the scores "
+          "with -inf first, so each row's weights still sum to 1")
+_SELF = ("this is what you get when a new query may not see its own key: the mask's diagonal "
+         "is off by one")
+_NEXT = ("this is what you get when each new query also sees the next one's key: the mask's "
+         "diagonal is off by one")
 
 
-# --- exercise 4: attention for one new query, with a cache ----------------------------------------
+def _attend(q, k, v, mask=None, scale=None, dim=-1, after=False):
+    """softmax(q kᵀ x scale) v with a boolean mask (True = may attend), and its classic bugs."""
+    scale = 1 / math.sqrt(q.size(-1)) if scale is None else scale
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if mask is not None and not after:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=dim)
+    if mask is not None and after:
+        weights = weights * mask
+    return weights @ v
 
+
+def _attention_mistakes(q, k, v):
+    T, L, hs = q.size(-2), k.size(-2), q.size(-1)
+    ones = torch.ones(T, L, dtype=torch.bool)
+    right = ones.tril(L - T)
+    return [(_attend(q, k, v, ones.tril()), _TOP_LEFT), (_attend(q, k, v), _NO_MASK),
+            (_attend(q, k, v, right, scale=1.0), _UNSCALED),
+            (_attend(q, k, v, right, scale=1 / hs), _BY_HS),
+            (_attend(q, k, v, right, dim=-2), _ROWS),
+            (_attend(q, k, v, right, after=True), _AFTER),
+            (_attend(q, k, v, ones.tril(L - T - 1)), _SELF),
+            (_attend(q, k, v, ones.tril(L - T + 1)), _NEXT)]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(torch.allclose(a, b, atol=1e-5, rtol=1e-5))
+
+
+def _check_attention_output(name, case, got, q, k, v, inputs) -> None:
+    want = causal_attention(q, k, v)  # what the engine runs
+    shape = tuple(want.shape)
+    if not isinstance(got, torch.Tensor):
+        fail(name, case, f"a torch tensor of shape {shape} (B, n_head, T, head_dim)", _what(got),
+             "return the attention output as one torch tensor (not numpy, not a tuple)")
+    for label, before, after in zip("qkv", (q, k, v), inputs):
+        expect(torch.equal(before, after), name, case, f"{label} left unchanged",
+               f"{label} changed in place",
+               "compute on new tensors (q = q / ..., not q /= ...): inside the model k and v are "
+               "the cache's own tensors, so changing them in place corrupts the cache")
+    if tuple(got.shape) != shape:
+        fail(name, case, f"a tensor of shape {shape} (B, n_head, T, head_dim)",
+             f"shape {tuple(got.shape)}", "one output row per new query and head, heads in dim 1")
+    if got.dtype != q.dtype:
+        fail(name, case, f"a {q.dtype} tensor, the dtype of q", f"a {got.dtype} tensor",
+             "compute in q's dtype: the next layer multiplies the output with its weights")
+    if got.isnan().any():
+        fail(name, case, "no NaN", "NaN in the output",
+             "a query row whose keys are all masked (softmax of all -inf): new query i must see "
+             "keys 0 .. L - T + i, its own key included; is the mask inverted (True must mean "
+             "'may attend') or its diagonal off by one?")
+    if not _close(got.float(), want):
+        hint = next((h for wrong, h in _attention_mistakes(q, k, v) if _close(got.float(), wrong)),
+                    "softmax(q kᵀ / sqrt(head_dim)) v over the keys, new query i seeing keys "
+                    "0 .. L - T + i")
+        fail(name, case, "the engine's attention output (to 1e-5)",
+             f"an output off by up to {(got.float() - want).abs().max():.4g}", hint)
+
+
+def _chunks(prompt: list[int], tokens: list[int]) -> list[list[int]]:
+    """The passes of a cached generation in the checker's own order: 5 prompt tokens (T > 1 over
+    an empty cache), the rest of the prompt (T > 1 over a filled one), then one token a pass."""
+    return [prompt[:5], prompt[5:]] + [[t] for t in tokens]
+
+
+def _ids(vocab: int, n: int, a: int, b: int) -> list[int]:
+    return [(a * i + b) % vocab for i in range(n)]
+
+
+@_keeps_rng
 def check_cached_attention(cached_attention) -> None:
-    """cached_attention(q, k_cache, v_cache, k_new, v_new) against the engine's kernel and the full
-    triangle's last row."""
+    """cached_attention(q, k, v) -> (B, n_head, T, head_dim) for the last T of L positions, against
+    the engine's kernel on random tensors, then inside the model with a real KVCache."""
     name = "cached_attention"
-    n_cases = 0
-    gen = torch.Generator().manual_seed(0)
-    for batch, n_head, cached, head_dim in [(1, 8, 3, 32), (1, 4, 0, 16), (2, 2, 9, 8),
-                                            (1, 1, 1, 4), (1, 12, 99, 64)]:
-        case = f"batch {batch}, {n_head} heads, {cached} cached positions, head_dim {head_dim}"
-        L = cached + 1
-        q_all, k_all, v_all = (torch.randn(batch, n_head, L, head_dim, generator=gen) * 2
-                               for _ in range(3))
-        q = q_all[:, :, -1:]
-        k_cache, v_cache, k_new, v_new = (k_all[:, :, :-1], v_all[:, :, :-1],
-                                          k_all[:, :, -1:], v_all[:, :, -1:])
-        args = [t.clone() for t in (q, k_cache, v_cache, k_new, v_new)]
-        got = call(name, case, cached_attention, *args)
-        want = causal_attention(q, k_all, v_all)  # what minikv runs at a decode step
-        # the last row of the no-cache triangle
-        last_row = causal_attention(q_all, k_all, v_all)[:, :, -1:]
-        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
-            fail(name, case, f"a tensor of shape {tuple(want.shape)} (B, n_head, 1, head_dim)",
-                 tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__,
-                 "one output row per head for the single new query")
-        hint = ("concatenate the cached and new keys/values, scale q @ K^T by 1/sqrt(head_dim), "
-                "softmax over ALL positions (the new token may see every cached one: no mask), "
-                "then multiply by V")
-        expect(torch.allclose(got, want, atol=1e-5, rtol=1e-4), name, case,
-               "the engine's attention output (to 1e-5)",
-               f"an output off by up to {(got - want).abs().max():.4f}", hint)
-        expect(torch.allclose(got, last_row, atol=1e-5, rtol=1e-4), name,
-               case + " (vs the no-cache triangle's last row)",
-               "the last row of attention without a cache (to 1e-5)",
-               f"an output off by up to {(got - last_row).abs().max():.4f}", hint)
-        n_cases += 1
-    passed(name, n_cases)
+    gen = torch.Generator().manual_seed(2)
+    # (B, n_head, T new queries, L keys, head_dim): prefills (T == L), decode steps (T == 1),
+    # and chunks over a filled cache (1 < T < L), where a top-left triangle shows
+    shapes = [(1, 2, 1, 1, 4), (1, 2, 4, 4, 8), (1, 4, 1, 9, 16), (2, 3, 3, 10, 8),
+              (1, 1, 4, 6, 4), (2, 2, 5, 5, 16), (1, 8, 2, 30, 32), (1, 12, 1, 99, 64)]
+    for B, nh, T, L, hs in shapes:
+        queries = "1 new query" if T == 1 else f"{T} new queries"
+        case = (f"q ({B}, {nh}, {T}, {hs}): {queries} over L = {L} keys ({L - T} cached), "
+                f"k and v ({B}, {nh}, {L}, {hs})")
+        q = torch.randn(B, nh, T, hs, generator=gen) * 1.5
+        k, v = (torch.randn(B, nh, L, hs, generator=gen) * 1.5 for _ in range(2))
+        inputs = [t.clone() for t in (q, k, v)]
+        with forbid(name, causal_attention):
+            got = _call(name, case, cached_attention, *inputs)
+        _check_attention_output(name, case, got, q, k, v, inputs)
+    # plugged into the engine's model with its own KVCache: every pass's logits as the engine's
+    target, _ = load_course_model("target", "cpu")
+    models = [(tiny_model(5), "a tiny random model"), (target, "the course target")]
+    for model, label in models:
+        vocab = model.config.vocab_size
+        chunks = _chunks(_ids(vocab, 9, 37, 11), _ids(vocab, 12, 53, 7))
+        ours, theirs = KVCache.for_model(model, max_len=32), KVCache.for_model(model, max_len=32)
+        with torch.no_grad():
+            for ids in chunks:
+                past = ours.get_seq_length()
+                want = model(torch.tensor([ids]), cache=ours)
+                case = (f"{label}, model(idx, cache=KVCache, attention=cached_attention): "
+                        f"{len(ids)} new token(s) over {past} cached")
+                with forbid(name, causal_attention):
+                    got = _call(name, case, model, torch.tensor([ids]), cache=theirs,
+                                attention=cached_attention)
+                expect(_close(got, want), name, case, "the engine's logits (to 1e-5)",
+                       f"logits off by up to {(got - want).abs().max():.4g}",
+                       "new query i of T sees keys 0 .. L - T + i; no mask when T == 1")
+    passed(name, len(shapes) + len(models))
+
+
+# --- exercise 4: add the cache yourself -----------------------------------------------------------
+
+_POSITION_BUG = ("get_seq_length() returned 0 for a cache that holds positions: the model starts "
+                 "the new tokens' positions there, so they restart at 0 every pass (seed 003's "
+                 "position-offset bug); return the number of cached positions")
+_CROP_IGNORED = ("crop did not roll the cache back: a cache that grows but never crops cannot "
+                 "undo rejected tokens (speculative decoding, chapter 04); keep only the first "
+                 "max_length positions of every layer")
+_CROP_EMPTIED = ("crop emptied the cache: it rolls back TO max_length positions, keeping the "
+                 "first max_length of every layer")
+_CROP_LAST = ("crop kept the LAST max_length positions: keep the first ones, "
+              "[:, :, :max_length]; the rolled-back tokens are the newest")
+_APPEND_AFTER_CROP = ("update appended after the positions crop removed: crop must really "
+                      "discard them (slice every layer's keys and values to [:, :, :max_length]), "
+                      "not just move a counter")
+_ONLY_NEW = ("update returned only this step's keys and values: return ALL of the layer's "
+             "keys and values, cached + new, so attention sees the past")
+_WRONG_DIM = ("the keys grew along the wrong dimension: they are (B, n_head, T, head_dim), so "
+              "the positions are dim 2 (torch.cat([cached, new], dim=2))")
+_MIXED_LAYERS = ("more positions than this layer was given: keep one entry per layer, "
+                 "self.keys[layer_idx], and append only this step's T positions to it")
+_FIRST_UPDATE = ("the first update of a layer has nothing cached to append to: store its "
+                 "(B, n_head, T, head_dim) keys and values as the layer's first tensors")
+
+
+def _length_hint(got, want, passes, n_layer, shape) -> str:
+    B, nh, _, hs = shape
+    if got == 0:
+        return _POSITION_BUG
+    if got == n_layer:
+        return ("that is the number of layers (len(self.keys)), not of positions: read the "
+                "positions dimension of one layer, self.keys[0].shape[2]")
+    if got == n_layer * want:
+        return ("this is what you get when every layer's update adds T: a pass adds its T "
+                "positions once, not once per layer")
+    if got == passes:
+        return "this counts passes (update calls), not positions: a pass may add several"
+    if abs(got - want) == 1:
+        return "off by one: the model's next position is exactly the number of cached ones"
+    if got in (B, nh, hs):
+        return "a wrong dimension of (B, n_head, L, head_dim) was read: the positions are dim 2"
+    return "the number of cached positions: each pass adds its T positions to every layer"
+
+
+class _Probe:
+    """Drives a learner's cache directly with random (B, n_head, T, head_dim) tensors, keeping the
+    expected keys and values of every layer, so each classic mistake can be named."""
+
+    # layers, batch, heads and head_dim apart from each other and from the lengths (5, 10, 11,
+    # 12, 7, 9) and their neighbours, so a wrong length tells which mistake made it
+    n_layer, shape = 3, (2, 8, 0, 16)
+
+    def __init__(self, name, MyKVCache):
+        self.name, self.passes = name, 0
+        self.gen = torch.Generator().manual_seed(4)
+        self.cache = _call(name, "MyKVCache()", MyKVCache,
+                           hint="MyKVCache() must work without arguments")
+        expect(isinstance(self.cache, Cache), name, "MyKVCache()",
+               "an instance of minikv.engine.cache.Cache", _what(self.cache),
+               "subclass minikv.engine.cache.Cache: the model accepts no other cache")
+        B, nh, _, hs = self.shape
+        self.keys = [torch.empty(B, nh, 0, hs) for _ in range(self.n_layer)]
+        self.values = [torch.empty(B, nh, 0, hs) for _ in range(self.n_layer)]
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[2]
+
+    def get_length(self, case: str, hint=None) -> None:
+        where = case + ": get_seq_length()"
+        got = _call(self.name, where, self.cache.get_seq_length,
+                    hint="an empty cache (before any update) holds 0 positions")
+        value = as_int(got)
+        if value is None:
+            fail(self.name, where, self.length, _what(got),
+                 "return a Python int: the model adds it to torch.arange(T) to get positions")
+        if value != self.length:
+            fail(self.name, where, self.length, value, (hint and hint(value)) or _length_hint(
+                value, self.length, self.passes, self.n_layer, self.shape))
+
+    def step(self, T: int, case: str, longer_hint: str = "") -> None:
+        """One pass as the model makes it: update every layer with T new positions in turn, then
+        read the length and every layer back."""
+        B, nh, _, hs = self.shape
+        old = self.length
+        case = f"{case} ({T} new position(s) over {old} cached)"
+        news = [(torch.randn(B, nh, T, hs, generator=self.gen),
+                 torch.randn(B, nh, T, hs, generator=self.gen)) for _ in range(self.n_layer)]
+        for layer, (k, v) in enumerate(news):
+            self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
+            self.values[layer] = torch.cat([self.values[layer], v], dim=2)
+
+        def raised(e: Exception) -> str:
+            if "Sizes of tensors must match" in str(e):
+                return _WRONG_DIM
+            return _FIRST_UPDATE if old == 0 and isinstance(e, (IndexError, KeyError)) else (
+                "your update raised")
+        for layer, (k, v) in enumerate(news):
+            where = f"{case}: update(key, value, layer_idx={layer})"
+            out = _call(self.name, where, self.cache.update, k.clone(), v.clone(), layer,
+                        hint=raised)
+            self.check_pair(where, out, layer, T, longer_hint)
+        self.passes += 1
+        self.get_length(f"after {case}")
+        self.check_whole(f"after {case}", longer_hint)
+
+    def check_pair(self, where, out, layer, T, longer_hint) -> None:
+        want_k, want_v = self.keys[layer], self.values[layer]
+        shape = tuple(want_k.shape)
+        if not (isinstance(out, (tuple, list)) and len(out) == 2
+                and all(isinstance(t, torch.Tensor) for t in out)):
+            fail(self.name, where, f"a pair (keys, values) of tensors {shape}", _what(out),
+                 "update returns the layer's keys and values: return keys, values")
+        got_k, got_v = out
+        for label, got in (("keys", got_k), ("values", got_v)):
+            got_shape = tuple(got.shape)
+            if got_shape == shape:
+                continue
+            if got.dim() != 4 or got_shape[:2] + got_shape[3:] != shape[:2] + shape[3:]:
+                hint = _WRONG_DIM
+            elif got_shape[2] == T and T != shape[2]:
+                hint = _ONLY_NEW
+            elif got_shape[2] > shape[2]:
+                hint = longer_hint or _MIXED_LAYERS
+            else:
+                hint = "all of this layer's positions: the cached ones, then the new ones"
+            fail(self.name, where, f"{label} of shape {shape} (B, n_head, L, head_dim)",
+                 f"shape {got_shape}", hint)
+        if torch.equal(got_k, want_v) and torch.equal(got_v, want_k):
+            fail(self.name, where, "(keys, values)", "(values, keys)", "the pair is swapped")
+        for label, got, want in (("keys", got_k, want_k), ("values", got_v, want_v)):
+            if torch.equal(got, want):
+                continue
+            old = want.shape[2] - T
+            if torch.equal(got, torch.cat([want[:, :, old:], want[:, :, :old]], dim=2)):
+                hint = ("the new positions came first: append them after the cached ones, "
+                        "torch.cat([cached, new], dim=2)")
+            elif any(torch.equal(got, other) for other in self.keys + self.values):
+                hint = ("these are another layer's (or the other tensor's): each layer keeps "
+                        "its own keys and values, indexed by layer_idx")
+            else:
+                hint = "the cached positions (as stored), then the new ones (as given)"
+            fail(self.name, where, f"the layer's {label}: cached, then new",
+                 f"different {label}", hint)
+
+    def check_whole(self, case: str, longer_hint: str = "", value_hint: str = "") -> None:
+        """Every layer's keys and values, as the learner's cache holds them (self.keys and
+        self.values, the lists __init__ creates)."""
+        keys, values = getattr(self.cache, "keys", None), getattr(self.cache, "values", None)
+        shape = (*self.shape[:2], self.length, self.shape[3])
+        where = case + ": self.keys and self.values"
+        if not (isinstance(keys, list) and isinstance(values, list)
+                and len(keys) == len(values) == self.n_layer
+                and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in keys + values)):
+            fail(self.name, where, f"two lists of {self.n_layer} tensors (one per layer)",
+                 f"keys: {_what(keys)}, values: {_what(values)}",
+                 "keep layer i's keys and values in self.keys[i] and self.values[i] (the lists "
+                 "__init__ creates)")
+        shapes = [tuple(t.shape) for t in keys + values]
+        if any(s != shape for s in shapes):
+            longer = [s[:2] + s[3:] == shape[:2] + shape[3:] and s[2] > shape[2] for s in shapes]
+            right = [s == shape for s in shapes]
+            if all(longer):
+                hint = longer_hint or "they hold more positions than get_seq_length() says"
+            elif all(a or b for a, b in zip(longer, right)):
+                hint = ("some layers (or only the keys, or only the values) hold more positions "
+                        "than get_seq_length() says: cut every layer's keys and values")
+            else:
+                hint = "exactly the cached positions of every layer, in dim 2"
+            fail(self.name, where, f"every layer {shape}", f"shapes {shapes}", hint)
+        expect(same_cache_prefix((self.length, self.keys + self.values), self.cache, self.length),
+               self.name, where, "every layer's keys and values as given to update",
+               "different tensors", value_hint or "store exactly what update received, in "
+               "order, layer by layer")
+
+    def crop(self, n: int) -> None:
+        before, old_keys = self.length, self.keys
+        case = f"crop({n}) of a cache holding {before} positions"
+        _call(self.name, case, self.cache.crop, n)
+        self.keys = [k[:, :, :n] for k in self.keys]
+        self.values = [v[:, :, :n] for v in self.values]
+
+        def hint(got):
+            if got == before != n:
+                return _CROP_IGNORED
+            return _CROP_EMPTIED if got == 0 else ""
+        self.get_length(f"after {case}", hint)
+        if n:  # the lists after crop(0) may hold empty tensors or nothing
+            keys = getattr(self.cache, "keys", None)
+            last = (isinstance(keys, list) and keys and isinstance(keys[0], torch.Tensor)
+                    and torch.equal(keys[0], old_keys[0][:, :, before - n:]))
+            self.check_whole(f"after {case}", _APPEND_AFTER_CROP, _CROP_LAST if last else "")
+
+
+def _grew(cache, want: int) -> bool:
+    keys = getattr(cache, "keys", None)
+    return (isinstance(keys, list) and bool(keys) and isinstance(keys[0], torch.Tensor)
+            and keys[0].dim() == 4 and keys[0].shape[2] > want)
+
+
+def _engine_cache():
+    """The engine's own cache code, which MyKVCache must not call: the exercise is to write it."""
+    return (KVCache.__init__, KVCache.update, KVCache.crop, KVCache.get_seq_length, KVCache.fork)
+
+
+def _mine(name: str, case: str, fn, *args, **kwargs):
+    """Run the learner's code (or the model on the learner's cache), forbidding the engine's."""
+    with forbid(name, *_engine_cache()):
+        return _call(name, case, fn, *args, **kwargs)
+
+
+def _compare_caches(name, case, cache, ref: KVCache, length: int, hint: str) -> None:
+    """The learner's cache holds, in every layer, the engine's keys and values (to 1e-5)."""
+    got = as_int(_mine(name, case + ": get_seq_length()", cache.get_seq_length))
+    expect(got == length, name, case + ": get_seq_length()", length, got,
+           _APPEND_AFTER_CROP if _grew(cache, length) else hint)
+    keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
+    want = [t[:, :, :length] for t in ref.keys + ref.values]
+    tensors = (keys + values) if isinstance(keys, list) and isinstance(values, list) else []
+    ok = len(tensors) == len(want) and all(
+        isinstance(a, torch.Tensor) and _close(a, b) for a, b in zip(tensors, want))
+    expect(ok, name, case + ": every layer's keys and values",
+           f"{ref.n_layer} layers of keys and values, each {tuple(want[0].shape)}, as the "
+           f"engine's cache holds them", "different",
+           _APPEND_AFTER_CROP if _grew(cache, length) else hint)
+
+
+def _rollbacks(model, seq: list[int]):
+    """Two rollbacks after a generation that left len(seq) - 1 positions cached: back a third of
+    the way then 3 other tokens and 1 more, and back by 1 then 1 other token and 1 more; each with
+    the engine's fresh computation of the new sequence (its cache and the new rows' logits)."""
+    vocab, length, plan = model.config.vocab_size, len(seq) - 1, []
+    for n_other in (3, 1):
+        keep = length // 3 if n_other == 3 else length - 1
+        new = [(t + 1) % vocab for t in seq[keep:keep + n_other]] + [(seq[0] + 5) % vocab]
+        fresh = KVCache.for_model(model, max_len=keep + len(new))
+        with torch.no_grad():
+            rows = model(torch.tensor([seq[:keep] + new]), cache=fresh)[0, keep:]
+        plan.append((length, keep, new, fresh, rows))
+        length, seq = keep + len(new), seq[:keep] + new
+    return plan
+
+
+def _drive(name, model, label, MyKVCache, attention, n_new: int, hint: str = "") -> None:
+    """Greedy generation of n_new tokens with the learner's cache, in the checker's own loop, then
+    two rollbacks; tokens, logits, K/V work and every layer of the cache compared with the
+    engine's."""
+    hint = hint or ("update appends each pass's keys and values to every layer and returns all of "
+                    "them; get_seq_length() is the number of cached positions")
+    vocab = model.config.vocab_size
+    prompt = _ids(vocab, 9, 37, 11)
+    ref = KVCache.for_model(model, max_len=len(prompt) + n_new)
+    expected = generate(model, prompt, n_new, mode="cached", return_logits=True, cache=ref)
+    plan = _rollbacks(model, prompt + expected.tokens)
+    cache = _mine(name, "MyKVCache()", MyKVCache)
+    tokens: list[int] = []
+    with KVCounter(model) as counter, torch.no_grad():
+        # two prompt chunks give the first token; each later pass feeds the newest token
+        for i, ids in enumerate([prompt[:5], prompt[5:]] + [None] * (n_new - 1)):
+            ids = ids or tokens[-1:]
+            past = 0 if i == 0 else 5 if i == 1 else len(prompt) + i - 2
+            what = ("the prefill of 5 prompt tokens" if i == 0 else
+                    f"the other {len(ids)} prompt tokens over {past} cached" if i == 1 else
+                    f"decode step {i - 1}, over {past} cached")
+            case = f"{label}, model(idx, cache=MyKVCache(), attention=...), {what}"
+            logits = _mine(name, case, model, torch.tensor([ids]), cache=cache,
+                           attention=attention)
+            if i == 0:
+                continue
+            got, want = logits[0, -1], expected.logits[i - 1]
+            expect(_close(got, want), name, case, "generate's logits (to 1e-5)",
+                   f"logits off by up to {(got - want).abs().max():.4g}", hint)
+            tokens.append(int(got.argmax()))
+            expect(tokens[-1] == expected.tokens[i - 1], name, case,
+                   f"greedy token {expected.tokens[i - 1]}", tokens[-1], hint)
+    work = expected.stats.kv_computed
+    expect(counter.count == work, name, label, f"{work} K/V vectors computed per layer",
+           counter.count, "the cache must spare the model every recomputation")
+    _compare_caches(name, f"{label}, after {n_new} greedy tokens", cache, ref,
+                    len(prompt) + n_new - 1, hint)
+    # rollbacks: crop back, feed other tokens, compare with a fresh computation
+    for length, keep, new, fresh, rows in plan:
+        case = f"{label}, crop({keep}) of a cache holding {length} positions"
+        _mine(name, case, cache.crop, keep)
+        got = as_int(_mine(name, case + ": get_seq_length()", cache.get_seq_length))
+        expect(got == keep, name, case + ": get_seq_length()", keep, got,
+               _CROP_IGNORED if got == length else _CROP_EMPTIED if got == 0 else hint)
+        for ids, want, past in ((new[:-1], rows[:-1], keep), (new[-1:], rows[-1:],
+                                                              keep + len(new) - 1)):
+            what = f"{case}, then {len(ids)} other token(s) over {past} cached"
+            with torch.no_grad():
+                logits = _mine(name, what, model, torch.tensor([ids]), cache=cache,
+                               attention=attention)[0]
+            expect(_close(logits, want), name, what, "the logits of a fresh computation (to 1e-5)",
+                   "different logits",
+                   _APPEND_AFTER_CROP if _grew(cache, keep + len(new)) else hint)
+        _compare_caches(name, f"{case}, then {len(new)} other tokens", cache, fresh,
+                        keep + len(new), hint)
+
+
+@_keeps_rng
+def check_my_kv_cache(MyKVCache, cached_attention) -> None:
+    """MyKVCache (update, get_seq_length, crop) driven directly, then in the model with minikv's
+    attention, then with cached_attention: greedy tokens and rollbacks, as the engine's."""
+    name = "MyKVCache"
+    if not isinstance(MyKVCache, type):
+        fail(name, "MyKVCache", "a class (class MyKVCache(Cache): ...)", _what(MyKVCache),
+             "pass the class itself, not an instance")
+    expect(not issubclass(MyKVCache, KVCache), name, "MyKVCache", "a subclass of Cache",
+           "a subclass of minikv's KVCache", "build it yourself on Cache, not on KVCache")
+    with forbid(name, *_engine_cache()):
+        probe = _Probe(name, MyKVCache)
+        probe.get_length("an empty MyKVCache()")
+        probe.step(5, "a prefill")
+        probe.step(5, "a second chunk")
+        probe.step(1, "a decode step")
+        probe.step(1, "another decode step")
+        probe.crop(7)
+        probe.step(2, "a chunk after crop(7)", longer_hint=_APPEND_AFTER_CROP)
+        probe.crop(probe.length)
+        probe.crop(0)
+        probe.step(3, "a prefill after crop(0)", longer_hint=_APPEND_AFTER_CROP)
+        other = _call(name, "a second MyKVCache()", MyKVCache)
+        got = as_int(_call(name, "a second MyKVCache(): get_seq_length()", other.get_seq_length))
+        expect(got == 0, name, "a second MyKVCache() made after the first was filled", 0, got,
+               "two caches share their lists: create them in __init__, not as class attributes")
+    target, _ = load_course_model("target", "cpu")
+    models = [(tiny_model(7), "a tiny random model"),
+              (tiny_model(8, n_layer=3, n_head=2, n_embd=48), "a 3-layer, 2-head random model"),
+              (target, "the course target")]
+    for model, label in models:
+        _drive(name, model, label, MyKVCache, causal_attention, n_new=50)
+    try:
+        _drive(name, models[0][0], models[0][1] + " with your cached_attention", MyKVCache,
+               cached_attention, n_new=20, hint=(
+                   "your MyKVCache passed every test with minikv's own attention, so it is "
+                   "cached_attention (exercise 3) that differs"))
+    except NotImplementedError:
+        print(f"{name} works with minikv's attention; now write cached_attention (exercise 3) "
+              f"to plug both in")
+        raise
+    passed(name, 12 + len(models) + 1)
