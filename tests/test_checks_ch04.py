@@ -147,6 +147,22 @@ def round_zeroes_unverified(target, draft, seq, t_cache, d_cache, gamma):
     return new
 
 
+def round_zeroes_draft_values(target, draft, seq, t_cache, d_cache, gamma):
+    """Clears the draft's cache "to start each round clean", but keeps its length."""
+    new = speculative_round(target, draft, seq, t_cache, d_cache, gamma)
+    for t in d_cache.values:
+        t.zero_()
+    return new
+
+
+def round_zeroes_last_layer(target, draft, seq, t_cache, d_cache, gamma):
+    """Only the target's LAST layer's values are hurt: a check of layer 0 alone would miss it."""
+    start = len(seq) - 1
+    new = speculative_round(target, draft, seq, t_cache, d_cache, gamma)
+    t_cache.values[-1][:, :, start:] = 0
+    return new
+
+
 def round_zeroes_stale_slots(target, draft, seq, t_cache, d_cache, gamma):
     """Zeroing only what was cropped away is harmless: the checker must accept it."""
     new = speculative_round(target, draft, seq, t_cache, d_cache, gamma)
@@ -221,6 +237,8 @@ ROUND_WRONG = [
     (round_resets_draft, "reset the draft cache"),
     (round_resets_both, "reset the target cache"),
     (round_zeroes_unverified, "zero, reset or overwrite cache entries"),
+    (round_zeroes_draft_values, "the draft cache's K/V"),
+    (round_zeroes_last_layer, "the target cache's K/V"),
     (round_draft_feeds_last_token, "the draft's first pass feeds only the last committed token"),
     (round_target_without_cache, "feed the target the whole sequence again"),
     (round_forgets_seq, "append the committed tokens to seq in place"),
@@ -245,6 +263,15 @@ def test_zeroing_only_the_stale_slots_is_accepted():
 def test_speculative_round_wrong_answer(wrong, fragment):
     with pytest.raises(CheckFailed, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         ch04.check_speculative_round(wrong)
+
+
+def test_a_method_replaced_in_the_notebook_is_refused(monkeypatch):
+    """A KVCache.crop that never grows a cache would let crop(len(seq) - 1) without min pass."""
+    crop = minikv.KVCache.crop
+    monkeypatch.setattr(minikv.KVCache, "crop",
+                        lambda self, n: crop(self, min(n, self.get_seq_length())))
+    with pytest.raises(CheckFailed, match="KVCache.crop is not the packaged one"):
+        ch04.check_speculative_round(round_crop_without_min)
 
 
 def test_round_cases_cover_every_kind_of_round():

@@ -15,7 +15,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from . import validate
 from .cache import Cache
@@ -130,25 +129,36 @@ class PagedCache(Cache):
                layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Write each row's (nh, T, hs) new K/V into its blocks; return every row's K/V gathered
         through its block table, right-padded to the longest: 2 x (B, nh, L, hs)."""
-        bs, T = self.pool.block_size, key.shape[2]
+        B, nh, T, hs = key.shape
+        if layer_idx == 0:  # where this pass writes and what it reads: the same in every layer
+            self._slots, self._gather, self._longest = self._indices(T, key.device)
         keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
-        out_k, out_v = [], []
-        for b, t in enumerate(self.tables):
-            positions = torch.arange(t.length, t.length + T)
-            blocks = torch.tensor(t.blocks, device=keys.device)[positions // bs]  # (T,)
-            with torch.no_grad():
-                keys[blocks, :, positions % bs] = key[b].transpose(0, 1)           # (T, nh, hs)
-                values[blocks, :, positions % bs] = value[b].transpose(0, 1)
-            n = t.length + T
-            used = torch.tensor(t.blocks[: -(-n // bs)], device=keys.device)
-            for src, out in ((keys, out_k), (values, out_v)):  # (nb, nh, bs, hs) -> (nh, n, hs)
-                out.append(src[used].transpose(0, 1).reshape(src.shape[1], -1, src.shape[3])[:, :n])
+        block, offset = self._slots                                        # (B * T,) each
+        with torch.no_grad():
+            keys[block, :, offset] = key.transpose(1, 2).reshape(B * T, nh, hs)
+            values[block, :, offset] = value.transpose(1, 2).reshape(B * T, nh, hs)
         if layer_idx == len(self.pool.keys) - 1:  # the pass is whole: its positions are live
             for t in self.tables:
                 t.length += T
-        longest = max(k.shape[1] for k in out_k)
-        return tuple(torch.stack([F.pad(x, (0, 0, 0, longest - x.shape[1])) for x in xs])
-                     for xs in (out_k, out_v))
+        out = []
+        for src in (keys, values):  # (B, nb, nh, bs, hs) -> (B, nh, nb * bs, hs), cut to longest
+            blocks = src[self._gather].permute(0, 2, 1, 3, 4)
+            out.append(blocks.reshape(B, nh, -1, hs)[:, :, :self._longest])
+        return out[0], out[1]
+
+    def _indices(self, T: int, device) -> tuple:
+        """(block, offset) of every new position, row by row; the block tables as a (B, nb)
+        tensor (short rows padded with their first block: attention masks those positions);
+        and the longest row after this pass."""
+        bs = self.pool.block_size
+        positions = torch.tensor([[t.length + i for i in range(T)] for t in self.tables])
+        table = [t.blocks for t in self.tables]
+        width = max(len(blocks) for blocks in table)
+        table = torch.tensor([blocks + blocks[:1] * (width - len(blocks)) for blocks in table])
+        block = table.gather(1, positions // bs).reshape(-1)
+        longest = max(t.length for t in self.tables) + T
+        return ((block.to(device), (positions % bs).reshape(-1).to(device)), table.to(device),
+                longest)
 
     def crop(self, max_length: int) -> None:
         """Roll one sequence back to max_length positions, giving back the blocks it no longer

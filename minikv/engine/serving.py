@@ -126,6 +126,8 @@ class _Sequence:
         return len(self.prompt) + (len(self.seq) - 1 - len(self.prompt)) // window * window
 
     def ready_to_verify(self, window: int) -> bool:
+        if self.done:  # nothing left to judge (e.g. max_new_tokens=1: the prefill's token)
+            return False
         rows = len(self.seq) - self.window_start(window) + len(self.proposals)
         budget = self.request.max_new_tokens - len(self.new_tokens) - 1  # the verifier adds one
         return (rows == window or len(self.proposals) >= budget

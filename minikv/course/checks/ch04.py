@@ -18,7 +18,10 @@ CPU, in about a second, leaving the caller's random state alone.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
+import sys
+from pathlib import Path
 
 import torch
 
@@ -26,6 +29,7 @@ from ...engine import GPT, GPTConfig, KVCache, generate, speculative_generate
 from ...engine.verify import accept_matching, residual_distribution, verify_and_commit
 from ..checkpoint import load_course_model
 from . import (
+    ENGINE_DIR,
     CheckFailed,
     PassCounter,
     as_int,
@@ -41,10 +45,35 @@ from . import (
 )
 
 
+def methods_are_pristine() -> None:
+    """Raise unless every method of every class the engine defines (KVCache.crop, GPT.forward, ...)
+    is the one in the engine's files: `fresh` checks the engine's functions and classes, but a
+    method replaced in the notebook (say a KVCache.crop that never grows a cache) could make a
+    wrong round look right."""
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("minikv.engine.") or module is None:
+            continue
+        for cls in [v for v in vars(module).values()
+                    if isinstance(v, type) and v.__module__ == name]:
+            for attr, value in vars(cls).items():
+                if attr.startswith("__"):
+                    continue  # dataclasses write __init__, __eq__, ... themselves
+                parts = [value.fget, value.fset] if isinstance(value, property) else [value]
+                for part in parts:
+                    function = inspect.unwrap(getattr(part, "__func__", part))  # decorated too
+                    code = getattr(function, "__code__", None)
+                    if code is not None and Path(code.co_filename).resolve().parent != ENGINE_DIR:
+                        raise CheckFailed(f"{name}.{cls.__name__}.{attr} is not the packaged one "
+                                          f"(it was replaced in this notebook): restart the "
+                                          f"kernel and run the notebook from the top")
+
+
 def _keeps_rng(check):
-    """Run a checker under torch.random.fork_rng: the caller's random state is left alone."""
+    """Run a checker under torch.random.fork_rng, the caller's random state left alone, after
+    checking that the engine's methods are the packaged ones."""
     @functools.wraps(check)
     def run(fn) -> None:
+        methods_are_pristine()
         with torch.random.fork_rng(devices=[]):
             check(fn)
     return run
