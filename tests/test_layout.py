@@ -15,6 +15,7 @@ ENGINE_LINE_BUDGET = sum({
     "prompt-lookup decoding: a proposer without a model (16)": 85,
     "static batching of ragged prompts with left padding (18)": 110,
     "a paged KV cache and a continuous-batching server with preemption (18)": 320,
+    "attention read through block tables, packed prefill, freed blocks kept for reuse (18)": 100,
 }.values())
 
 

@@ -52,10 +52,12 @@ def test_fast_path_logits_depend_on_the_batch():
 
 
 def test_fast_path_tokens_depend_on_the_batch():
-    """bf16, seed 1: the fast path alone gives different tokens with different companions."""
-    outputs = {tuple(run(MODEL16, det_request(seed=1), k, n, verify=False).tokens)
-               for k, n in SETTINGS[:6]}
-    assert len(outputs) > 1
+    """bf16: for some sampling seed, the fast path gives different tokens with different
+    companions (chapter 05 searches the same way)."""
+    def outputs(seed):
+        return {tuple(run(MODEL16, det_request(seed=seed), k, n, verify=False).tokens)
+                for k, n in SETTINGS[:6]}
+    assert any(len(outputs(seed)) > 1 for seed in range(1, 9))
 
 
 @pytest.mark.parametrize("model, temperature", [(MODEL16, 0.8), (MODEL16, 0.0), (MODEL32, 0.8)],
@@ -69,10 +71,11 @@ def test_verified_output_is_bit_identical_across_batches(model, temperature):
 
 def test_verification_is_what_makes_it_deterministic():
     """Same settings with verify=False disagree somewhere; with verify=True they never do."""
-    fast = {tuple(run(MODEL16, det_request(seed=1), k, n, verify=False).tokens)
-            for k, n in SETTINGS[:6]}
-    verified = {tuple(run(MODEL16, det_request(seed=1), k, n).tokens) for k, n in SETTINGS[:6]}
-    assert len(fast) > 1 and len(verified) == 1
+    seed = next(seed for seed in range(1, 9)  # the first whose fast path depends on the batch
+                if len({tuple(run(MODEL16, det_request(seed=seed), k, n, verify=False).tokens)
+                        for k, n in SETTINGS[:6]}) > 1)
+    verified = {tuple(run(MODEL16, det_request(seed=seed), k, n).tokens) for k, n in SETTINGS}
+    assert len(verified) == 1
 
 
 def rounds(out):

@@ -292,6 +292,21 @@ def targets(results: dict) -> list[tuple[str, str, bool]]:
                  f"{100 * default['throughput_fraction']:.0f}% "
                  f"(worst: {100 * worst['throughput_fraction']:.0f}% at window {worst['window']})",
                  default["throughput_fraction"] >= 0.8))
+    serving = results.get("serving", {}).get("course target, long-tailed")
+    if serving:
+        r = serving["rows"]
+        cont = r["continuous batching"]
+        rows.append(("continuous ≥ 2x static batching, same KV memory (course target, 64 "
+                     "requests)", f"{cont['vs_static']:.2f}x", cont["vs_static"] >= 2))
+        hf = r.get("transformers batched generate")
+        if hf:
+            ratio = hf["seconds"] / cont["seconds"]
+            rows.append(("continuous ≥ 1.5x transformers' batched generate", f"{ratio:.2f}x",
+                         ratio >= 1.5))
+        rows.append(("paged waste ≤ one partly filled block a request",
+                     f"{serving['waste_per_request']} positions (block of "
+                     f"{serving['block_size']})",
+                     serving["waste_per_request"] < serving["block_size"]))
     return rows
 
 
@@ -364,6 +379,33 @@ def write_report(results: dict, out: Path) -> None:
     for r in results["deterministic"]:
         lines.append(f"| {r['window']} | {r['fast_s']:.2f} | {r['verified_s']:.2f} | "
                      f"{100 * r['throughput_fraction']:.0f}% | {r['rollbacks']} / {r['rounds']} |")
+    for name, sv in results.get("serving", {}).items():
+        lines += ["", f"## Serving {sv['requests']} requests: {name}", "",
+                  f"Prompts of {sv['prompt_lengths'][0]}–{sv['prompt_lengths'][1]} tokens, "
+                  f"outputs of {sv['output_lengths'][0]}–{sv['output_lengths'][1]} "
+                  f"({sv['new_tokens']} in all), greedy, Poisson arrivals (4 a step). Static "
+                  f"batches of {sv['batch_size']}; continuous batching gets the same KV memory: "
+                  f"{sv['num_blocks']} blocks of {sv['block_size']} ({sv['preempted']} "
+                  f"preemptions). Same tokens: requests whose output equals generating alone.",
+                  "", "| server | tokens/s | vs static | KV memory | engine passes | same tokens |",
+                  "|---|---|---|---|---|---|"]
+        for server, r in sv["rows"].items():
+            lines.append(f"| {server} | {r['tokens_per_s']:.0f} | {r['vs_static']:.2f}x | "
+                         f"{_size(r['kv_bytes'])} | {r['passes'] or '—'} | "
+                         f"{r['same_tokens']}/{sv['requests']} |")
+    pc = results.get("prefix_caching")
+    if pc:
+        lines += ["", f"## Prefix caching: {pc['requests']} requests sharing a "
+                      f"{pc['shared_tokens']}-token prefix", "",
+                  "One request an engine step, one new token each: a step's time is its "
+                  f"request's time to first token. Same tokens either way: {pc['same_tokens']}.",
+                  "", "| | K/V computed (positions) | K/V computed | reused positions "
+                  "| mean time to first token |", "|---|---|---|---|---|"]
+        for name, r in pc["rows"].items():
+            lines.append(f"| {name} | {r['kv_computed']:,} | {_size(r['kv_bytes_computed'])} | "
+                         f"{r['reused']:,} | {r['ttft_ms']:.1f} ms |")
+        lines += ["", f"Prefix caching computes {pc['kv_ratio']:.1f}x less K/V and answers "
+                      f"{pc['ttft_speedup']:.1f}x sooner."]
     write_atomically(out / "README.md", "\n".join(lines) + "\n")
 
     fig, (a, k, b) = plt.subplots(1, 3, figsize=(15, 4))
@@ -395,6 +437,34 @@ def write_report(results: dict, out: Path) -> None:
     fig.savefig(buffer, format="png", dpi=90)
     write_atomically(out / "plots.png", buffer.getvalue())
     plt.close(fig)
+
+
+def bench_many_requests(target, tok, quick: bool, device, dtype, repeats: int):
+    """Serving 64 requests (chapter 06): on the course target (long-tailed and uniform output
+    lengths) and the 124M preset (long-tailed); prefix caching with a 200-token shared prefix."""
+    from . import serving
+    if quick:
+        rng = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(1, 500, (int(n),), generator=rng).tolist() for n in (3, 9, 5)]
+        requests = serving.workload(prompts, 8, new_tokens=(2, 8))
+        rows = {"tiny, long-tailed": serving.bench_serving(target, requests, 4, 4, repeats,
+                                                           device)}
+        shared, suffixes = [7] * 24, [[1, 2], [3], [4, 5, 6]]
+        return rows, serving.bench_prefix_caching(target, shared, suffixes, 4, repeats, device)
+    prompts = serving.course_prompts(tok)
+    rows = {}
+    for name, model, long_tailed in (("course target, long-tailed", target, True),
+                                     ("course target, uniform", target, False),
+                                     ("124M preset, long-tailed",
+                                      random_model("gpt2", device, dtype), True)):
+        requests = serving.workload(prompts, 64, long_tailed=long_tailed)
+        rows[name] = serving.bench_serving(model, requests, 8, 16, repeats, device)
+    shared, suffixes = serving.shared_prefix_prompts(tok)
+    return rows, serving.bench_prefix_caching(target, shared, suffixes, 16, repeats, device)
+
+
+def _size(n_bytes: int) -> str:
+    return f"{n_bytes / 2**20:.1f} MiB" if n_bytes >= 2**20 else f"{n_bytes / 2**10:.0f} KiB"
 
 
 def _positive(text: str) -> int:
@@ -471,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
     results["deterministic"] = bench_deterministic(target, prompts, n_tokens,
                                                    [2, 4] if args.quick else [2, 4, 8, 16],
                                                    repeats, device)
+    results["serving"], results["prefix_caching"] = bench_many_requests(
+        target, tok, args.quick, device, dtype, 1 if args.quick else 2)
     write_report(results, args.out)
     print((args.out / "README.md").read_text())
     return 0

@@ -4,13 +4,17 @@ positions in order. Blocks are taken when a sequence needs room and given back w
 no sequence reserves memory for tokens it may never produce; reference counts let sequences share
 blocks (a common prefix), and a shared block that must be written is copied first.
 
-Attention here gathers each sequence's blocks into a contiguous (B, nh, L, hs) tensor and runs the
-ordinary kernels. A fused kernel (PagedAttention) reads the blocks in place through the table
-instead, which saves that copy; the numbers are the same.
+A block holds block_size positions of every head, (nh, block_size, hs) per layer, as in vLLM's
+PagedAttention kernel: position p of a sequence lives in block table[p // block_size], slot
+p % block_size. A single sequence's attention gathers its blocks into one (1, nh, L, hs) tensor
+and runs the ordinary kernel; a decode batch's attention (paged_attention) reads each row's
+blocks through its table instead, one block at a time, never padding a row to the longest. (A
+fused GPU kernel reads the blocks in place; here the blocks a batch reads are copied once.)
 """
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -26,10 +30,60 @@ def block_hash(previous: str, tokens: list[int]) -> str:
     return hashlib.sha256(f"{previous}|{','.join(map(str, tokens))}".encode()).hexdigest()[:16]
 
 
+KEYS_PER_TILE = 8  # the kernel reads keys in tiles; a split holds whole tiles
+
+
+def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    tables: torch.Tensor, lengths: torch.Tensor, n_splits: int) -> torch.Tensor:
+    """Decode attention read through block tables, as vLLM's PagedAttention kernel does.
+    q (B, nh, 1, hs): one new query per row; keys, values: one layer's pool (num_blocks, nh, bs,
+    hs); tables (B, nb): each row's blocks, -1 past its last; lengths (B,): the positions each
+    row sees. Split-KV (FlashDecoding): the keys are read in tiles, the batch's longest row's
+    tiles are cut into n_splits runs, and each run of a row computes a partial softmax output
+    (rounded to the model's dtype), its max and its sum; the partials merge as one softmax
+    would, up to rounding. (So where a row's splits fall depends on the rest of the batch.)"""
+    B, nh, _, hs = q.shape
+    bs = keys.size(2)
+    t, per, S = splits_of(tables.size(1), bs, n_splits)  # keys per tile, tiles per split, splits
+    nt = bs // t                                                         # tiles per block
+    row, j = (tables >= 0).nonzero(as_tuple=True)           # every real block: its row, its index
+    kb, vb = keys[tables[row, j]], values[tables[row, j]]   # (N, nh, bs, hs): no padding rows
+    N = kb.size(0)
+    s = (q[row] @ kb.transpose(-1, -2)).float() / math.sqrt(hs)          # (N, nh, 1, bs)
+    past_end = (j[:, None] * bs + torch.arange(bs, device=q.device)) >= lengths[row, None]
+    s = s.masked_fill(past_end[:, None, None], float("-inf"))
+    tile = j[:, None] * nt + torch.arange(nt, device=q.device)            # (N, nt) in the row
+    scores = s.new_full((B, S * per, nh, 1, t), float("-inf"))
+    scores[row[:, None], tile] = s.view(N, nh, 1, nt, t).permute(0, 3, 1, 2, 4)
+    scores = scores.view(B, S, per, nh, 1, t)
+    m = scores.amax(dim=(2, 5), keepdim=True)                            # each split's max
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)         # all of it padding
+    p = torch.exp(scores - m_safe)
+    l = p.sum(dim=(2, 5), keepdim=True).squeeze(2)         # noqa: E741 its sum (B, S, nh, 1, 1)
+    p = p.view(B, S * per, nh, 1, t)[row[:, None], tile].permute(0, 2, 1, 3, 4)
+    pv = p @ vb.view(N, nh, nt, t, hs).float()                           # (N, nh, nt, 1, hs)
+    out = pv.new_zeros(B, S * per, nh, 1, hs)
+    out[row[:, None], tile] = pv.permute(0, 2, 1, 3, 4)
+    out = (out.view(B, S, per, nh, 1, hs).sum(2) / l.clamp(min=1e-30)).to(q.dtype)
+    m = m.squeeze(2)                                                     # (B, S, nh, 1, 1)
+    weight = torch.exp(m - m.amax(1, keepdim=True)) * l                  # merge the splits
+    return ((weight * out.float()).sum(1) / weight.sum(1)).to(q.dtype)   # (B, nh, 1, hs)
+
+
+def splits_of(n_blocks: int, block_size: int, n_splits: int) -> tuple[int, int, int]:
+    """Keys per tile, tiles per split and how many splits, when the longest row holds n_blocks
+    blocks: at most n_splits runs of whole tiles, as even as can be."""
+    t = math.gcd(block_size, KEYS_PER_TILE)
+    n_tiles = n_blocks * block_size // t
+    per = -(-n_tiles // max(1, min(n_splits, n_tiles)))
+    return t, per, -(-n_tiles // per)
+
+
 class BlockPool:
     """num_blocks blocks of block_size positions, per layer keys and values
-    (num_blocks, nh, block_size, hs); reference counts; the hashes of full blocks that may be
-    shared (prefix caching); and a log of what happened, for traces."""
+    (num_blocks, nh, block_size, hs); reference counts; the hashes of full prompt blocks that may
+    be shared (prefix caching: a freed block keeps its K/V and hash until it is reallocated, so a
+    later prompt can still reuse it); and a log of what happened, for traces."""
 
     def __init__(self, cfg, num_blocks: int, block_size: int, *, device="cpu",
                  dtype=torch.float32):
@@ -52,20 +106,23 @@ class BlockPool:
     def allocate(self, owner: int) -> int:
         if not self.free:
             raise MemoryError("the block pool is full")  # the scheduler preempts before this
-        block = self.free.popleft()
+        block = self.free.popleft()  # the longest free: its cached K/V the least likely wanted
+        if block in self.hash_of:  # it held a prompt's block: no longer findable
+            del self.by_hash[self.hash_of.pop(block)]
         self.ref[block] = 1
         self.log.append((self.step, "allocate", block, owner))
         return block
 
     def share(self, block: int, owner: int) -> None:
+        if self.ref[block] == 0:  # free but still holding a prompt's K/V: taken back
+            self.free.remove(block)
         self.ref[block] += 1
         self.log.append((self.step, "share", block, owner))
 
     def release(self, block: int, owner: int) -> None:
         assert self.ref[block] > 0, f"block {block} released twice"
         self.ref[block] -= 1
-        if self.ref[block] == 0:  # nobody holds it: free, and no longer findable by its hash
-            self.by_hash.pop(self.hash_of.pop(block, None), None)
+        if self.ref[block] == 0:  # free; a prompt's block stays findable until reallocated
             self.free.append(block)
         self.log.append((self.step, "free" if self.ref[block] == 0 else "unshare", block, owner))
 
@@ -91,10 +148,19 @@ class BlockTable:
 class PagedCache(Cache):
     """The caches of a batch of sequences in one BlockPool, through their block tables. Call
     `reserve(n)` before a pass that adds n positions per row: it takes the blocks they need (and
-    copies a shared block about to be written); `crop` gives back what a rollback forgets."""
+    copies a shared block about to be written); `crop` gives back what a rollback forgets.
 
-    def __init__(self, pool: BlockPool, tables: list[BlockTable]):
-        self.pool, self.tables = pool, tables
+    What a pass reads back: one sequence gets its positions gathered, (1, nh, L, hs). A batch
+    (several tables, or `batched=True`) gets the layer's whole pool, which paged_attention reads
+    through `block_tables()`. `packed=[n_0, n_1, ...]` makes the pass one row of sum(n) tokens:
+    the first n_0 continue tables[0], the next n_1 tables[1], and so on; it reads back every
+    sequence's positions one after another. Prompts of different lengths then share a pass with
+    no padding (attention must keep them apart: serving.packed_causal_mask)."""
+
+    def __init__(self, pool: BlockPool, tables: list[BlockTable], packed: list[int] | None = None,
+                 batched: bool = False):
+        self.pool, self.tables, self.packed = pool, tables, packed
+        self.batched = packed is None and (batched or len(tables) > 1)
 
     def get_seq_length(self, layer_idx: int = 0):
         """An int for one sequence; (B, 1) lengths for a batch, each row continuing its own."""
@@ -125,40 +191,44 @@ class PagedCache(Cache):
     def check_fits(self, cfg, batch_size: int, n_new: int, device, dtype) -> None:
         validate.paged_fits(self, cfg, batch_size, n_new, device, dtype)
 
+    def block_tables(self) -> torch.Tensor:
+        """(B, nb) block ids of every row, -1 past a row's last block."""
+        width = max(len(t.blocks) for t in self.tables)
+        return torch.tensor([t.blocks + [-1] * (width - len(t.blocks)) for t in self.tables],
+                            device=self.pool.keys[0].device)
+
     def update(self, key: torch.Tensor, value: torch.Tensor,
                layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write each row's (nh, T, hs) new K/V into its blocks; return every row's K/V gathered
-        through its block table, right-padded to the longest: 2 x (B, nh, L, hs)."""
+        """Write the pass's new K/V into their slots and return what attention reads (see the
+        class docstring): 2 x (1, nh, L, hs) gathered, or a batch's 2 x (num_blocks, nh, bs, hs)."""
         B, nh, T, hs = key.shape
         if layer_idx == 0:  # where this pass writes and what it reads: the same in every layer
-            self._slots, self._gather, self._longest = self._indices(T, key.device)
+            self._write, self._read = self._indices(T, key.device)
         keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
-        block, offset = self._slots                                        # (B * T,) each
-        with torch.no_grad():
-            keys[block, :, offset] = key.transpose(1, 2).reshape(B * T, nh, hs)
-            values[block, :, offset] = value.transpose(1, 2).reshape(B * T, nh, hs)
+        block, slot = self._write
+        with torch.no_grad():  # (block, slot) of every new position gets its (nh, hs)
+            keys[block, :, slot] = key.transpose(1, 2).reshape(B * T, nh, hs)
+            values[block, :, slot] = value.transpose(1, 2).reshape(B * T, nh, hs)
         if layer_idx == len(self.pool.keys) - 1:  # the pass is whole: its positions are live
-            for t in self.tables:
-                t.length += T
-        out = []
-        for src in (keys, values):  # (B, nb, nh, bs, hs) -> (B, nh, nb * bs, hs), cut to longest
-            blocks = src[self._gather].permute(0, 2, 1, 3, 4)
-            out.append(blocks.reshape(B, nh, -1, hs)[:, :, :self._longest])
-        return out[0], out[1]
+            for t, n in zip(self.tables, self.packed or [T] * len(self.tables)):
+                t.length += n
+        if self.batched:
+            return keys, values
+        block, slot = self._read  # (L,) each: every position the pass reads, in order
+        return tuple(src[block, :, slot].transpose(0, 1)[None] for src in (keys, values))
 
     def _indices(self, T: int, device) -> tuple:
-        """(block, offset) of every new position, row by row; the block tables as a (B, nb)
-        tensor (short rows padded with their first block: attention masks those positions);
-        and the longest row after this pass."""
+        """(block, slot) of every new position, in the pass's order, and of every position it
+        reads back (for one sequence or a packed pass)."""
         bs = self.pool.block_size
-        positions = torch.tensor([[t.length + i for i in range(T)] for t in self.tables])
-        table = [t.blocks for t in self.tables]
-        width = max(len(blocks) for blocks in table)
-        table = torch.tensor([blocks + blocks[:1] * (width - len(blocks)) for blocks in table])
-        block = table.gather(1, positions // bs).reshape(-1)
-        longest = max(t.length for t in self.tables) + T
-        return ((block.to(device), (positions % bs).reshape(-1).to(device)), table.to(device),
-                longest)
+        counts = self.packed or [T] * len(self.tables)
+        new = [(t.blocks[p // bs], p % bs) for t, n in zip(self.tables, counts)
+               for p in range(t.length, t.length + n)]
+        read = [] if self.batched else [(t.blocks[p // bs], p % bs) for t, n in
+                                        zip(self.tables, counts) for p in range(t.length + n)]
+        as_tensors = lambda pairs: tuple(torch.tensor(x, device=device)  # noqa: E731
+                                         for x in (zip(*pairs) if pairs else ([], [])))
+        return as_tensors(new), as_tensors(read)
 
     def crop(self, max_length: int) -> None:
         """Roll one sequence back to max_length positions, giving back the blocks it no longer

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from . import validate
-from .paged import BlockPool, BlockTable, PagedCache, block_hash
+from .paged import BlockPool, BlockTable, PagedCache, block_hash, paged_attention, splits_of
 from .records import PoolStep, ServeStats, TraceEvent
 from .sampling import SamplingParams
 from .verify import accept_matching, round_events, verify_and_commit
@@ -44,26 +44,26 @@ def num_kv_splits(batch_size: int, n_head: int, seq_len: int) -> int:
 
 def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                        n_splits: int) -> torch.Tensor:
-    """Decode attention over right-padded keys (B, nh, L, hs), row b seeing its first lengths[b]:
-    each split computes a partial softmax output (rounded to the model's dtype), its max and its
-    sum, and the partials are merged as one softmax would be, up to rounding."""
-    B, nh, T, hs = q.shape
-    assert T == 1, "split-KV attention is for decode steps: one new token per request"
-    L = k.size(2)
+    """Split-KV decode attention over right-padded dense keys (B, nh, L, hs), row b seeing its
+    first lengths[b]: paged_attention with each split one block of ceil(L / n_splits) keys."""
+    B, nh, L, hs = k.shape
     chunk = math.ceil(L / n_splits)
-    pad = chunk * n_splits - L
-    k, v = (F.pad(t, (0, 0, 0, pad)).view(B, nh, n_splits, chunk, hs) for t in (k, v))
-    scores = (q.unsqueeze(2) @ k.transpose(-1, -2)).float() / math.sqrt(hs)  # (B, nh, S, 1, chunk)
-    key_pos = torch.arange(n_splits * chunk, device=q.device).view(n_splits, 1, chunk)
-    scores = scores.masked_fill(key_pos >= lengths.view(B, 1, 1, 1, 1), float("-inf"))
-    m = scores.amax(-1, keepdim=True)                                  # per-split max
-    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)       # fully padded splits
-    p = torch.exp(scores - m_safe)
-    l = p.sum(-1, keepdim=True)                                        # per-split sum  # noqa: E741
-    partial_out = ((p @ v.float()) / l.clamp(min=1e-30)).to(q.dtype)   # kept in the model dtype
-    weight = torch.exp(m - m.amax(2, keepdim=True)) * l                # merge the splits
-    out = (weight * partial_out.float()).sum(2) / weight.sum(2)
-    return out.to(q.dtype)                                             # (B, nh, 1, hs)
+    k, v = (F.pad(t, (0, 0, 0, chunk * n_splits - L)).view(B, nh, n_splits, chunk, hs)
+            .transpose(1, 2).reshape(B * n_splits, nh, chunk, hs) for t in (k, v))
+    tables = torch.arange(B * n_splits, device=q.device).view(B, n_splits)
+    return paged_attention(q, k, v, tables, lengths, n_splits)
+
+
+def packed_causal_mask(past: list[int], counts: list[int], device) -> torch.Tensor:
+    """(sum counts, sum (past + counts)) booleans for a packed pass: sequence i's counts[i] new
+    tokens see its own past[i] cached positions and their own earlier tokens, nothing else."""
+    return torch.block_diag(*[torch.ones(n, p + n, dtype=torch.bool, device=device).tril(p)
+                              for p, n in zip(past, counts)])
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 @dataclass
@@ -160,10 +160,14 @@ def serve(model, requests, window: int = 4, verify: bool = True, trace: bool = F
     logged = 0
     with torch.inference_mode():
         while waiting or running:
-            # 1. Admit what has arrived, first come first served, while its prompt fits.
+            # 1. Admit what has arrived, first come first served, while its prompt fits; the
+            #    newcomers' prompts are computed together in one packed pass.
+            new = []
             while (waiting and waiting[0].request.arrival <= server.step
                    and server.admit(waiting[0])):
-                running.append(waiting.popleft())
+                new.append(waiting.popleft())
+            server.prefill(new)
+            running.extend(new)
             # 2. Verify the deterministic requests whose window is full: alone, a fixed shape.
             for s in [s for s in running if s.verified and s.ready_to_verify(window)]:
                 server.verify(s)
@@ -208,38 +212,66 @@ class _Server:
         return self.model(torch.tensor([tokens], device=self.model.device), cache=cache)[0]
 
     def admit(self, s: _Sequence) -> bool:
-        """Prefill a new request (or recompute a preempted one) if the pool has its blocks."""
+        """Take a new (or preempted) request's blocks if the pool has them, keeping a block free
+        for each running request to grow into; share the blocks of a prompt prefix the pool
+        already holds (or will, by the end of this step's prefill)."""
         bs, pool = self.pool.block_size, self.pool
         known = s.seq if not s.verified else s.prompt  # what must be in the cache to go on
         shared = self.shared_prefix(s) if self.prefix_caching and not s.verified else []
-        if pool.n_free < -(-len(known) // bs) - len(shared) + 1:
+        held = sum(pool.ref[b] > 0 for b in shared)  # shared blocks that cost no free block
+        headroom = len(self.running)
+        if pool.n_free < -(-len(known) // bs) - held + 1 + headroom:
             return False
         pool.step = self.step
         for block in shared:  # another prompt's blocks with the same tokens: K/V reused
             pool.share(block, s.index)
         s.table.blocks, s.table.length = list(shared), len(shared) * bs
         s.stats.reused += s.table.length
-        first, before = s.table.length, s.table.length
-        if s.verified and len(s.seq) > len(s.prompt):  # deterministic: as it was computed
-            self.run(s, s.prompt)
-            for start in range(len(s.prompt), len(s.seq) - 1, self.window):
-                rows = s.seq[start:start + self.window]
-                self.run(s, rows + [0] * (self.window - len(rows)))
-                PagedCache(pool, [s.table]).crop(start + len(rows))
-            PagedCache(pool, [s.table]).crop(len(s.seq) - 1)
-            kind = "recompute"
-        else:
-            logits = self.run(s, known[first:])[-1]
-            token = s.sampling.choose(logits, len(known))
-            s.seq = known + [token]
-            kind = "prefill" if len(known) == len(s.prompt) else "recompute"
+        PagedCache(pool, [s.table]).reserve(len(known) - s.table.length)
         self.publish(s)
-        fed = s.seq[:-1]
-        s.events.append(TraceEvent(
-            kind=kind, step=self.step, input_ids=tuple(fed),
-            positions=tuple(range(first, len(fed))), cache_len_before=before,
-            cache_len_after=s.table.length, kv_computed=len(fed) - first, token=s.seq[-1]))
+        self.running.append(s)  # counted in the next admission's headroom
         return True
+
+    def prefill(self, new: list[_Sequence]) -> None:
+        """Compute the newcomers' prompts (or a preempted request's tokens): deterministic
+        requests alone, as they were computed the first time; the rest in one packed pass."""
+        for s in new:
+            self.running.remove(s)
+        packed = [s for s in new if not s.verified]
+        pool, before = self.pool, {s.index: s.table.length for s in new}
+        for s in new:
+            if s.verified:  # alone, at the shapes it was first computed with: bit-identical
+                logits = self.run(s, s.prompt)[-1]
+                for start in range(len(s.prompt), len(s.seq) - 1, self.window):  # recompute
+                    rows = s.seq[start:start + self.window]
+                    self.run(s, rows + [0] * (self.window - len(rows)))
+                    PagedCache(pool, [s.table]).crop(start + len(rows))
+                if len(s.seq) == len(s.prompt):
+                    s.seq.append(s.sampling.choose(logits, len(s.prompt)))
+                PagedCache(pool, [s.table]).crop(len(s.seq) - 1)
+        if packed:
+            past = [s.table.length for s in packed]  # shared prefix blocks: already there
+            counts = [len(s.seq) - s.table.length for s in packed]
+            ids = [t for s in packed for t in s.seq[s.table.length:]]
+            device = self.model.device
+            positions = torch.tensor([p for a, n in zip(past, counts) for p in range(a, a + n)],
+                                     device=device)
+            mask = packed_causal_mask(past, counts, device)
+            logits = self.model(torch.tensor([ids], device=device),
+                                cache=PagedCache(pool, [s.table for s in packed], counts),
+                                positions=positions, attention=partial(masked_attention,
+                                                                       mask=mask))[0]
+            ends = torch.tensor(counts).cumsum(0) - 1
+            for s, row in zip(packed, logits[ends.to(device)]):
+                s.seq.append(s.sampling.choose(row, len(s.seq)))
+        for s in new:
+            fed, first = s.seq[:-1], before[s.index]
+            s.events.append(TraceEvent(
+                kind="prefill" if len(fed) == len(s.prompt) else "recompute", step=self.step,
+                input_ids=tuple(fed), positions=tuple(range(first, len(fed))),
+                cache_len_before=first, cache_len_after=s.table.length,
+                kv_computed=len(fed) - first, token=s.seq[-1],
+                batch=len(packed) if s in packed else 1))
 
     def shared_prefix(self, s: _Sequence) -> list[int]:
         """The pool's blocks that already hold this prompt's first full blocks (at least one
@@ -307,15 +339,17 @@ class _Server:
             return
         self.make_room(needed, keep=batch[0])  # the oldest always goes on
         batch = [s for s in batch if s in self.running]
-        cache = PagedCache(self.pool, [s.table for s in batch])
+        cache = PagedCache(self.pool, [s.table for s in batch], batched=True)
         self.pool.step = self.step
         cache.reserve(1)
         device = self.model.device
         fed = [(s.seq + s.proposals)[-1] for s in batch]
         positions = [len(s.seq) + len(s.proposals) - 1 for s in batch]  # = each row's length
         lengths = torch.tensor([p + 1 for p in positions], device=device)
+        tables = cache.block_tables()
         n_splits = num_kv_splits(len(batch), self.model.config.n_head, int(lengths.max()))
-        attention = partial(split_kv_attention, lengths=lengths, n_splits=n_splits)
+        n_splits = splits_of(tables.size(1), self.pool.block_size, n_splits)[2]  # whole tiles
+        attention = partial(paged_attention, tables=tables, lengths=lengths, n_splits=n_splits)
         logits = self.model(torch.tensor([[t] for t in fed], device=device), cache=cache,
                             last_only=True, attention=attention)[:, -1]  # (B, vocab)
         for s, row, token_in, pos in zip(batch, logits, fed, positions):

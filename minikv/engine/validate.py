@@ -307,13 +307,17 @@ def paged_fits(cache, cfg, batch_size, n_new, device, dtype) -> None:
     if (len(keys), keys[0].shape[1], keys[0].shape[3]) != (cfg.n_layer, cfg.n_head, cfg.head_dim):
         raise ValueError("the block pool was built for another model's shapes; build it with "
                          "BlockPool(model.config, ...)")
-    if batch_size != len(cache.tables):
+    counts = cache.packed or [n_new] * len(cache.tables)
+    if cache.packed and (batch_size != 1 or n_new != sum(counts) or min(counts) < 1):
+        raise ValueError(f"a packed pass is one row of sum(packed) = {sum(counts)} tokens, "
+                         f"at least one per table; got {batch_size} rows of {n_new}")
+    if not cache.packed and batch_size != len(cache.tables):
         raise ValueError(f"batch of {batch_size} rows for {len(cache.tables)} block tables")
     if keys[0].device != device or keys[0].dtype != dtype:
         raise ValueError(f"the block pool is {keys[0].dtype} on {keys[0].device} but the model is "
                          f"{dtype} on {device}")
-    short = [t.owner for t in cache.tables
-             if len(t.blocks) * cache.pool.block_size < t.length + n_new]
+    short = [t.owner for t, n in zip(cache.tables, counts)
+             if len(t.blocks) * cache.pool.block_size < t.length + n]
     if short:
         raise ValueError(f"sequences {short} have no room for {n_new} more positions: call "
                          f"cache.reserve({n_new}) before the pass")
