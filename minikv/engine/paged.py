@@ -48,8 +48,8 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     nt = bs // t                                                         # tiles per block
     row, j = (tables >= 0).nonzero(as_tuple=True)           # every real block: its row, its index
     kb, vb = keys[tables[row, j]], values[tables[row, j]]   # (N, nh, bs, hs): no padding rows
-    N = kb.size(0)
-    s = (q[row] @ kb.transpose(-1, -2)).float() / math.sqrt(hs)          # (N, nh, 1, bs)
+    N, acc = kb.size(0), torch.promote_types(q.dtype, torch.float32)     # softmax in >= fp32
+    s = (q[row] @ kb.transpose(-1, -2)).to(acc) / math.sqrt(hs)          # (N, nh, 1, bs)
     past_end = (j[:, None] * bs + torch.arange(bs, device=q.device)) >= lengths[row, None]
     s = s.masked_fill(past_end[:, None, None], float("-inf"))
     tile = j[:, None] * nt + torch.arange(nt, device=q.device)            # (N, nt) in the row
@@ -61,13 +61,13 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     p = torch.exp(scores - m_safe)
     l = p.sum(dim=(2, 5), keepdim=True).squeeze(2)         # noqa: E741 its sum (B, S, nh, 1, 1)
     p = p.view(B, S * per, nh, 1, t)[row[:, None], tile].permute(0, 2, 1, 3, 4)
-    pv = p @ vb.view(N, nh, nt, t, hs).float()                           # (N, nh, nt, 1, hs)
+    pv = p @ vb.view(N, nh, nt, t, hs).to(acc)                           # (N, nh, nt, 1, hs)
     out = pv.new_zeros(B, S * per, nh, 1, hs)
     out[row[:, None], tile] = pv.permute(0, 2, 1, 3, 4)
     out = (out.view(B, S, per, nh, 1, hs).sum(2) / l.clamp(min=1e-30)).to(q.dtype)
     m = m.squeeze(2)                                                     # (B, S, nh, 1, 1)
     weight = torch.exp(m - m.amax(1, keepdim=True)) * l                  # merge the splits
-    return ((weight * out.float()).sum(1) / weight.sum(1)).to(q.dtype)   # (B, nh, 1, hs)
+    return ((weight * out.to(acc)).sum(1) / weight.sum(1)).to(q.dtype)  # (B, nh, 1, hs)
 
 
 def splits_of(n_blocks: int, block_size: int, n_splits: int) -> tuple[int, int, int]:
