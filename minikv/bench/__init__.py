@@ -386,13 +386,15 @@ def write_report(results: dict, out: Path) -> None:
                   f"({sv['new_tokens']} in all), greedy, Poisson arrivals (4 a step). Static "
                   f"batches of {sv['batch_size']}; continuous batching gets the same KV memory: "
                   f"{sv['num_blocks']} blocks of {sv['block_size']} ({sv['preempted']} "
-                  f"preemptions). Same tokens: requests whose output equals generating alone.",
-                  "", "| server | tokens/s | vs static | KV memory | engine passes | same tokens |",
-                  "|---|---|---|---|---|---|"]
+                  f"preemptions), without and with prefix caching (the prompts are drawn from a "
+                  f"smaller set, so some repeat). Same tokens: requests whose output equals "
+                  f"generating alone.",
+                  "", "| server | tokens/s | vs static | KV memory | forward passes | token rows "
+                  "| same tokens |", "|---|---|---|---|---|---|---|"]
         for server, r in sv["rows"].items():
             lines.append(f"| {server} | {r['tokens_per_s']:.0f} | {r['vs_static']:.2f}x | "
                          f"{_size(r['kv_bytes'])} | {r['passes'] or '—'} | "
-                         f"{r['same_tokens']}/{sv['requests']} |")
+                         f"{r['rows'] or '—'} | {r['same_tokens']}/{sv['requests']} |")
     pc = results.get("prefix_caching")
     if pc:
         lines += ["", f"## Prefix caching: {pc['requests']} requests sharing a "

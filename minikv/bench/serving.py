@@ -32,6 +32,20 @@ def workload(prompts: list[list[int]], n: int, seed: int = 0, new_tokens=(4, 128
     return requests
 
 
+class PassCount:
+    """Forward passes of `model` inside a `with` block (a forward pre-hook counts them)."""
+
+    def __init__(self, model: GPT):
+        self.model, self.n = model, 0
+
+    def __enter__(self) -> "PassCount":
+        self._hook = self.model.register_forward_pre_hook(lambda *_: setattr(self, "n", self.n + 1))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hook.remove()
+
+
 def kv_bytes(model: GPT, positions: int) -> int:
     """Bytes of K and V for `positions` positions of every layer."""
     cfg = model.config
@@ -40,9 +54,11 @@ def kv_bytes(model: GPT, positions: int) -> int:
 
 def one_at_a_time(model, requests: list[Request]) -> dict:
     """Every request alone, in arrival order: the baseline. KV memory: the longest request's."""
-    tokens = [generate(model, r.prompt, r.max_new_tokens).tokens for r in requests]
+    with PassCount(model) as passes:
+        tokens = [generate(model, r.prompt, r.max_new_tokens).tokens for r in requests]
     peak = max(len(r.prompt) + r.max_new_tokens for r in requests)
-    return {"tokens": tokens, "passes": sum(r.max_new_tokens for r in requests),
+    return {"tokens": tokens, "passes": passes.n,
+            "rows": sum(len(r.prompt) + r.max_new_tokens - 1 for r in requests),
             "kv_positions": peak}
 
 
@@ -65,26 +81,30 @@ def static_batching(model, requests: list[Request], batch_size: int) -> dict:
     (generate_batch) and run until its longest output is done: a finished row keeps its place.
     KV memory: the largest batch's padded cache, reserved for the whole batch."""
     tokens: list = [None] * len(requests)
-    passes = 0
-    for group in batches(requests, batch_size):
-        n = max(requests[i].max_new_tokens for i in group)
-        outs = generate_batch(model, [requests[i].prompt for i in group], n)
-        for i, out in zip(group, outs):
-            tokens[i] = out.tokens[: requests[i].max_new_tokens]
-        passes += n
-    return {"tokens": tokens, "passes": passes,
+    rows = 0
+    with PassCount(model) as passes:
+        for group in batches(requests, batch_size):
+            n = max(requests[i].max_new_tokens for i in group)
+            outs = generate_batch(model, [requests[i].prompt for i in group], n)
+            for i, out in zip(group, outs):
+                tokens[i] = out.tokens[: requests[i].max_new_tokens]
+            rows += len(group) * (max(len(requests[i].prompt) for i in group) + n - 1)  # padded
+    return {"tokens": tokens, "passes": passes.n, "rows": rows,
             "kv_positions": static_kv_positions(requests, batch_size)}
 
 
 def continuous_batching(model, requests: list[Request], block_size: int, num_blocks: int,
                         prefix_caching: bool = True) -> dict:
     """minikv.serve over a pool of num_blocks blocks: requests join and leave the batch at every
-    step. Waste: the most unused positions a request ever held in its blocks."""
-    outs = serve(model, requests, block_size=block_size, num_blocks=num_blocks, trace=True,
-                 prefix_caching=prefix_caching)
+    step. Rows: token positions pushed through the model. Waste: the most unused positions a
+    request ever held in its blocks."""
+    with PassCount(model) as passes:
+        outs = serve(model, requests, block_size=block_size, num_blocks=num_blocks, trace=True,
+                     prefix_caching=prefix_caching)
     waste = max((len(blocks) * block_size - step.lengths[r]
                  for step in outs.pool_steps for r, blocks in step.tables.items()), default=0)
-    return {"tokens": [o.tokens for o in outs], "passes": len(outs.pool_steps),
+    rows = sum(e.kv_computed for o in outs for e in o.trace)  # every token row of every pass
+    return {"tokens": [o.tokens for o in outs], "passes": passes.n, "rows": rows,
             "kv_positions": num_blocks * block_size, "waste_per_request": waste,
             "preempted": sum(o.stats.preempted for o in outs)}
 
@@ -128,13 +148,17 @@ def hf_static_batching(hf_model, requests: list[Request], batch_size: int) -> di
 def bench_serving(model, requests: list[Request], batch_size: int, block_size: int,
                   repeats: int, device, with_hf: bool = True) -> dict:
     """Tokens/s and KV memory of each way to serve `requests`, continuous batching given the same
-    KV memory as static batching; every ratio against static batching in the same run."""
+    KV memory as static batching, first without prefix caching (batching alone), then with it
+    (requests that repeat a prompt reuse its blocks); every ratio against static batching in the
+    same run."""
     num_blocks = static_kv_positions(requests, batch_size) // block_size
     hf = hf_twin(model) if with_hf else None
     runs = {"one at a time": lambda: one_at_a_time(model, requests),
             "static batching": lambda: static_batching(model, requests, batch_size),
             "continuous batching": lambda: continuous_batching(model, requests, block_size,
-                                                               num_blocks)}
+                                                               num_blocks, prefix_caching=False),
+            "continuous batching + prefix caching": lambda: continuous_batching(
+                model, requests, block_size, num_blocks)}
     if hf is not None:
         runs["transformers batched generate"] = lambda: hf_static_batching(hf, requests,
                                                                            batch_size)
@@ -150,7 +174,7 @@ def bench_serving(model, requests: list[Request], batch_size: int, block_size: i
                       "vs_static": seconds["static batching"] / seconds[name],
                       "kv_bytes": kv_bytes(model, r.get("kv_positions", reserved)),
                       "same_tokens": sum(a == b for a, b in zip(r["tokens"], reference)),
-                      "passes": r.get("passes")}
+                      "passes": r.get("passes"), "rows": r.get("rows")}
     cont = results["continuous batching"]
     return {"requests": len(requests), "new_tokens": useful, "batch_size": batch_size,
             "block_size": block_size, "num_blocks": num_blocks, "rows": rows,
@@ -170,7 +194,7 @@ def prefix_caching_run(model, shared: list[int], suffixes: list[list[int]], bloc
     outs = serve(model, requests, block_size=block_size, prefix_caching=prefix_caching)
     reused = sum(o.stats.reused for o in outs)
     return {"kv_computed": sum(len(r.prompt) for r in requests) - reused, "reused": reused,
-            "tokens": [o.tokens for o in outs]}
+            "reused_each": [o.stats.reused for o in outs], "tokens": [o.tokens for o in outs]}
 
 
 def bench_prefix_caching(model, shared: list[int], suffixes: list[list[int]], block_size: int,
@@ -183,6 +207,7 @@ def bench_prefix_caching(model, shared: list[int], suffixes: list[list[int]], bl
     rows = {}
     for name, run in runs.items():
         r = run()
+        r.pop("reused_each")
         rows[name] = {"kv_computed": r["kv_computed"], "reused": r["reused"],
                       "ttft_ms": 1000 * seconds[name] / len(suffixes),
                       "kv_bytes_computed": kv_bytes(model, r["kv_computed"]),

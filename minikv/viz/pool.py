@@ -36,12 +36,16 @@ def pool_caption(step: PoolStep) -> str:
         parts.append(f"{what['allocate']} block(s) allocated to {owners['allocate']}")
     if what["copy"]:
         parts.append(f"{what['copy']} shared block(s) copied before a write (copy-on-write)")
-    if what["preempt"]:
-        parts.append(f"request(s) {owners['preempt']} preempted: their blocks freed, to be "
-                     f"recomputed")
-    freed = [r for r in owners.get("free", []) if r not in owners.get("preempt", [])]
-    if what["free"] or what["unshare"]:
-        parts.append(f"{what['free']} block(s) freed, {what['unshare']} unshared, by {freed}")
+    preempted = owners.get("preempt", [])
+    leaving = sorted({r for _, k, _, r in step.log if k in ("free", "unshare")})
+    for who, label in ((preempted, "preempted (to be recomputed)"),
+                       ([r for r in leaving if r not in preempted], "finished")):
+        if not who:
+            continue
+        let_go = [k for _, k, _, r in step.log if r in who and k in ("free", "unshare")]
+        shared = let_go.count("unshare")
+        parts.append(f"request(s) {who} {label}: {let_go.count('free')} block(s) back to the pool"
+                     + (f", {shared} still held by another request" if shared else ""))
     free = sum(1 for r in step.ref if r == 0)
     return (f"engine step {step.step}: " + ("; ".join(parts) or "decode: no block changed hands")
             + f" · {free} of {len(step.ref)} blocks free")
