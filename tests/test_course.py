@@ -50,3 +50,23 @@ def test_exercise_check_cells_show_no_result_before_the_student_runs_them(path):
     checks = [c for c in cells if c.cell_type == "code" and "check" in c.metadata.get("tags", [])]
     assert checks and all(not c.outputs and c.execution_count is None for c in checks)
     assert not any("✓" in str(c.get("outputs", "")) for c in cells)
+
+
+def test_the_classroom_workflow_grades_every_chapter_one_point_per_exercise():
+    """GitHub Classroom's workflow: a grader per exercise notebook, its command nbval on exactly
+    that notebook, worth as many points as the notebook has check cells; the reporter reads every
+    grader (a grader it does not list would score nothing)."""
+    import nbformat
+    yaml = pytest.importorskip("yaml")
+    workflow = yaml.safe_load(course.CLASSROOM.read_text())
+    steps = workflow["jobs"]["autograding"]["steps"]
+    graders = [s for s in steps if "autograding-command-grader" in s.get("uses", "")]
+    reporter = next(s for s in steps if "autograding-grading-reporter" in s.get("uses", ""))
+    assert len(graders) == len(course.exercise_pairs())
+    for grader, (solution, exercise) in zip(graders, course.exercise_pairs()):
+        points = course.check_cells(nbformat.read(solution, as_version=4))
+        assert points >= 3 and grader["with"]["max-score"] == points
+        assert f"exercises/{exercise.name} --nbval" in grader["with"]["command"]
+    ids = [g["id"] for g in graders]
+    assert reporter["with"]["runners"].split(",") == ids
+    assert set(reporter["env"]) == {f"{i.upper()}_RESULTS" for i in ids}
