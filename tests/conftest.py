@@ -4,14 +4,15 @@ import torch
 import minikv
 
 
-def varied_model(preset: str = "tiny", seed: int = 0, std: float = 0.1) -> minikv.GPT:
+def varied_model(preset: str = "tiny", seed: int = 0, std: float = 0.1,
+                 **overrides) -> minikv.GPT:
     """A random model whose greedy output wanders over many tokens.
 
     Default GPT-2 init (std 0.02) makes a random model repeat one token forever, which would let a
     broken cache pass an equality test; std 0.1 keeps logits O(1) but the argmax moving.
     """
     torch.manual_seed(seed)
-    model = minikv.GPT(minikv.GPTConfig.preset(preset)).eval()
+    model = minikv.GPT(minikv.GPTConfig.preset(preset, **overrides)).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:

@@ -16,6 +16,7 @@ ENGINE_LINE_BUDGET = sum({
     "static batching of ragged prompts with left padding (18)": 110,
     "a paged KV cache and a continuous-batching server with preemption (18)": 320,
     "attention read through block tables, packed prefill, freed blocks kept for reuse (18)": 100,
+    "grouped-query attention: n_kv_head K/V heads in the model and every cache (19)": 40,
 }.values())
 
 

@@ -177,9 +177,11 @@ def read_config(directory: str | Path) -> GPTConfig:
     path = directory / CONFIG_FILE
     raw = _parse_json(_read_bytes(directory, CONFIG_FILE), path, directory)
     expected = {f.name for f in fields(GPTConfig)}
-    if not isinstance(raw, dict) or set(raw) != expected:
+    optional = {"n_kv_head"}  # absent: one K/V head per query head, as in GPT-2
+    if not isinstance(raw, dict) or not expected - optional <= set(raw) <= expected:
         got = sorted(raw) if isinstance(raw, dict) else type(raw).__name__
-        raise ValueError(f"{path} must hold exactly the GPTConfig keys {sorted(expected)}, "
+        raise ValueError(f"{path} must hold exactly the GPTConfig keys "
+                         f"{sorted(expected - optional)} (and optionally {sorted(optional)}), "
                          f"got {got}; {_fix(directory)}")
     try:
         return GPTConfig(**raw)

@@ -10,11 +10,11 @@ writing a different slot per row, which a one-length KVCache cannot hold.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from . import validate
 from .cache import KVCache
 from .generate import GenerationOutput
+from .model import sdpa
 from .records import Stats
 from .sampling import SamplingParams
 
@@ -27,7 +27,7 @@ def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     causal = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(diagonal=L - T)  # (T, L)
     real = torch.arange(L, device=q.device) >= pad.view(-1, 1)                       # (B, L)
     allowed = causal & real[:, None, :]                                               # (B, T, L)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
+    return sdpa(q, k, v, attn_mask=allowed[:, None])
 
 
 def generate_batch(model, prompts, max_new_tokens: int, temperature: float = 0.0,

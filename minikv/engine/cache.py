@@ -16,7 +16,8 @@ class Cache:
 
 
 class KVCache(Cache):
-    """Keys and values for `n_layer` layers, each a (B, n_head, max_len, head_dim) buffer, of
+    """Keys and values for `n_layer` layers, each a (B, n_head, max_len, head_dim) buffer (n_head:
+    the model's K/V heads, fewer than its query heads under grouped-query attention), of
     which the first `get_seq_length()` slots are live. `crop` (rollback) only moves the length
     back: later slots keep stale values until overwritten. The length moves on once the last
     layer is written, so a pass that fails halfway (an error, Ctrl-C) leaves the cache as it was.
@@ -39,7 +40,7 @@ class KVCache(Cache):
         cfg: GPTConfig = model.config
         max_len = cfg.block_size if max_len is None else max_len
         validate.max_len_for(cfg, max_len)
-        return cls(cfg.n_layer, batch_size, cfg.n_head, cfg.head_dim, max_len,
+        return cls(cfg.n_layer, batch_size, cfg.kv_heads, cfg.head_dim, max_len,
                    device=model.device, dtype=model.dtype)
 
     # --- shape and placement ------------------------------------------------------------------
@@ -123,7 +124,8 @@ class KVCache(Cache):
 
 def kv_cache_bytes(cfg: GPTConfig, seq_len: int, batch_size: int = 1,
                    dtype: torch.dtype = torch.float16, n_kv_head: int | None = None) -> int:
-    """Seed 003's formula: layers x 2 (K and V) x batch x heads x seq_len x head_dim x bytes;
-    `n_kv_head` is for grouped-query attention, where several query heads share one K/V head."""
-    heads = cfg.n_head if n_kv_head is None else n_kv_head
+    """Seed 003's formula: layers x 2 (K and V) x batch x heads x seq_len x head_dim x bytes,
+    heads being the K/V heads (cfg.kv_heads, or `n_kv_head` to ask "what if": grouped-query
+    attention shares one K/V head among several query heads)."""
+    heads = cfg.kv_heads if n_kv_head is None else n_kv_head
     return cfg.n_layer * 2 * batch_size * heads * seq_len * cfg.head_dim * dtype.itemsize

@@ -14,6 +14,7 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768
     layer_norm_eps: float = 1e-5
+    n_kv_head: int | None = None  # K/V heads (grouped-query attention); None: one per head
 
     def __post_init__(self) -> None:
         validate.config(self)
@@ -22,6 +23,12 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    @property
+    def kv_heads(self) -> int:
+        """Heads of keys and values: n_head (GPT-2), fewer with grouped-query attention (each
+        K/V head serves n_head / n_kv_head query heads), 1 with multi-query attention."""
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
     @classmethod
     def preset(cls, name: str, **overrides) -> GPTConfig:
         if name not in PRESETS:
@@ -29,7 +36,10 @@ class GPTConfig:
         return cls(**{**PRESETS[name], **overrides})
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["n_kv_head"] is None:  # GPT-2's own config has no such key
+            del d["n_kv_head"]
+        return d
 
 
 PRESETS: dict[str, dict] = {

@@ -17,33 +17,43 @@ from .config import GPTConfig
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """PyTorch's attention kernel; with fewer K/V heads than query heads (grouped-query
+    attention), each K/V head is read by its group of n_head / n_kv_head query heads."""
+    if k.size(1) != q.size(1):
+        kwargs["enable_gqa"] = True
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """softmax(q kᵀ / √hs) v, where query i (the last T of L positions) sees keys 0..L-T+i."""
     T, L = q.size(-2), k.size(-2)
     if T == L:  # no cache, or an empty one: the usual lower triangle
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return sdpa(q, k, v, is_causal=True)
     if T == 1:  # one new token may see every cached key: a single unmasked row
-        return F.scaled_dot_product_attention(q, k, v)
+        return sdpa(q, k, v)
     # KV-CACHE: T new queries after L - T cached keys: row i sees keys 0 .. L - T + i
     mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(diagonal=L - T)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return sdpa(q, k, v, attn_mask=mask)
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head = cfg.n_head
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # Q, K and V of every head at once
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        kv = cfg.kv_heads * cfg.head_dim  # = n_embd in GPT-2; less with grouped-query attention
+        self.c_attn = nn.Linear(cfg.n_embd, cfg.n_embd + 2 * kv)  # Q, K and V, every head at once
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor, cache: Cache | None, layer_idx: int,
                 attention: Attention) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-                   for t in (q, k, v))  # (B, nh, T, hs)
+        hs, kv = self.head_dim, self.n_kv_head * self.head_dim
+        q, k, v = self.c_attn(x).split([C, kv, kv], dim=2)  # (B, T, C), 2 x (B, T, kv)
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k, v = (t.view(B, T, self.n_kv_head, hs).transpose(1, 2) for t in (k, v))  # (B, nkv, T, hs)
         if cache is not None:
-            # KV-CACHE: (B, nh, past + T, hs); the old K/V are read back, not recomputed
+            # KV-CACHE: (B, nkv, past + T, hs); the old K/V are read back, not recomputed
             k, v = cache.update(k, v, layer_idx)
         y = attention(q, k, v)  # (B, nh, T, hs)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))  # heads side by side: (B, T, C)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from . import validate
+from .model import sdpa
 from .paged import BlockPool, BlockTable, PagedCache, block_hash, paged_attention, splits_of
 from .records import PoolStep, ServeStats, TraceEvent
 from .sampling import SamplingParams
@@ -63,7 +64,7 @@ def packed_causal_mask(past: list[int], counts: list[int], device) -> torch.Tens
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      mask: torch.Tensor) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return sdpa(q, k, v, attn_mask=mask)
 
 
 @dataclass
@@ -347,7 +348,7 @@ class _Server:
         positions = [len(s.seq) + len(s.proposals) - 1 for s in batch]  # = each row's length
         lengths = torch.tensor([p + 1 for p in positions], device=device)
         tables = cache.block_tables()
-        n_splits = num_kv_splits(len(batch), self.model.config.n_head, int(lengths.max()))
+        n_splits = num_kv_splits(len(batch), self.model.config.kv_heads, int(lengths.max()))
         n_splits = splits_of(tables.size(1), self.pool.block_size, n_splits)[2]  # whole tiles
         attention = partial(paged_attention, tables=tables, lengths=lengths, n_splits=n_splits)
         logits = self.model(torch.tensor([[t] for t in fed], device=device), cache=cache,

@@ -36,6 +36,12 @@ def config(cfg) -> None:
     if cfg.n_embd % cfg.n_head:
         raise ValueError(f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head}): "
                          f"pick an n_head that divides it")
+    if cfg.n_kv_head is not None:
+        int_at_least("GPTConfig.n_kv_head", cfg.n_kv_head, hint=" or None")
+        if cfg.n_head % cfg.n_kv_head:
+            raise ValueError(f"n_head ({cfg.n_head}) must be divisible by n_kv_head "
+                             f"({cfg.n_kv_head}): each K/V head serves a whole group of query "
+                             f"heads")
 
 
 def sampling(sp, vocab_size: int | None = None) -> None:
@@ -128,9 +134,9 @@ def forward(model, idx, cache, positions) -> None:
 def cache_fits(cache, cfg, batch_size: int, n_new: int, device, dtype) -> None:
     """Raise unless a model of `cfg` on (device, dtype) can append (batch_size, n_new) tokens."""
     if (have := (cache.n_layer, cache.n_head, cache.head_dim)) != (
-            want := (cfg.n_layer, cfg.n_head, cfg.head_dim)):
-        raise ValueError(f"cache has (n_layer, n_head, head_dim) = {have} but the model needs "
-                         f"{want}; build it with KVCache.for_model(model)")
+            want := (cfg.n_layer, cfg.kv_heads, cfg.head_dim)):
+        raise ValueError(f"cache has (n_layer, n_head, head_dim) = {have} (K/V heads) but the "
+                         f"model needs {want}; build it with KVCache.for_model(model)")
     if cache.batch_size != batch_size:
         raise ValueError(f"cache holds batch {cache.batch_size} but idx has batch {batch_size}; "
                          f"use KVCache.for_model(model, batch_size={batch_size})")
@@ -304,7 +310,7 @@ def pool(num_blocks, block_size) -> None:
 
 def paged_fits(cache, cfg, batch_size, n_new, device, dtype) -> None:
     keys = cache.pool.keys
-    if (len(keys), keys[0].shape[1], keys[0].shape[3]) != (cfg.n_layer, cfg.n_head, cfg.head_dim):
+    if (len(keys), keys[0].shape[1], keys[0].shape[3]) != (cfg.n_layer, cfg.kv_heads, cfg.head_dim):
         raise ValueError("the block pool was built for another model's shapes; build it with "
                          "BlockPool(model.config, ...)")
     counts = cache.packed or [n_new] * len(cache.tables)

@@ -141,6 +141,7 @@ def attention_weights(model, ids: list[int], cache=None, layer: int = 0) -> torc
 
     def explicit_attention(q, k, v):
         T, L = q.size(-2), k.size(-2)
+        k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))  # GQA groups
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.size(-1))                  # (B, nh, T, L)
         allowed = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(diagonal=L - T)
         weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)

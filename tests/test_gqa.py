@@ -1,0 +1,105 @@
+"""Grouped-query and multi-query attention (n_kv_head < n_head): the cache holds n_kv_head heads,
+and every decoder gives what the plain forward pass gives."""
+import pytest
+import torch
+
+import minikv
+from minikv.engine.paged import paged_attention
+
+from conftest import varied_model
+
+KV_HEADS = [2, 1]  # of 4 query heads: GQA-2 and MQA
+
+
+def model_with(n_kv_head, dtype=torch.float64, seed=0):
+    return varied_model("tiny", seed=seed, n_kv_head=n_kv_head).to(dtype)
+
+
+@pytest.mark.parametrize("n_kv_head", KV_HEADS)
+def test_the_projections_and_the_cache_hold_n_kv_head_heads(n_kv_head):
+    model = model_with(n_kv_head, torch.float32)
+    cfg = model.config
+    assert cfg.kv_heads == n_kv_head and cfg.to_dict()["n_kv_head"] == n_kv_head
+    assert model.transformer.h[0].attn.c_attn.weight.shape == (
+        cfg.n_embd + 2 * n_kv_head * cfg.head_dim, cfg.n_embd)
+    cache = minikv.KVCache.for_model(model, max_len=40)
+    with torch.no_grad():
+        model(torch.arange(1, 18).view(1, -1), cache=cache)
+    assert cache.keys[0].shape == (1, n_kv_head, 40, cfg.head_dim)
+    for dtype in (torch.float32, torch.float16):
+        assert minikv.kv_cache_bytes(cfg, 17, dtype=torch.float32) == cache.nbytes
+        assert (minikv.kv_cache_bytes(cfg, 17, dtype=dtype)
+                == minikv.kv_cache_bytes(minikv.GPTConfig.preset("tiny"), 17, dtype=dtype)
+                * n_kv_head // cfg.n_head)
+
+
+@pytest.mark.parametrize("n_kv_head", KV_HEADS)
+def test_cached_equals_the_full_forward_pass(n_kv_head):
+    model = model_with(n_kv_head)
+    ids = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(1))
+    cache = minikv.KVCache.for_model(model, batch_size=2, max_len=20)
+    with torch.no_grad():
+        full = model(ids)
+        parts = [model(ids[:, :7], cache=cache)] + [model(ids[:, i:i + 1], cache=cache)
+                                                     for i in range(7, 20)]
+    torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("n_kv_head", KV_HEADS)
+def test_every_decoder_runs_a_gqa_model(n_kv_head):
+    model, mha = model_with(n_kv_head), varied_model("tiny", seed=3).double()
+    prompt, n = [5, 6, 7], 24
+    want = minikv.generate(model, prompt, n, mode="naive").tokens
+    assert minikv.generate(model, prompt, n, mode="cached").tokens == want
+    assert minikv.speculative_generate(model, mha, prompt, n, gamma=3).tokens == want  # target
+    assert (minikv.speculative_generate(mha, model, prompt, n, gamma=3).tokens
+            == minikv.generate(mha, prompt, n).tokens)                               # draft
+    assert minikv.lookup_generate(model, prompt, n).tokens == want
+    assert [o.tokens for o in minikv.generate_batch(model, [prompt, [9, 8, 7, 6, 5]], n)] == [
+        want, minikv.generate(model, [9, 8, 7, 6, 5], n).tokens]
+    requests = [minikv.Request(prompt, n), minikv.Request([1, 2] * 10, 9, arrival=2),
+                minikv.Request([4] * 5, 30, arrival=1)]
+    outs = minikv.serve(model, requests, block_size=4, num_blocks=30)
+    assert [o.tokens for o in outs] == [minikv.generate(model, r.prompt, r.max_new_tokens).tokens
+                                        for r in requests]
+    assert outs.pool.keys[0].shape[1] == n_kv_head
+
+
+def test_a_deterministic_gqa_request_is_bit_identical_in_any_batch():
+    model = varied_model("small", n_kv_head=2)
+    det = minikv.Request([5, 6, 7, 8], 20, deterministic=True, temperature=0.8, seed=1)
+    outs = {tuple(minikv.serve(model, [det] + [minikv.Request([k + 1] * (k + 3), 10 + k)
+                                               for k in range(n)])[0].tokens)
+            for n in range(5)}
+    assert len(outs) == 1
+
+
+@pytest.mark.parametrize("n_kv_head", KV_HEADS)
+def test_paged_attention_reads_a_kv_head_for_its_whole_group(n_kv_head):
+    g = torch.Generator().manual_seed(n_kv_head)
+    nh, hs, bs, lengths = 4, 8, 4, [3, 11]
+    keys = torch.randn(6, n_kv_head, bs, hs, generator=g, dtype=torch.float64)
+    values = torch.randn(6, n_kv_head, bs, hs, generator=g, dtype=torch.float64)
+    tables = torch.tensor([[4, -1, -1], [0, 5, 2]])
+    q = torch.randn(2, nh, 1, hs, generator=g, dtype=torch.float64)
+    out = paged_attention(q, keys, values, tables, torch.tensor(lengths), n_splits=2)
+    for b, n in enumerate(lengths):
+        blocks = [x for x in tables[b].tolist() if x >= 0]
+        k = keys[blocks].transpose(0, 1).reshape(n_kv_head, -1, hs)[:, :n]
+        v = values[blocks].transpose(0, 1).reshape(n_kv_head, -1, hs)[:, :n]
+        want = torch.nn.functional.scaled_dot_product_attention(q[b], k, v, enable_gqa=True)
+        torch.testing.assert_close(out[b], want, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("n_kv_head, message", [(3, "divisible by n_kv_head"),
+                                                 (0, "n_kv_head must be a positive int")])
+def test_bad_n_kv_head(n_kv_head, message):
+    with pytest.raises(ValueError, match=message):
+        minikv.GPTConfig.preset("tiny", n_kv_head=n_kv_head)
+
+
+def test_the_attention_picture_shows_every_query_head_of_a_gqa_model():
+    from minikv.viz.draw import attention_weights
+    weights = attention_weights(model_with(1, torch.float32), [1, 2, 3, 4, 5])
+    assert weights.shape == (4, 5, 5)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(4, 5))
