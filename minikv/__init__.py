@@ -15,9 +15,11 @@ from .engine import (
     GPTConfig,
     KVCache,
     KVCounter,
+    QuantizedKVCache,
     Request,
     RequestOutput,
     SamplingParams,
+    SinkWindowCache,
     Stats,
     TraceEvent,
     Verdict,
@@ -35,5 +37,5 @@ __all__ = [
     "SamplingParams", "Stats", "TraceEvent", "KVCounter", "default_device", "describe_device",
     "resolve_device", "load_tokenizer", "EOT", "speculative_generate", "serve", "Request",
     "RequestOutput", "Verdict", "verify_and_commit", "load_course_model", "lookup_generate",
-    "generate_batch",
+    "generate_batch", "QuantizedKVCache", "SinkWindowCache",
 ]

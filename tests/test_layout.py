@@ -17,6 +17,8 @@ ENGINE_LINE_BUDGET = sum({
     "a paged KV cache and a continuous-batching server with preemption (18)": 320,
     "attention read through block tables, packed prefill, freed blocks kept for reuse (18)": 100,
     "grouped-query attention: n_kv_head K/V heads in the model and every cache (19)": 40,
+    "a quantized KV cache, int8 and int4 with per-token scales (19)": 110,
+    "a sink-and-window cache that evicts, with absolute positions (19)": 125,
 }.values())
 
 

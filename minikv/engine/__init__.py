@@ -1,19 +1,22 @@
 """The engine: a GPT-2 and the ways it decodes with a KV cache. Read config, model, cache, sampling,
-generate, records, verify, speculative, lookup, serving, then validate; it imports no tooling."""
+generate, records, verify, speculative, lookup, batch, paged, serving, then the caches that hold
+less (quantized, window), then validate; it imports no tooling."""
 from .batch import generate_batch
 from .cache import Cache, KVCache, kv_cache_bytes
 from .config import PRESETS, GPTConfig
 from .generate import GenerationOutput, generate
 from .lookup import lookup_generate
 from .model import GPT, causal_attention
+from .quantized import QuantizedKVCache
 from .records import KVCounter, Stats, TraceEvent
 from .sampling import SamplingParams
 from .serving import Request, RequestOutput, serve
 from .speculative import speculative_generate
 from .verify import Verdict, verify_and_commit
+from .window import SinkWindowCache
 
 __all__ = ["Cache", "KVCache", "kv_cache_bytes", "PRESETS", "GPTConfig", "GenerationOutput",
            "generate", "GPT", "causal_attention", "KVCounter", "Stats", "TraceEvent",
            "SamplingParams", "Request", "RequestOutput", "serve", "speculative_generate",
-           "lookup_generate", "generate_batch",
+           "lookup_generate", "generate_batch", "QuantizedKVCache", "SinkWindowCache",
            "Verdict", "verify_and_commit"]

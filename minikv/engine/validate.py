@@ -303,6 +303,11 @@ def serve_call(model, requests, window, block_size, num_blocks) -> tuple[list[li
     return prompts, num_blocks
 
 
+def quant_bits(bits) -> None:
+    if bits not in (8, 4) or type(bits) is not int:
+        raise ValueError(f"bits must be 8 or 4 (int8 or int4 codes), got {bits!r}")
+
+
 def pool(num_blocks, block_size) -> None:
     int_at_least("num_blocks", num_blocks, hint=" (blocks in the pool)")
     int_at_least("block_size", block_size, hint=" (positions per block)")

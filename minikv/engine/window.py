@@ -1,0 +1,113 @@
+"""A cache that forgets: attention sinks and a sliding window (StreamingLLM, Xiao et al. 2024).
+After every pass it keeps the first `sinks` positions and the last `window`, and evicts the rest,
+so it never holds more than sinks + window positions however long the text. (The first positions
+are kept because trained models park attention there: drop them and the softmax loses its
+anchor.)
+
+Positions: GPT-2 learns one embedding per absolute position and adds it to the input, so every
+cached key and value already carries its position; a new token must take its true position, the
+number of tokens seen so far, not its slot in the cache (`get_seq_length()` counts tokens seen).
+The text is therefore still limited to block_size positions. A rotary model instead rotates keys
+by position inside attention; StreamingLLM caches keys before rotating them and numbers the
+positions by cache slot, which lets such a model run past its trained length.
+
+Within one pass, new tokens see each other and everything held: feed a long prompt one token per
+pass for the window to apply to every token (`feed`).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from . import validate
+from .cache import Cache
+
+
+class SinkWindowCache(Cache):
+    """Keys and values of the held positions, per layer (1, n_head, held, head_dim), and the
+    absolute position of each held slot (`positions`)."""
+
+    def __init__(self, n_layer: int, n_head: int, head_dim: int, sinks: int, window: int, *,
+                 block_size: int, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32):
+        validate.int_at_least("sinks", sinks, 0)
+        validate.int_at_least("window", window)
+        empty = torch.zeros(1, n_head, 0, head_dim, device=device, dtype=dtype)
+        self.keys, self.values = [empty] * n_layer, [empty] * n_layer
+        self.sinks, self.window, self.max_len = sinks, window, block_size
+        self.positions: list[int] = []
+        self._seen = 0
+
+    @classmethod
+    def for_model(cls, model, sinks: int = 4, window: int = 64) -> SinkWindowCache:
+        cfg = model.config
+        return cls(cfg.n_layer, cfg.kv_heads, cfg.head_dim, sinks, window,
+                   block_size=cfg.block_size, device=model.device, dtype=model.dtype)
+
+    n_layer = property(lambda self: len(self.keys))
+    n_head = property(lambda self: self.keys[0].shape[1])
+    head_dim = property(lambda self: self.keys[0].shape[3])
+    batch_size, device = 1, property(lambda self: self.keys[0].device)
+    dtype = property(lambda self: self.keys[0].dtype)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens seen so far: where the next token's position starts (not the slots held)."""
+        return self._seen
+
+    def check_fits(self, cfg, batch_size: int, n_new: int, device, dtype) -> None:
+        if self._seen + n_new > self.max_len:
+            raise ValueError(f"the text would reach {self._seen + n_new} positions: GPT-2 learned "
+                             f"no position embedding past block_size={self.max_len}, and this "
+                             f"cache keeps true positions (minikv/engine/window.py); start a new "
+                             f"cache for a new text")
+        validate.cache_fits(self, cfg, batch_size, n_new, device, dtype)
+
+    def update(self, key: torch.Tensor, value: torch.Tensor,
+               layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this pass's K/V and return everything held; once the last layer is written,
+        evict all but the first `sinks` and the last `window` positions, in every layer."""
+        validate.cache_update(self, key, value, layer_idx)
+        self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key.detach()], dim=2)
+        self.values[layer_idx] = torch.cat([self.values[layer_idx], value.detach()], dim=2)
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        if layer_idx == self.n_layer - 1:
+            T = key.shape[2]
+            self.positions += range(self._seen, self._seen + T)
+            self._seen += T
+            if len(self.positions) > self.sinks + self.window:
+                keep = list(range(self.sinks)) + list(range(len(self.positions) - self.window,
+                                                            len(self.positions)))
+                index = torch.tensor(keep, device=key.device)
+                self.keys = [t.index_select(2, index) for t in self.keys]
+                self.values = [t.index_select(2, index) for t in self.values]
+                self.positions = [self.positions[i] for i in keep]
+        return k, v
+
+    def crop(self, max_length: int) -> None:
+        raise ValueError("a sink-and-window cache cannot roll back: the positions it evicted are "
+                         "gone; use a KVCache for speculative or verified decoding")
+
+    @contextmanager
+    def restored_on_error(self):
+        state = (list(self.keys), list(self.values), list(self.positions), self._seen)
+        try:
+            yield
+        except BaseException:
+            self.keys, self.values, self.positions, self._seen = (
+                list(state[0]), list(state[1]), list(state[2]), state[3])
+            raise
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.keys + self.values)
+
+
+def feed(model, ids: list[int], cache: Cache) -> torch.Tensor:
+    """Feed `ids` one token per pass (so a window cache evicts between every two tokens); the
+    last pass's logits, (vocab,)."""
+    with torch.inference_mode():
+        for token in ids:
+            logits = model(torch.tensor([[token]], device=model.device), cache=cache,
+                           last_only=True)
+    return logits[0, -1]
