@@ -116,3 +116,13 @@ def test_a_failed_pass_leaves_the_window_cache_as_it_was():
         MODEL(torch.tensor([[7]]), cache=cache, attention=boom)
     assert (cache.positions, cache.get_seq_length()) == state[:2]
     assert all(torch.equal(a, b) for a, b in zip(cache.keys, state[2]))
+
+
+def test_a_forked_window_cache_goes_its_own_way():
+    cache = SinkWindowCache.for_model(MODEL, sinks=1, window=3)
+    feed(MODEL, [1, 2, 3, 4, 5], cache)
+    twin = cache.fork()
+    feed(MODEL, [6, 7], twin)
+    assert cache.positions == [0, 2, 3, 4] and cache.get_seq_length() == 5
+    assert twin.positions == [0, 4, 5, 6] and twin.get_seq_length() == 7
+    assert cache.keys[0].shape[2] == 4 and twin.keys[0].shape[2] == 4

@@ -395,6 +395,17 @@ def write_report(results: dict, out: Path) -> None:
             lines.append(f"| {server} | {r['tokens_per_s']:.0f} | {r['vs_static']:.2f}x | "
                          f"{_size(r['kv_bytes'])} | {r['passes'] or '—'} | "
                          f"{r['rows'] or '—'} | {r['same_tokens']}/{sv['requests']} |")
+    sh = results.get("shrink")
+    if sh:
+        lines += ["", f"## Caches that hold less: decode after a {sh['context']:,}-token prompt "
+                      f"({sh['preset']} shapes)", "",
+                  f"K/V held after the prompt, and {sh['n_tokens']} greedy decode steps timed from "
+                  "there (random weights: speed only; chapter 07 measures quality on the course "
+                  "models).", "", "| cache | K/V held | vs full | decode tokens/s | vs full |",
+                  "|---|---|---|---|---|"]
+        for name, r in sh["rows"].items():
+            lines.append(f"| {name} | {_size(r['kv_bytes'])} | {r['bytes_vs_full']:.2f}x | "
+                         f"{r['tokens_per_s']:.1f} | {r['speed_vs_full']:.2f}x |")
     pc = results.get("prefix_caching")
     if pc:
         lines += ["", f"## Prefix caching: {pc['requests']} requests sharing a "
@@ -545,6 +556,9 @@ def main(argv: list[str] | None = None) -> int:
                                                    repeats, device)
     results["serving"], results["prefix_caching"] = bench_many_requests(
         target, tok, args.quick, device, dtype, 1 if args.quick else 2)
+    from .shrink import bench_shrink
+    results["shrink"] = bench_shrink(preset, 200 if args.quick else 1000, 4 if args.quick else 32,
+                                     repeats, device, dtype)
     write_report(results, args.out)
     print((args.out / "README.md").read_text())
     return 0

@@ -84,6 +84,13 @@ class SinkWindowCache(Cache):
                 self.positions = [self.positions[i] for i in keep]
         return k, v
 
+    def fork(self) -> SinkWindowCache:
+        """An independent copy (cheap: passes replace tensors, never write into them)."""
+        twin = SinkWindowCache.__new__(SinkWindowCache)
+        twin.__dict__ = {**self.__dict__, "keys": list(self.keys), "values": list(self.values),
+                         "positions": list(self.positions)}
+        return twin
+
     def crop(self, max_length: int) -> None:
         raise ValueError("a sink-and-window cache cannot roll back: the positions it evicted are "
                          "gone; use a KVCache for speculative or verified decoding")
