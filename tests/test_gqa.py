@@ -103,3 +103,30 @@ def test_the_attention_picture_shows_every_query_head_of_a_gqa_model():
     weights = attention_weights(model_with(1, torch.float32), [1, 2, 3, 4, 5])
     assert weights.shape == (4, 5, 5)
     torch.testing.assert_close(weights.sum(-1), torch.ones(4, 5))
+
+
+def test_mean_pooling_keeps_queries_and_averages_each_groups_keys_and_values():
+    from minikv.course.variants import mean_pool_kv_heads
+    model = varied_model("tiny")  # 4 heads of 16
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:  # biases too, so pooling them is checked
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(p.numel()))
+    same = mean_pool_kv_heads(model, 4)
+    x = torch.arange(1, 12).view(1, -1)
+    with torch.no_grad():
+        torch.testing.assert_close(same(x), model(x), atol=1e-6, rtol=0)
+    mqa = mean_pool_kv_heads(model, 1)
+    w, pooled = model.transformer.h[1].attn.c_attn.weight, mqa.transformer.h[1].attn.c_attn.weight
+    assert pooled.shape == (64 + 2 * 16, 64)
+    torch.testing.assert_close(pooled[:64], w[:64], atol=0, rtol=0)                  # queries
+    torch.testing.assert_close(pooled[64:80], w[64:128].view(4, 16, 64).mean(0))     # keys
+    torch.testing.assert_close(pooled[80:], w[128:].view(4, 16, 64).mean(0))         # values
+    gqa = mean_pool_kv_heads(model, 2)
+    bias = model.transformer.h[0].attn.c_attn.bias
+    pooled_bias = gqa.transformer.h[0].attn.c_attn.bias
+    torch.testing.assert_close(pooled_bias[64:80], bias[64:96].view(2, 16).mean(0))  # heads 0, 1
+    torch.testing.assert_close(pooled_bias[80:96], bias[96:128].view(2, 16).mean(0))  # heads 2, 3
+    assert minikv.generate(gqa, [1, 2, 3], 5).tokens  # it runs
+    with pytest.raises(ValueError, match="divisible"):
+        mean_pool_kv_heads(model, 3)
