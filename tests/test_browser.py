@@ -213,9 +213,9 @@ def shot(browser: Browser, stepper, name: str) -> None:
 
 
 def click_through(browser: Browser, stepper, expected: list[tuple[str, int]], name: str,
-                  shots: dict[int, str]) -> None:
-    """Click Next through `expected` (caption text, cache length) and check what the page shows at
-    every step."""
+                  shots: dict[int, str], first: int = 0) -> None:
+    """Click Next through `expected` (caption text, cache length), the stepper showing step
+    `first` (from 0) at the start, and check what the page shows at every step."""
     caption_box, cache_box = stepper.locator(".minikv-caption"), stepper.locator(".minikv-cache")
     image = stepper.locator(".minikv-image img, img.minikv-image").first
     sources = set()
@@ -223,7 +223,8 @@ def click_through(browser: Browser, stepper, expected: list[tuple[str, int]], na
         if i:
             stepper.locator(".minikv-next").click()
         try:
-            caption_box.get_by_text(f"step {i + 1}/", exact=False).wait_for(timeout=10_000)
+            caption_box.get_by_text(f"step {first + i + 1}/", exact=False).wait_for(
+                timeout=10_000)
         except Exception as e:
             raise AssertionError(f"{name}: after {i} clicks the caption still reads "
                                  f"{caption_box.text_content()!r}; "
@@ -242,10 +243,11 @@ def click_through(browser: Browser, stepper, expected: list[tuple[str, int]], na
         # the slider counts from 1, as the caption does
         readout = stepper.locator(".widget-readout").first
         deadline = time.monotonic() + 10
-        while readout.text_content().strip() != str(i + 1) and time.monotonic() < deadline:
+        while (readout.text_content().strip() != str(first + i + 1)
+               and time.monotonic() < deadline):
             time.sleep(0.1)
-        assert readout.text_content().strip() == str(i + 1), (
-            f"{name} step {i + 1}: the slider reads {readout.text_content()!r}")
+        assert readout.text_content().strip() == str(first + i + 1), (
+            f"{name} step {first + i + 1}: the slider reads {readout.text_content()!r}")
         deadline = time.monotonic() + 10
         while image.get_attribute("src") in sources and time.monotonic() < deadline:
             time.sleep(0.1)  # the picture's update may arrive just after the caption's
@@ -313,6 +315,45 @@ def test_deterministic_chapter_in_jupyterlab(session):
         if kind == "verify" and "prefill" in kinds_seen and len(kinds_seen) < 8:
             shot(browser, stepper, "05_verify")
     assert saw_rollback and {"prefill", "decode", "verify"} <= set(kinds_seen), kinds_seen
+    assert not browser.errors, browser.errors
+
+
+def chapter_06_pool_steps():
+    """The run chapter 06's block-pool stepper steps through (notebooks/06, section 3). Its pool
+    steps depend on the prompts, budgets and arrivals only (no request has an end-of-text token),
+    not on the tokens the model picks."""
+    target, tok = minikv.load_course_model("target", "cpu")
+    statement = tok.encode("A coin's state is heads. Alice flips, then Bob flips.")
+    small = [minikv.Request(statement + tok.encode(" What's the state? A:"), 6),
+             minikv.Request(statement + tok.encode(" Then Carol flips. What's the state? A:"), 6,
+                            arrival=1),
+             minikv.Request(tok.encode("Once upon a time"), 24, arrival=2),
+             minikv.Request(tok.encode("The color of dog"), 12, arrival=2)]
+    return minikv.serve(target, small, block_size=4, num_blocks=10, trace=True).pool_steps
+
+
+def test_many_requests_chapter_in_jupyterlab(session):
+    """Chapter 06's block-pool stepper opens at the step where request 1 shares the statement's
+    blocks; Next walks through allocations and the preemption, each caption, numbers line and
+    slider readout as the engine's pool records say, each picture drawn anew; Prev goes back."""
+    from minikv.viz.pool import pool_caption
+    start_lab, browser = session
+    lab = start_lab(["06_many_requests.ipynb"])
+    stepper = run_notebook(lab, browser, "06_many_requests.ipynb")
+    steps = chapter_06_pool_steps()
+    logged = [{what for _, what, _, _ in step.log} for step in steps]
+    share = next(i for i, kinds in enumerate(logged) if "share" in kinds)
+    preempt = next(i for i, kinds in enumerate(logged) if "preempt" in kinds)
+    assert share < preempt
+    expected = [(text(f"step {i + 1}/{len(steps)} {pool_caption(step)}"),
+                 sum(step.lengths.values())) for i, step in enumerate(steps)]
+    click_through(browser, stepper, expected[share:preempt + 2], "06",
+                  {0: "share", preempt - share: "preempt"}, first=share)
+    caption_box = stepper.locator(".minikv-caption")
+    stepper.locator(".minikv-prev").click()
+    caption_box.get_by_text(f"step {preempt + 1}/{len(steps)}").wait_for(timeout=10_000)
+    assert " ".join(caption_box.text_content().split()) == expected[preempt][0]
+    assert "preempted (to be recomputed)" in expected[preempt][0]
     assert not browser.errors, browser.errors
 
 

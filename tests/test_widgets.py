@@ -142,3 +142,78 @@ def test_attention_weights_full_triangle_vs_one_row():
 def test_empty_trace_is_refused():
     with pytest.raises(ValueError, match="trace=True"):
         TraceStepper([])
+
+
+# --- chapter 06: the block pool stepper -----------------------------------------------------------
+
+def pool_steps():
+    """A served run with every kind of pool step: prefix sharing, allocations, a preemption, and
+    requests that finish while another still holds their shared blocks."""
+    statement = list(range(10, 23))
+    requests = [minikv.Request(statement + [30, 31, 32, 33, 34], 6),
+                minikv.Request(statement + [40, 41, 42, 43, 44, 45, 46], 6, arrival=1),
+                minikv.Request([50, 51, 52, 53], 24, arrival=2),
+                minikv.Request([60, 61, 62, 63], 12, arrival=2),
+                minikv.Request([70, 71, 72], 20, arrival=3)]
+    return minikv.serve(varied_model(), requests, block_size=4, num_blocks=10,
+                        trace=True).pool_steps
+
+
+def test_pool_stepper_walks_the_pool_steps():
+    """Every step, reached with Next or go(): the slider, the caption (pool_caption of that step),
+    the numbers line and the picture follow the engine's records."""
+    from minikv.viz.pool import PoolStepper, pool_caption, pool_info
+    steps = pool_steps()
+    kinds = {what for step in steps for _, what, _, _ in step.log}
+    assert {"allocate", "share", "preempt", "free", "unshare"} <= kinds
+    stepper = PoolStepper(steps, title="pool")
+    assert stepper.index == 0 and stepper.prev_button.disabled
+    images = set()
+    for i, step in enumerate(steps):
+        assert stepper.index == i and stepper.slider.value == i + 1
+        assert stepper.caption.value == f"<code>step {i + 1}/{len(steps)}</code> " \
+                                        f"{pool_caption(step)}"
+        assert stepper.cache_info.value == pool_info(step)
+        assert stepper.cache_info.value.startswith(
+            f"KV cache: {sum(step.lengths.values())} positions in {len(step.tables)} block")
+        assert f"{sum(r == 0 for r in step.ref)} free" in stepper.cache_info.value
+        assert stepper.next_button.disabled == (i == len(steps) - 1)
+        images.add(stepper.image.value)
+        stepper.next_button.click()
+    assert len(images) == len(steps)  # every step draws something different
+    share = next(i for i, s in enumerate(steps) if any(w == "share" for _, w, _, _ in s.log))
+    stepper.go(share)
+    assert "shared by request(s) [1] (prefix caching: K/V reused)" in stepper.caption.value
+    preempt = next(i for i, s in enumerate(steps) if any(w == "preempt" for _, w, _, _ in s.log))
+    stepper.go(preempt + 1)
+    stepper.prev_button.click()
+    assert stepper.index == preempt and "preempted (to be recomputed)" in stepper.caption.value
+    stepper.go(10_000)
+    assert stepper.slider.value == stepper.slider.max == len(steps)
+    stepper.go(-5)
+    assert stepper.slider.value == stepper.slider.min == 1
+
+
+def test_pool_stepper_has_the_browser_hooks_and_a_static_picture():
+    """The same CSS hooks as TraceStepper's (the browser test finds the stepper by them), and a
+    PNG of the shown step for viewers without a kernel."""
+    from minikv.viz.pool import PoolStepper
+    stepper = PoolStepper(pool_steps())
+    for widget, name in ((stepper.prev_button, "prev"), (stepper.next_button, "next"),
+                         (stepper.caption, "caption"), (stepper.cache_info, "cache"),
+                         (stepper.image, "image")):
+        assert f"minikv-{name}" in widget._dom_classes
+    first = stepper._repr_mimebundle_()
+    stepper.go(5)
+    bundle = stepper._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert bundle["text/plain"] == f"PoolStepper: {len(stepper.steps)} steps"
+    png_bytes = base64.b64decode(bundle["image/png"])
+    assert png_bytes == stepper.image.value and len(png_bytes) > 8_000
+    assert bundle["image/png"] != first["image/png"]
+
+
+def test_empty_pool_steps_are_refused():
+    from minikv.viz.pool import PoolStepper
+    with pytest.raises(ValueError, match="trace=True"):
+        PoolStepper([])

@@ -51,6 +51,16 @@ def pool_caption(step: PoolStep) -> str:
             + f" · {free} of {len(step.ref)} blocks free")
 
 
+def pool_info(step: PoolStep) -> str:
+    """The numbers the picture shows, as text: positions cached over the running requests'
+    tables, and the pool's blocks held (shared ones counted once) and free."""
+    held = sum(1 for r in step.ref if r > 0)
+    shared = sum(1 for r in step.ref if r > 1)
+    return (f"KV cache: {sum(step.lengths.values())} positions in {len(step.tables)} block "
+            f"table(s) · {held} of {len(step.ref)} blocks held ({shared} shared), "
+            f"{len(step.ref) - held} free")
+
+
 def draw_pool(step: PoolStep, columns: int = 16, ax=None) -> Figure:
     """The pool as a grid of blocks (owner colour, hatched when shared, white when free) above
     every running request's block table."""
@@ -114,12 +124,15 @@ class PoolStepper(widgets.VBox):
         self.prev_button.on_click(lambda _: self.go(self.index - 1))
         self.next_button.on_click(lambda _: self.go(self.index + 1))
         self.caption, self.image = widgets.HTML(), widgets.Image(format="png")
+        # the drawn numbers as text: what a reader (or a browser test) can check
+        self.cache_info = widgets.HTML()
         for widget, name in ((self.prev_button, "prev"), (self.next_button, "next"),
-                             (self.caption, "caption"), (self.image, "image")):
-            widget.add_class(f"minikv-{name}")
+                             (self.caption, "caption"), (self.cache_info, "cache"),
+                             (self.image, "image")):
+            widget.add_class(f"minikv-{name}")  # the same hooks as TraceStepper's
         header = widgets.HTML(f"<b>{title}</b>")
         controls = widgets.HBox([self.prev_button, self.next_button, self.slider])
-        super().__init__([header, controls, self.caption, self.image])
+        super().__init__([header, controls, self.caption, self.cache_info, self.image])
         self.slider.observe(lambda change: self._render(), names="value")
         self._render()
 
@@ -137,10 +150,12 @@ class PoolStepper(widgets.VBox):
 
     def _render(self) -> None:
         i = self.index
+        step = self.steps[i]
+        self.cache_info.value = pool_info(step)
         self.image.value = self.picture(i)
         self.prev_button.disabled, self.next_button.disabled = i == 0, i == len(self.steps) - 1
-        self.caption.value = (f"<code>step {i + 1}/{len(self.steps)}</code> "
-                              f"{pool_caption(self.steps[i])}")
+        # The caption goes last: once it names this step, the rest of the step has been sent.
+        self.caption.value = f"<code>step {i + 1}/{len(self.steps)}</code> {pool_caption(step)}"
 
     def _repr_mimebundle_(self, **kwargs):
         bundle = super()._repr_mimebundle_(**kwargs)

@@ -7,13 +7,15 @@ came back and, for the usual mistakes, which mistake it is. On success it prints
 A check cell cannot be silenced from an exercise cell: it reloads this package and runs a fresh
 copy of its chapter's checker, loaded from the package's own file (`fresh`), so a checker patched
 in an earlier cell is not the one that runs; and it refuses to run when the engine functions the
-checkers compare with were replaced in the notebook (`engine_is_pristine`).
+checkers compare with were replaced in the notebook (`engine_is_pristine`; a checker that compares
+with engine methods also calls `engine_methods_are_pristine`).
 """
 from __future__ import annotations
 
 import ast
 import contextlib
 import importlib.util
+import inspect
 import random
 import sys
 from pathlib import Path
@@ -26,7 +28,7 @@ from ...engine import GPT, GPTConfig
 
 HERE = Path(__file__).resolve().parent
 ENGINE_DIR = HERE.parent.parent / "engine"
-CHAPTERS = ("ch00", "ch01", "ch02", "ch03", "ch04", "ch05")
+CHAPTERS = ("ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06")
 
 
 class CheckFailed(AssertionError):
@@ -120,6 +122,29 @@ def engine_is_pristine() -> None:
                 raise CheckFailed(f"{module.__name__}.{name} is not the packaged one (it was "
                                   f"replaced in this notebook): restart the kernel and run the "
                                   f"notebook from the top")
+
+
+def engine_methods_are_pristine() -> None:
+    """Raise unless every method of every class the engine defines (BlockPool.allocate,
+    PagedCache.reserve, KVCache.crop, ...) is the one in the engine's files: `fresh` checks the
+    engine's functions and classes, but a method replaced in the notebook could change the
+    reference a checker compares with, and make a wrong answer look right."""
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("minikv.engine.") or module is None:
+            continue
+        for cls in [v for v in vars(module).values()
+                    if isinstance(v, type) and v.__module__ == name]:
+            for attr, value in vars(cls).items():
+                if attr.startswith("__"):
+                    continue  # dataclasses write __init__, __eq__, ... themselves
+                parts = [value.fget, value.fset] if isinstance(value, property) else [value]
+                for part in parts:
+                    function = inspect.unwrap(getattr(part, "__func__", part))  # decorated too
+                    code = getattr(function, "__code__", None)
+                    if code is not None and Path(code.co_filename).resolve().parent != ENGINE_DIR:
+                        raise CheckFailed(f"{name}.{cls.__name__}.{attr} is not the packaged one "
+                                          f"(it was replaced in this notebook): restart the "
+                                          f"kernel and run the notebook from the top")
 
 
 def fresh(chapter: str):
