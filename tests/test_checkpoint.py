@@ -12,6 +12,7 @@ import minikv
 from minikv.course import corpus
 from minikv.course.checkpoint import (
     CONFIG_FILE,
+    COURSE_MODELS,
     METADATA_FILE,
     MODELS_DIR,
     WEIGHTS_FILE,
@@ -187,7 +188,7 @@ def test_a_broken_copy_of_a_course_model_says_how_to_retrain(tmp_path, monkeypat
 
 
 def test_unknown_course_model():
-    with pytest.raises(ValueError, match="valid names: 'target', 'draft'"):
+    with pytest.raises(ValueError, match="valid names: 'target', 'draft', 'target-gqa2'"):
         minikv.load_course_model("gpt2")
 
 
@@ -207,6 +208,28 @@ def test_target_is_much_bigger_than_the_draft_and_both_fit_the_budget():
     draft, _ = minikv.load_course_model("draft", device="cpu")
     assert target.num_params() > 8 * draft.num_params()
     assert sum((MODELS_DIR / n / WEIGHTS_FILE).stat().st_size for n in ("target", "draft")) <= 25e6
+
+
+def test_every_shipped_weight_file_together_stays_within_64_MB():
+    assert sum((MODELS_DIR / n / WEIGHTS_FILE).stat().st_size for n in COURSE_MODELS) <= 64e6
+
+
+@pytest.mark.parametrize("name, kv_heads", [("target-gqa2", 2), ("target-mqa", 1)])
+def test_the_grouped_query_variants_are_the_target_with_fewer_kv_heads(name, kv_heads):
+    target, _ = minikv.load_course_model("target", device="cpu")
+    model, tok = minikv.load_course_model(name, device="cpu")
+    assert model.config == minikv.GPTConfig(**{**target.config.to_dict(), "n_kv_head": kv_heads})
+    meta = read_metadata(MODELS_DIR / name)
+    assert meta["preset"] == name and "uptrained_from" in meta
+    assert meta["train"]["steps"] <= read_metadata(MODELS_DIR / "target")["train"]["steps"] // 10
+    # its cache holds kv_heads heads, and cached decoding equals the full pass
+    out = minikv.generate(model, tok.encode("Once upon a time"), 24)
+    assert out.tokens == minikv.generate(model, tok.encode("Once upon a time"), 24,
+                                         mode="naive").tokens
+    cache = minikv.KVCache.for_model(model, max_len=8)
+    model(torch.tensor([[1, 2, 3]]), cache=cache)
+    assert cache.nbytes == minikv.kv_cache_bytes(model.config, 3, dtype=torch.float32)
+    assert cache.keys[0].shape[1] == kv_heads
 
 
 def test_target_answers_held_out_coin_flips():

@@ -45,7 +45,7 @@ CONFIG_FILE, WEIGHTS_FILE, METADATA_FILE = "config.json", "model.safetensors", "
 FORMAT = "minikv-checkpoint-2"  # the header's sha256 covers config.json and training.json too
 MODELS_DIR = Path(__file__).parent / "models"
 # shipped in minikv/course/models/<name>/, made by `python -m minikv train --ship`
-COURSE_MODELS = ("target", "draft")
+COURSE_MODELS = ("target", "draft", "target-gqa2", "target-mqa")
 TIED = "lm_head.weight"  # the same tensor as transformer.wte.weight
 
 
@@ -333,8 +333,9 @@ def load_checkpoint(directory: str | Path, device: str | torch.device | None = N
 
 def load_course_model(name: str = "target", device: str | torch.device | None = None
                       ) -> tuple[GPT, tiktoken.Encoding]:
-    """A shipped course model and its tokenizer: "target" (the model the course studies) or "draft"
-    (a much cheaper one with the same tokenizer, for speculative decoding)."""
+    """A shipped course model and its tokenizer: "target" (the model the course studies), "draft"
+    (a much cheaper one with the same tokenizer, for speculative decoding), or the target's
+    grouped-query variants "target-gqa2" (2 K/V heads) and "target-mqa" (1), chapter 07's."""
     if name not in COURSE_MODELS:
         raise ValueError(f"unknown course model {name!r}; "
                          f"valid names: {', '.join(map(repr, COURSE_MODELS))}")

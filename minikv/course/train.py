@@ -25,10 +25,11 @@ from tqdm import tqdm
 from ..engine import GPT, PRESETS, GPTConfig
 from ..engine.validate import int_at_least
 from . import corpus
-from .checkpoint import COURSE_MODELS, MODELS_DIR, save_checkpoint
+from .checkpoint import COURSE_MODELS, MODELS_DIR, load_checkpoint, save_checkpoint
 from .device import describe_device, resolve_device
 from .files import check_writable
 from .tokenizer import load_tokenizer
+from .variants import mean_pool_kv_heads
 
 
 @dataclass
@@ -79,6 +80,15 @@ TRAINING: dict[str, TrainConfig] = {
     "draft": TrainConfig(steps=3000, batch_size=16, lr=2e-3, min_lr=1e-4, warmup=100, init_std=0.1,
                          mix={"coinflip": 0.5, "facts": 0.2, "stories": 0.3}, docs=MANY_DOCS),
 }
+
+
+# Grouped-query variants of the target (chapter 07), made as Ainslie et al. (2023) made theirs: the
+# target's K/V heads mean-pooled (minikv.course.variants), then "uptrained" for 5% of the
+# target's steps at a lower learning rate.
+VARIANTS = {"target-gqa2": 2, "target-mqa": 1}  # name -> K/V heads, of the target's 8
+UPTRAINING = TrainConfig(steps=TRAINING["target"].steps // 20, batch_size=16, lr=5e-4,
+                         min_lr=5e-5, warmup=10, init_std=0.1, mix=TRAINING["target"].mix,
+                         docs=MANY_DOCS, seed=1)
 
 
 def init_weights(model: GPT, std: float) -> None:
@@ -175,14 +185,15 @@ def corpus_loss(model: GPT, tokens: torch.Tensor, eot: int, max_rows: int = 64) 
 
 
 def train(preset: str, tc: TrainConfig | None = None, device=None, progress: bool = True,
-          callback=None) -> tuple[GPT, dict]:
-    """Train a model of shape `preset` (its vocabulary set to the course tokenizer's); return it and
-    its metadata. `callback(step, model)`, if given, runs after every step (e.g. to watch an
+          callback=None, init: GPT | None = None) -> tuple[GPT, dict]:
+    """Train a model of shape `preset` (its vocabulary set to the course tokenizer's), or go on
+    training `init` (uptraining: its shape and weights are the start); return the model and its
+    metadata. `callback(step, model)`, if given, runs after every step (e.g. to watch an
     experiment)."""
     tc = tc or TRAINING.get(preset, TrainConfig())
     tok = load_tokenizer()
     eot = tok.eot_token
-    config = GPTConfig.preset(preset, vocab_size=tok.n_vocab)
+    config = init.config if init is not None else GPTConfig.preset(preset, vocab_size=tok.n_vocab)
     device = resolve_device(device)
     data = {name: t.to(device) for name, t in load_corpora(tok, tc.docs).items()}
     starts = {name: document_starts(t, eot, config.block_size + 1).cpu()
@@ -190,7 +201,10 @@ def train(preset: str, tc: TrainConfig | None = None, device=None, progress: boo
     torch.manual_seed(tc.seed)
     gen = torch.Generator().manual_seed(tc.seed)  # the data order
     model = GPT(config)
-    init_weights(model, tc.init_std)
+    if init is None:
+        init_weights(model, tc.init_std)
+    else:
+        model.load_state_dict(init.state_dict())
     model.to(device)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -220,6 +234,7 @@ def train(preset: str, tc: TrainConfig | None = None, device=None, progress: boo
     val = load_corpora(tok, {name: 200 for name in tc.docs}, split="val")
     metadata = dict(
         preset=preset, config=config.to_dict(), train=asdict(tc),
+        **({"uptrained_from": "the target, K/V heads mean-pooled"} if init is not None else {}),
         tokens_seen=tc.steps * tc.batch_size * config.block_size,
         final_train_loss=round(smooth, 4) if smooth is not None else None,
         val_loss={name: round(corpus_loss(model, t, eot), 4) for name, t in val.items()},
@@ -273,9 +288,10 @@ def output_dirs(presets: list[str], out: str | None, ship: bool) -> dict[str, Pa
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minikv train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", required=True, choices=["all", *sorted(PRESETS)],
-                        help="model shape from minikv.engine.PRESETS; "
-                             "'all' = the course's draft and target")
+    parser.add_argument("--preset", required=True, choices=["all", *sorted(PRESETS), *VARIANTS],
+                        help="model shape from minikv.engine.PRESETS, or a grouped-query variant "
+                             "of the target (uptrained from it); 'all' = the course's draft, "
+                             "target and variants")
     parser.add_argument("--steps", type=_positive, default=None,
                         help="override the preset's number of steps (at least 1)")
     parser.add_argument("--device", default=None,
@@ -287,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                              "ones (what `python -m minikv evaluate` and the chapters load)")
     parser.add_argument("--seed", type=_seed, default=None)
     args = parser.parse_args(argv)
-    presets = ["draft", "target"] if args.preset == "all" else [args.preset]
+    presets = ["draft", "target", *VARIANTS] if args.preset == "all" else [args.preset]
     if args.out and len(presets) > 1:
         parser.error("--out needs a single --preset")
     try:
@@ -295,13 +311,19 @@ def main(argv: list[str] | None = None) -> int:
         device = resolve_device(args.device)
     except ValueError as e:
         parser.error(str(e))
+    trained: dict[str, GPT] = {}
     for preset in presets:
-        tc = TRAINING.get(preset, TrainConfig())
+        tc = UPTRAINING if preset in VARIANTS else TRAINING.get(preset, TrainConfig())
         if args.steps is not None:
             tc = replace(tc, steps=args.steps, warmup=min(tc.warmup, max(1, args.steps // 10)))
         if args.seed is not None:
             tc = replace(tc, seed=args.seed)
-        model, metadata = train(preset, tc, device)
+        init = None
+        if preset in VARIANTS:  # from the target trained just now, or the shipped one
+            target = trained.get("target") or load_checkpoint(MODELS_DIR / "target", device)
+            init = mean_pool_kv_heads(target, VARIANTS[preset])
+        model, metadata = train(preset, tc, device, init=init)
+        trained[preset] = model
         save_checkpoint(model, dirs[preset], metadata)
         print(f"{preset}: {metadata['num_params']:,} parameters, "
               f"{metadata['wall_time_s']:.0f} s on {metadata['device']}, "
