@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import minikv
 from minikv.engine.quantized import QuantizedKVCache, dequantize, quantize
-from minikv.engine.window import SinkWindowCache, feed
+from minikv.engine.window import SinkWindowCache, feed, window_attention
 
 from conftest import varied_model
 
@@ -76,6 +76,10 @@ def test_a_window_cache_is_a_full_model_that_masks_the_evicted_positions(sinks, 
     # after a pass, so a full window and the new token are there together
     want = masked_full_pass(MODEL, ids, lambda t, j: j <= t and (j < sinks or j >= t - window))
     torch.testing.assert_close(torch.stack(streamed), want, atol=1e-10, rtol=0)
+    # window_attention is that mask, for measuring many texts in one pass each
+    with torch.no_grad():
+        fast = MODEL(torch.tensor([ids] * 2), attention=window_attention(sinks, window))
+    torch.testing.assert_close(fast, want.expand(2, -1, -1), atol=1e-10, rtol=0)
 
 
 def test_a_prompt_fed_in_one_pass_is_read_whole_then_forgotten():

@@ -21,12 +21,13 @@ from pathlib import Path
 
 import torch
 
-from ..engine import generate
+from ..engine import generate, kv_cache_bytes
 from . import corpus
 from .checkpoint import COURSE_MODELS, MODELS_DIR, WEIGHTS_FILE, load_course_model, read_metadata
 from .device import describe_device, resolve_device
 from .files import check_writable, write_atomically
-from .train import corpus_loss, load_corpora
+from .train import VARIANTS, corpus_loss, load_corpora
+from .variants import mean_pool_kv_heads
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "course-models.md"
 PROMPTS = ("The color of dog", "Once upon a time")
@@ -34,27 +35,37 @@ AGREEMENT_PROMPTS = ("Once upon a time", "The color of dog", "A coin's state is 
 
 
 @torch.no_grad()
-def coin_flip_accuracy(model, tok, n_per_count: int = 200, seed: int = 0,
-                       split: str = "test") -> dict[int, float]:
-    """Fraction answered correctly (greedy token after "A:") for each number of people 1..8."""
+def coin_flip_accuracy(model, tok, n_per_count: int = 200, seed: int = 0, split: str = "test",
+                       cot: bool = False, cache=None, attention=None) -> dict[int, float]:
+    """Fraction answered correctly (greedy token after "A:") for each number of people 1..8.
+    `cot`: the questions state the coin after every person (seed 000's intermediate answers).
+    `cache(model, batch_size)`, if given, makes the cache each batch is answered through (a
+    quantized one, say); `attention` swaps the attention kernel (a window's mask, say)."""
     questions = corpus.coin_flip_eval(n_per_count, seed=seed, split=split)
     by_length = defaultdict(list)  # same-length prompts go through the model as one batch
     for q in questions:
-        by_length[len(tok.encode(q.prompt()))].append(q)
+        by_length[len(tok.encode(q.prompt(cot)))].append(q)
     correct, total = defaultdict(int), defaultdict(int)
+    kwargs = {} if attention is None else {"attention": attention}
     for length, qs in by_length.items():
-        ids = torch.tensor([tok.encode(q.prompt()) for q in qs], device=model.device)
-        guesses = model(ids, last_only=True)[:, -1].argmax(-1).tolist()
+        ids = torch.tensor([tok.encode(q.prompt(cot)) for q in qs], device=model.device)
+        if cache is not None:
+            kwargs["cache"] = cache(model, len(qs))
+        guesses = model(ids, last_only=True, **kwargs)[:, -1].argmax(-1).tolist()
         for q, guess in zip(qs, guesses):
             correct[len(q.steps)] += guess == tok.encode(" " + q.answer)[0]
             total[len(q.steps)] += 1
     return {n: correct[n] / total[n] for n in sorted(total)}
 
 
-def heldout_losses(model, tok) -> dict[str, float]:
-    """Held-out loss on each corpus's test split (corpus.splits defaults, seed 0)."""
-    data = load_corpora(tok, {name: 200 for name in corpus.CORPORA}, split="test")
-    return {name: corpus_loss(model, tokens, tok.eot_token) for name, tokens in data.items()}
+def heldout_losses(model, tok, cache=None, attention=None,
+                   corpora: tuple[str, ...] = corpus.CORPORA,
+                   n_docs: int = 200) -> dict[str, float]:
+    """Held-out loss on the first `n_docs` documents of each corpus's test split (corpus.splits
+    defaults, seed 0); `cache` and `attention` as in coin_flip_accuracy."""
+    data = load_corpora(tok, {name: n_docs for name in corpora}, split="test")
+    return {name: corpus_loss(model, tokens, tok.eot_token, cache=cache, attention=attention)
+            for name, tokens in data.items()}
 
 
 def decode_step_seconds(models: dict, repeats: int = 9, new_tokens: int = 64) -> dict[str, float]:
@@ -97,9 +108,13 @@ def report(device=None) -> str:
     loaded = {name: load_course_model(name, device) for name in COURSE_MODELS}
     tok = loaded["target"][1]
     models = {name: m for name, (m, _) in loaded.items()}
-    acc = {name: coin_flip_accuracy(m, tok) for name, m in models.items()}
-    losses = {name: heldout_losses(m, tok) for name, m in models.items()}
-    step = decode_step_seconds(models)
+    # the grouped-query variants before uptraining: the target's K/V heads mean-pooled, no training
+    pooled = {f"{name}, pooled only": mean_pool_kv_heads(models["target"], k)
+              for name, k in VARIANTS.items()}
+    measured = {**models, **pooled}
+    acc = {name: coin_flip_accuracy(m, tok) for name, m in measured.items()}
+    losses = {name: heldout_losses(m, tok) for name, m in measured.items()}
+    step = decode_step_seconds({name: models[name] for name in ("target", "draft")})
     alpha = draft_agreement(models["target"], models["draft"], tok)
     meta = {name: read_metadata(MODELS_DIR / name) for name in models}
     n_q = len(corpus.coin_flip_eval(200)) // corpus.MAX_PEOPLE
@@ -115,19 +130,27 @@ def report(device=None) -> str:
         "",
         "## Models",
         "",
-        "| model | layers | heads | width | block | parameters | file size | "
-        "training wall time | training device |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | layers | heads (K/V) | width | block | parameters | K/V bytes per token "
+        "(fp32) | file size | training wall time | training device |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in models.items():
         c, md = m.config, meta[name]
         size = (MODELS_DIR / name / WEIGHTS_FILE).stat().st_size
-        lines.append(f"| {name} | {c.n_layer} | {c.n_head} | {c.n_embd} | {c.block_size} | "
-                     f"{m.num_params():,} | {size / 1e6:.2f} MB | "
-                     f"{md.get('wall_time_s', float('nan')) / 60:.1f} min "
+        how = "uptrained, " if "uptrained_from" in md else ""
+        lines.append(f"| {name} | {c.n_layer} | {c.n_head} ({c.kv_heads}) | {c.n_embd} | "
+                     f"{c.block_size} | {m.num_params():,} | "
+                     f"{kv_cache_bytes(c, 1, dtype=torch.float32):,} | {size / 1e6:.2f} MB | "
+                     f"{how}{md.get('wall_time_s', float('nan')) / 60:.1f} min "
                      f"({md.get('train', {}).get('steps', '?')} steps) | {md.get('device', '?')}, "
                      f"{md.get('cpu_threads', '?')} threads |")
     lines += [
+        "",
+        "The grouped-query variants (chapter 07) are the target with each group's K/V heads "
+        "mean-pooled",
+        "(Ainslie et al. 2023), then uptrained for 5% of the target's steps. \"pooled only\" "
+        "rows below",
+        "measure the pooled model before any uptraining.",
         "",
         f"## Held-out coin flips: accuracy by number of people ({n_q} questions each)",
         "",

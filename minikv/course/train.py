@@ -161,8 +161,10 @@ def lr_at(step: int, tc: TrainConfig) -> float:
 
 
 @torch.no_grad()
-def corpus_loss(model: GPT, tokens: torch.Tensor, eot: int, max_rows: int = 64) -> float:
-    """Mean next-token loss over whole documents, each evaluated from its start (as prompts are)."""
+def corpus_loss(model: GPT, tokens: torch.Tensor, eot: int, max_rows: int = 64, cache=None,
+                attention=None) -> float:
+    """Mean next-token loss over whole documents, each evaluated from its start (as prompts are).
+    `cache(model, batch_size)` and `attention` as in minikv.course.evaluate.coin_flip_accuracy."""
     model.eval()
     bounds = torch.cat([torch.zeros(1, dtype=torch.long),
                         (tokens == eot).nonzero().flatten() + 1]).tolist()
@@ -174,7 +176,10 @@ def corpus_loss(model: GPT, tokens: torch.Tensor, eot: int, max_rows: int = 64) 
         x = torch.full((len(chunk), T), eot, dtype=torch.long)
         for r, d in enumerate(chunk):
             x[r, :len(d[:T])] = d[:T]
-        logits = model(x[:, :-1].to(model.device))
+        kwargs = {} if attention is None else {"attention": attention}
+        if cache is not None:
+            kwargs["cache"] = cache(model, len(chunk))
+        logits = model(x[:, :-1].to(model.device), **kwargs)
         y = x[:, 1:].clone()
         for r, d in enumerate(chunk):
             y[r, len(d[:T]) - 1:] = -100  # ignore padding

@@ -173,6 +173,40 @@ def draw_attention(weights: torch.Tensor, labels: list[str] | None = None, title
     return ax.figure
 
 
+def draw_window(held: list[list[int]], tokens: list[int], decode=None, sinks: int = 0,
+                title: str = "") -> plt.Figure:
+    """A sink-and-window cache fed one token per pass: row t shows the positions it holds after
+    the pass that wrote position t (`held[t]`, from SinkWindowCache.positions), the new one bold;
+    positions it has evicted are left as empty outlines."""
+    T = len(held)
+    fig = Figure(figsize=(0.6 + 0.42 * T, 0.6 + 0.34 * T))  # outside pyplot: display() shows it
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.set(xlim=(-0.1, T + 0.1), ylim=(T + 0.1, -1.2), aspect="equal")
+    ax.axis("off")
+    renderer = fig.canvas.get_renderer()
+    for t, positions in enumerate(held):
+        for j in range(t + 1):
+            if j in positions:
+                _box(ax, j, t, "prompt", f"held-{t}-{j}", bold=j == t)
+                _label(ax, j, t, tokens[j], decode, f"token-{t}-{j}", renderer)
+            else:
+                ax.add_patch(Rectangle((j, t), 0.92, 0.8, facecolor="white", edgecolor="#bbbbbb",
+                                       linestyle=":", linewidth=0.6, gid=f"evicted-{t}-{j}"))
+        ax.text(-0.15, t + 0.4, f"{len(positions)}", ha="right", va="center", fontsize=7)
+    for j in range(T):
+        ax.text(j + 0.46, -0.25, ("sink " if j < sinks else "") + str(j), ha="center",
+                fontsize=6, color="#555555", rotation=90 if j < sinks else 0)
+    ax.text(-0.15, -0.25, "held", ha="right", fontsize=7)
+    ax.legend(handles=[Patch(facecolor=COLORS["prompt"], edgecolor="#777777",
+                             label="held (a prompt token's K/V)"),
+                       Patch(facecolor="white", edgecolor="#bbbbbb", linestyle=":",
+                             label="evicted")],
+              loc="upper left", bbox_to_anchor=(0, 0), ncol=2, fontsize=8, frameon=False)
+    ax.set_title(title, fontsize=10, loc="left")
+    return fig
+
+
 def png(fig: plt.Figure, dpi: int = 90) -> bytes:
     """The figure as PNG bytes (and closed, so notebooks don't also show it)."""
     buffer = io.BytesIO()

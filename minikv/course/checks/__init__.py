@@ -28,7 +28,7 @@ from ...engine import GPT, GPTConfig
 
 HERE = Path(__file__).resolve().parent
 ENGINE_DIR = HERE.parent.parent / "engine"
-CHAPTERS = ("ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06")
+CHAPTERS = ("ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07")
 
 
 class CheckFailed(AssertionError):

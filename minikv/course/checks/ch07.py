@@ -1,0 +1,668 @@
+"""Checkers for chapter 07 (shrinking the cache: grouped-query attention, a quantized KV cache, a
+sliding window with attention sinks).
+
+- gqa_attention: causal attention with fewer K/V heads than query heads, against the engine's
+  kernel (causal_attention: PyTorch's SDPA with enable_gqa) on random tensors, n_kv_head from
+  n_head down to 1, then plugged into the course models target-gqa2 and target-mqa, logit for
+  logit. The engine's attention functions and F.scaled_dot_product_attention are forbidden.
+- quantize_block / dequantize_block: per-token symmetric quantization, against the engine's
+  quantize and dequantize, 8 and 4 bits, on the course target's real keys and values and on
+  blocks with an all-zero position and positions of very different sizes: the same scales, codes
+  in [-qmax, qmax] that round x / scale, and a reconstruction within half a scale of x. The
+  engine's quantize and dequantize are forbidden.
+- held_positions: the absolute positions a SinkWindowCache holds after each pass, against a real
+  one fed a text one token per pass, for many (sinks, window), sinks = 0 and window = 1 included,
+  from the first position on (before anything is evicted). SinkWindowCache.update is forbidden.
+
+Each usual mistake is recognised by computing what it would give, and named in the hint. Every
+checker runs on the CPU in a second or two and leaves the caller's random state alone.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from ...engine import KVCache, causal_attention
+from ...engine.model import sdpa
+from ...engine.quantized import QuantizedKVCache, dequantize, quantize
+from ...engine.window import SinkWindowCache, feed
+from ..checkpoint import load_course_model
+from . import (
+    CheckFailed,
+    engine_methods_are_pristine,
+    fail,
+    forbid,
+    int_list,
+    passed,
+    tiny_model,
+)
+
+TEXT = ("A coin's state is heads. Alice flips, then Bob flips, then Carol does not flip. "
+        "What's the state? A:")
+
+
+def _keeps_rng(check):
+    """Run a checker under torch.random.fork_rng, the caller's random state left alone, after
+    checking that the engine's methods (SinkWindowCache.update, the model's forward, ...) are the
+    packaged ones: the references below are computed with them."""
+    @functools.wraps(check)
+    def run(*fns) -> None:
+        engine_methods_are_pristine()
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            check(*fns)
+    return run
+
+
+def _call_hinted(exercise: str, case: str, hint_of, fn, *args):
+    """Run the learner's function; a crash becomes a failed case with the hint hint_of(error)."""
+    try:
+        return fn(*args)
+    except (NotImplementedError, CheckFailed):
+        raise
+    except Exception as e:  # noqa: BLE001 - any crash is a wrong answer for this case
+        fail(exercise, case, "a result", f"{type(e).__name__}: {e}", hint_of(e))
+
+
+def _raised(error: Exception) -> str:
+    return "your function raised on this input"
+
+
+def _kind(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}, {value.dtype}"
+    return f"{type(value).__module__}.{type(value).__name__}".replace("builtins.", "")
+
+
+def _no_return(got) -> str:
+    return " (did you forget to return it?)" if got is None else ""
+
+
+# --- exercise 1: grouped-query attention -------------------------------------------------------
+
+KERNELS = {F.scaled_dot_product_attention: "torch.nn.functional.scaled_dot_product_attention"}
+
+
+@contextlib.contextmanager
+def _no_kernel(exercise: str):
+    """While the learner's function runs, calling the engine's attention (causal_attention, sdpa)
+    or PyTorch's scaled_dot_product_attention fails the check: with enable_gqa it does the whole
+    exercise. A builtin has no code object, so it is watched by its "c_call" profile event."""
+    called = []
+    with forbid(exercise, causal_attention, sdpa):
+        engine_watch = sys.getprofile()  # forbid's: it sees the engine's Python functions
+
+        def watch(frame, event, arg):
+            engine_watch(frame, event, arg)
+            if event == "c_call" and any(arg is k for k in KERNELS):
+                called.append(next(name for k, name in KERNELS.items() if arg is k))
+        sys.setprofile(watch)
+        try:
+            yield
+        finally:
+            sys.setprofile(engine_watch)
+    if called:
+        raise CheckFailed(f"{exercise}: your function called {called[0]}(); the exercise is to "
+                          f"write attention yourself: expand K and V to the query heads, then "
+                          f"softmax(q kᵀ / sqrt(head_dim)) v under a causal mask")
+
+
+# (B, n_head, n_kv_head, T, head_dim): the first tells every usual mistake apart (two K/V heads
+# of four query heads: repeat and repeat_interleave differ; several queries: the mask shows)
+GQA_SHAPES = [(1, 4, 2, 5, 8), (2, 8, 2, 7, 16), (1, 8, 1, 6, 32), (1, 4, 4, 5, 8),
+              (1, 6, 3, 4, 4), (2, 8, 4, 9, 8), (1, 2, 1, 1, 4), (1, 12, 4, 11, 16)]
+GQA_MODELS = ("target-gqa2", "target-mqa")
+
+REPEAT = ("this is what you get with k.repeat(1, group, 1, 1) (or a group axis in the wrong "
+          "place), which gives query head i the K/V head i % n_kv_head: the K/V heads are "
+          "tiled, 0 1 0 1 ... A K/V head serves a CONTIGUOUS group of n_head // n_kv_head query "
+          "heads, as the grouped model was trained: query head i reads K/V head i // group; "
+          "use k.repeat_interleave(group, dim=1) (0 0 1 1 ...)")
+NO_MASK = ("this is what you get with no causal mask: query i sees the keys after it, its "
+           "future; fill the scores above the diagonal (key j > query i) with -inf before the "
+           "softmax")
+UNSCALED = ("this is what you get when the scores are not divided by sqrt(head_dim): "
+            "softmax(q kᵀ / sqrt(head_dim))")
+BY_HS = "this is what you get when you divide by head_dim: divide by sqrt(head_dim)"
+ROWS = ("this is what you get with the softmax over the queries (dim=-2): each query's weights "
+        "over the keys must sum to 1, so take it over the keys, dim=-1")
+AFTER = ("this is what you get when the mask is applied after the softmax: mask the scores with "
+         "-inf first, so each row's weights still sum to 1")
+TRANSPOSED = ("this is what you get with the mask transposed (triu, the upper triangle): query i "
+              "may see keys 0 .. i, the lower triangle, torch.ones(T, T).tril()")
+NEXT = ("this is what you get when each query also sees the next key: the mask's diagonal is off "
+        "by one (tril(), not tril(1))")
+
+
+def _attend(q, k, v, expand: str = "interleave", mask: str = "causal", scale=None, dim=-1,
+            after: bool = False) -> torch.Tensor:
+    """softmax(q kᵀ x scale) v over K/V heads expanded to the query heads, and its classic bugs."""
+    group = q.size(1) // k.size(1)
+    if expand == "interleave":
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    else:
+        k, v = k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1)
+    T, hs = q.size(-2), q.size(-1)
+    scale = 1 / math.sqrt(hs) if scale is None else scale
+    scores = (q @ k.transpose(-1, -2)) * scale
+    ones = torch.ones(T, T, dtype=torch.bool)
+    allowed = {"causal": ones.tril(), "none": None, "transposed": ones.triu(),
+               "next": ones.tril(1)}[mask]
+    if allowed is not None and not after:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    weights = torch.softmax(scores, dim=dim)
+    if allowed is not None and after:
+        weights = weights * allowed
+    return weights @ v
+
+
+def gqa_mistakes(q, k, v) -> list[tuple[torch.Tensor, str]]:
+    hs = q.size(-1)
+    return [(_attend(q, k, v, expand="repeat"), REPEAT), (_attend(q, k, v, mask="none"), NO_MASK),
+            (_attend(q, k, v, scale=1.0), UNSCALED), (_attend(q, k, v, scale=1 / hs), BY_HS),
+            (_attend(q, k, v, dim=-2), ROWS), (_attend(q, k, v, after=True), AFTER),
+            (_attend(q, k, v, mask="transposed"), TRANSPOSED),
+            (_attend(q, k, v, mask="next"), NEXT)]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> bool:
+    return a.shape == b.shape and bool(torch.allclose(a.double(), b.double(), atol=tol, rtol=tol))
+
+
+def _gqa_crash_hint(nh: int, nkv: int):
+    def hint(error: Exception) -> str:
+        if isinstance(error, RuntimeError) and nkv not in (1, nh):
+            return (f"k and v have n_kv_head = {nkv} heads and q has n_head = {nh}: q @ kᵀ needs "
+                    f"a K/V head for every query head. Repeat each K/V head for its group of "
+                    f"n_head // n_kv_head = {nh // nkv} query heads (repeat_interleave on dim 1)")
+        return "your function raised on this input"
+    return hint
+
+
+def _gqa_shape_hint(shape: tuple, B: int, nh: int, nkv: int, T: int, hs: int) -> str:
+    if shape == (B, T, nh, hs):
+        return "heads in dim 1: return (B, n_head, T, head_dim), as q is"
+    if shape == (B, T, nh * hs):
+        return ("return the heads apart, (B, n_head, T, head_dim): the model puts them side by "
+                "side itself")
+    if shape == (B, nkv, T, hs):
+        return ("one output per QUERY head: expand k and v to n_head heads (each K/V head "
+                "repeated for its group), then attend with every query head")
+    return "one output row per query and query head: (B, n_head, T, head_dim), as q is"
+
+
+def _check_gqa_output(name: str, case: str, got, q, k, v, given) -> None:
+    want = causal_attention(q, k, v)  # what the engine runs: SDPA with enable_gqa
+    B, nh, T, hs = q.shape
+    nkv = k.size(1)
+    for label, before, after in zip("qkv", (q, k, v), given):
+        if not torch.equal(before, after):
+            fail(name, case, f"{label} left unchanged", f"{label} changed in place",
+                 "compute on new tensors (q = q / ..., not q /= ...; repeat_interleave, not an "
+                 "in-place write): inside the model k and v are the cache's own tensors")
+    if not isinstance(got, torch.Tensor):
+        fail(name, case, f"a torch tensor of shape {tuple(want.shape)} (B, n_head, T, head_dim)",
+             _kind(got), "return the attention output as one torch tensor (not numpy, not a "
+             "tuple)" + _no_return(got))
+    if tuple(got.shape) != tuple(want.shape):
+        fail(name, case, f"shape {tuple(want.shape)} (B, n_head, T, head_dim)",
+             f"shape {tuple(got.shape)}", _gqa_shape_hint(tuple(got.shape), B, nh, nkv, T, hs))
+    if got.dtype != q.dtype:
+        fail(name, case, f"dtype {q.dtype}, q's", f"dtype {got.dtype}",
+             "compute in q's dtype: the next layer multiplies the output with its weights")
+    if got.isnan().any():
+        fail(name, case, "no NaN", "NaN in the output",
+             "a query whose keys are all masked (softmax of a row of -inf): query i must see keys "
+             "0 .. i, its own key included; is the mask inverted (True must mean 'may attend') "
+             "or its diagonal off by one?")
+    if not _close(got, want):
+        hint = next((h for wrong, h in gqa_mistakes(q, k, v)
+                     if not _close(wrong, want) and _close(got, wrong)), None)
+        if hint is None:
+            heads = [i for i in range(nh) if not _close(got[:, i], want[:, i])]
+            hint = ("softmax(q kᵀ / sqrt(head_dim)) v over the keys, query i seeing keys 0 .. i, "
+                    f"query head i reading K/V head i // (n_head // n_kv_head) = i // {nh // nkv}"
+                    f"; wrong query heads: {heads}")
+        fail(name, case, "the engine's attention output (to 1e-5)",
+             f"an output off by up to {(got.double() - want.double()).abs().max():.4g}", hint)
+
+
+@_keeps_rng
+def check_gqa_attention(gqa_attention) -> None:
+    """gqa_attention(q, k, v) -> (B, n_head, T, head_dim): causal attention where query head i
+    reads K/V head i // (n_head // n_kv_head), against the engine's kernel on random tensors and
+    inside the grouped course models."""
+    name = "gqa_attention"
+    gen = torch.Generator().manual_seed(70)
+    for B, nh, nkv, T, hs in GQA_SHAPES:
+        kind = ("multi-query, one K/V head" if nkv == 1 else
+                "as many K/V heads as query heads (plain multi-head)" if nkv == nh else
+                f"groups of {nh // nkv} query heads")
+        case = (f"q ({B}, {nh}, {T}, {hs}), k and v ({B}, {nkv}, {T}, {hs}): n_head = {nh}, "
+                f"n_kv_head = {nkv}, {kind}")
+        q = torch.randn(B, nh, T, hs, generator=gen) * 1.5
+        k, v = (torch.randn(B, nkv, T, hs, generator=gen) * 1.5 for _ in range(2))
+        given = [t.clone() for t in (q, k, v)]
+        with _no_kernel(name):
+            got = _call_hinted(name, case, _gqa_crash_hint(nh, nkv), gqa_attention, *given)
+        _check_gqa_output(name, case, got, q, k, v, given)
+    for model_name in GQA_MODELS:
+        model, tok = load_course_model(model_name, "cpu")
+        cfg = model.config
+        ids = torch.tensor([tok.encode(TEXT)])
+        case = (f"the course model {model_name} ({cfg.n_head} query heads, {cfg.kv_heads} K/V "
+                f"head{'s' * (cfg.kv_heads > 1)}), model(idx, attention=gqa_attention) on a "
+                f"{ids.size(1)}-token prompt")
+        want = model(ids)
+        with _no_kernel(name):
+            got = _call_hinted(name, case, _gqa_crash_hint(cfg.n_head, cfg.kv_heads), model, ids,
+                               None, None, False, gqa_attention)
+        if not _close(got, want, 1e-4):
+            fail(name, case, "the model's own logits (to 1e-4)",
+                 f"logits off by up to {(got - want).abs().max():.4g}",
+                 "query head i reads K/V head i // (n_head // n_kv_head): the heads the model "
+                 "was trained with")
+    passed(name, len(GQA_SHAPES) + len(GQA_MODELS))
+
+
+# --- exercise 2: a quantized block of keys ------------------------------------------------------
+
+def _real_kv() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The course target's layer-0 and layer-5 keys and layer-3 values for a prompt,
+    (1, 8, T, 32) each."""
+    target, tok = load_course_model("target", "cpu")
+    ids = tok.encode(TEXT)[:24]
+    cache = KVCache.for_model(target, max_len=len(ids))
+    target(torch.tensor([ids]), cache=cache)
+    T = len(ids)
+    return (cache.keys[0][:, :, :T].clone(), cache.keys[5][:, :, :T].clone(),
+            cache.values[3][:, :, :T].clone())
+
+
+def quant_cases() -> list[tuple[str, torch.Tensor, int]]:
+    """(what the case is about, x, bits); the first tells most mistakes apart."""
+    k0, k5, v3 = _real_kv()
+    gen = torch.Generator().manual_seed(71)
+    head = torch.randn(6, 5, generator=gen) * 3
+    head[2] = 0.0                               # a position whose vector is all zeros
+    head[4] = torch.tensor([0.5, -4.0, 1.0, 3.5, -0.25])  # its largest magnitude is negative
+    wide = (torch.randn(2, 3, 10, 7, generator=gen, dtype=torch.float64)
+            * torch.logspace(-3, 2, 10, dtype=torch.float64)[:, None])
+    real = f"the course target's {{}} for a {k0.size(2)}-token prompt, {tuple(k0.shape)}"
+    return [
+        (real.format("layer-0 keys"), k0, 8),
+        (real.format("layer-0 keys"), k0, 4),
+        (real.format("layer-5 keys"), k5, 4),
+        (real.format("layer-3 values (values are quantized the same way)"), v3, 8),
+        ("one head's keys, (T, hs) = (6, 5): position 2 all zeros, position 4's largest element "
+         "negative", head, 8),
+        ("one head's keys, (T, hs) = (6, 5): position 2 all zeros, position 4's largest element "
+         "negative", head, 4),
+        ("float64 keys (2, 3, 10, 7), positions from 1e-3 to 1e2 in size", wide, 4),
+    ]
+
+
+def engine_quantized(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                           torch.Tensor]:
+    """The engine's quantization of x: signed codes (int64, in [-qmax, qmax]), the scales
+    (..., T, 1) and the dequantized x, from quantize and dequantize (the engine stores code +
+    2^(bits-1) as uint8, two codes a byte at 4 bits)."""
+    packed, scales = quantize(x, bits)
+    codes = dequantize(packed, torch.ones_like(scales), bits, x.size(-1))  # code x 1, exactly
+    return codes.round().long(), scales, dequantize(packed, scales, bits, x.size(-1))
+
+
+def _ratio(x: torch.Tensor, scales: torch.Tensor) -> float | None:
+    """N when every nonzero position's scale is max|x| / N for one N, else None."""
+    amax = x.double().abs().amax(-1, keepdim=True)
+    live = amax > 0
+    r = (amax[live] / scales.double()[live])
+    if r.numel() == 0 or not torch.isfinite(r).all() or (r - r[0]).abs().max() > 1e-4 * r[0]:
+        return None
+    return float(r[0])
+
+
+def _scale_hint(x: torch.Tensor, scales: torch.Tensor, bits: int) -> str:
+    qmax = 2 ** (bits - 1) - 1
+    amax = x.double().abs().amax(-1, keepdim=True)
+    n = _ratio(x, scales)
+    levels = f"qmax = 2^(bits-1) - 1 = {qmax}"
+    if n is not None and abs(n - round(n)) < 1e-4:
+        n = round(n)
+        if n == 2 ** (bits - 1):
+            return (f"this is what you get with scale = max|x| / 2^(bits-1) = max|x| / {n}: off "
+                    f"by one level. The largest element's code is then {n}, one more than the "
+                    f"largest signed code {qmax} (the range is symmetric, -{qmax} .. {qmax}): "
+                    f"unclamped it overflows (int8 wraps 128 to -128), clamped it is off by a "
+                    f"whole scale. Divide by {levels}")
+        if n == 2 ** bits:
+            return (f"this is what you get with scale = max|x| / 2^bits = max|x| / {n}: that is "
+                    f"the number of levels of an UNSIGNED code; signed codes run from -{qmax} to "
+                    f"{qmax}, so the largest element's code would be {n}, far past {qmax}. "
+                    f"Divide by {levels}")
+        if n == 2 ** bits - 1:
+            return (f"this is what you get with scale = max|x| / (2^bits - 1) = max|x| / {n}: "
+                    f"the largest unsigned code; signed codes run from -{qmax} to {qmax}. "
+                    f"Divide by {levels}")
+        if 0 < n < qmax:
+            unused = f"{qmax}" if n == qmax - 1 else f"{n + 1} .. {qmax}"
+            wasted = "a level" if n == qmax - 1 else f"{qmax - n} levels"
+            return (f"this is what you get with scale = max|x| / {n}: the largest code is then "
+                    f"{n}, and ±{unused} are never used: it wastes {wasted}, a coarser grid for "
+                    f"nothing. Divide by {levels}")
+        if n > qmax:
+            return (f"this is what you get with scale = max|x| / {n}: the largest element's code "
+                    f"is then {n}, past the largest signed code {qmax}. Divide by {levels}")
+    if n is not None:
+        return f"your scales are max|x| / {n:.4g}: divide by {levels}"
+    signed = x.double().amax(-1, keepdim=True) / qmax
+    if torch.allclose(scales.double(), signed, rtol=1e-5, atol=0):
+        return ("this is what you get with x.amax(...), the largest element, not the largest "
+                "MAGNITUDE: a position whose largest element in size is negative gets too small "
+                "(or a negative) scale; take x.abs().amax(dim=-1, keepdim=True)")
+    if torch.allclose(scales.double(), qmax / amax.clamp(min=1e-300), rtol=1e-5, atol=0):
+        return (f"your scales are {qmax} / max|x|, upside down: scale = max|x| / {qmax}, so that "
+                f"x / scale reaches ±{qmax}")
+    if torch.allclose(scales.double(), amax / qmax * 2, rtol=1e-5, atol=0):
+        return (f"your scales are 2 max|x| / {qmax}, the range -max .. max spread over {qmax} "
+                f"levels; the codes run from -{qmax} to {qmax}: scale = max|x| / {qmax}")
+    return (f"one scale per position: max|x| over that position's head_dim elements, divided by "
+            f"{levels}")
+
+
+def _scales_shape_hint(shape: tuple, xshape: tuple) -> str:
+    *lead, T, hs = xshape
+    if shape == (*lead, 1, hs):
+        return ("one scale per CHANNEL: this is what you get with the max over the positions "
+                "(dim=-2). Quantize per token, as the engine does: each position is quantized "
+                "the moment it is written, when the positions to come are unknown, so its scale "
+                "is the max over its own head_dim elements, x.abs().amax(dim=-1, keepdim=True)")
+    if shape == (*lead, hs):
+        return ("one scale per CHANNEL (the max over the positions, dim=-2): quantize per token, "
+                "x.abs().amax(dim=-1, keepdim=True), (..., T, 1)")
+    if shape == (*lead, T):
+        return ("one scale per position, kept as a column: (..., T, 1), keepdim=True, so that "
+                "x / scales divides each row by its own scale")
+    if math.prod(shape) == 1:
+        return ("one scale for the whole block (per tensor): quantize per token, one scale per "
+                "position and head, x.abs().amax(dim=-1, keepdim=True): one large position "
+                "would otherwise make every small one round to 0")
+    return "one scale per position and head: x.abs().amax(dim=-1, keepdim=True), (..., T, 1)"
+
+
+def _codes_hint(x, scales, codes, bits) -> str:
+    qmax = 2 ** (bits - 1) - 1
+    y = (x / scales).double()  # in x's dtype, as the learner divides
+    c = codes.double()
+
+    def same(rounded) -> bool:  # clamped or not
+        return torch.equal(c, rounded) or torch.equal(c, rounded.clamp(-qmax, qmax))
+    if same(y.trunc()):
+        return ("this is what you get by truncating x / scale (.to(int) or .int() drops the "
+                "fraction): the error reaches a whole scale; round to the nearest level first, "
+                "torch.round(x / scale)")
+    if same(y.floor()):
+        return ("this is what you get with floor: the error reaches a whole scale; round to the "
+                "nearest level, torch.round(x / scale)")
+    if same(y.ceil()):
+        return "this is what you get with ceil: round to the nearest level, torch.round(x / scale)"
+    if same((x.double() * scales.double()).round()):
+        return "codes are x / scale (divide), rounded: you multiplied"
+    return "code = torch.round(x / scale), clamped to [-qmax, qmax]"
+
+
+QUANT_FORBIDDEN = (quantize, dequantize, QuantizedKVCache.update)
+
+
+def _check_quantized(name, case, x, bits, got) -> tuple[torch.Tensor, torch.Tensor]:
+    """The learner's (codes, scales) for x, checked against the engine; returned when right."""
+    qmax = 2 ** (bits - 1) - 1
+    want_codes, want_scales, _ = engine_quantized(x, bits)
+    shape, sshape = tuple(x.shape), tuple(want_scales.shape)
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        fail(name, case, f"a pair (codes {shape}, scales {sshape})", _kind(got),
+             "return codes, scales" + _no_return(got))
+    codes, scales = got
+    if not isinstance(scales, torch.Tensor):
+        fail(name, case, f"scales: a tensor of shape {sshape}", _kind(scales),
+             "return the scales as a torch tensor, one per position: (..., T, 1)")
+    if tuple(scales.shape) != sshape:
+        fail(name, case, f"scales of shape {sshape}, one per position (..., T, 1)",
+             f"scales of shape {tuple(scales.shape)}",
+             _scales_shape_hint(tuple(scales.shape), shape))
+    if not scales.is_floating_point() or scales.dtype != x.dtype:
+        fail(name, case, f"scales in x's dtype, {x.dtype}", f"scales in {scales.dtype}",
+             "the scales are real numbers, in x's dtype: dequantizing multiplies by them")
+    zero = x.abs().amax(-1, keepdim=True) == 0
+    if not (torch.isfinite(scales).all() and (scales > 0).all()):
+        bad = ~(torch.isfinite(scales) & (scales > 0))
+        hint = ("a position whose vector is all zeros has max|x| = 0: a scale of 0 makes x / scale "
+                "0 / 0 = NaN, and NaN cast to an integer is garbage. Keep the scale positive: "
+                "clamp max|x| to a tiny positive number first, as the engine does, "
+                ".clamp(min=torch.finfo(x.dtype).tiny)") if (bad & zero).any() else (
+                "every scale must be a positive number: max|x| / qmax, max of the MAGNITUDES "
+                "(x.abs())")
+        fail(name, case, "positive, finite scales", f"{scales[bad][:4].tolist()} ...", hint)
+    live = ~zero
+    if not torch.allclose(scales[live].double(), want_scales[live].double(), rtol=1e-5, atol=0):
+        i = int((~torch.isclose(scales.double(), want_scales.double(), rtol=1e-5, atol=0)
+                 & live).flatten().nonzero()[0])
+        fail(name, case, f"the engine's scales, max|x| / {qmax} (e.g. "
+             f"{want_scales.flatten()[i].item():.6g})",
+             f"e.g. {scales.flatten()[i].item():.6g}", _scale_hint(x, scales, bits))
+    if not isinstance(codes, torch.Tensor):
+        fail(name, case, f"codes: an integer tensor of shape {shape}", _kind(codes),
+             "return the codes as a torch tensor of integers (torch.int8 holds 8-bit codes)")
+    if tuple(codes.shape) != shape:
+        fail(name, case, f"codes of shape {shape}, one per element of x",
+             f"codes of shape {tuple(codes.shape)}",
+             "one code per element of x, x's shape: no packing (the engine packs two 4-bit codes "
+             "a byte; this exercise does not)")
+    if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
+        fail(name, case, "codes of an integer dtype (torch.int8, say)", f"dtype {codes.dtype}",
+             "the codes are what the cache stores: small integers, 1 byte each at 8 bits; after "
+             "torch.round, convert with .to(torch.int8)")
+    c = codes.long()
+    if (c.abs() > qmax).any():
+        if torch.equal(c, want_codes + qmax + 1):
+            hint = (f"these are the engine's stored codes, code + 2^(bits-1), unsigned (1 .. "
+                    f"{2 * qmax + 1}): return the signed codes themselves, -{qmax} .. {qmax}")
+        else:
+            hint = (f"clamp the codes to [-{qmax}, {qmax}] (the signed range of a {bits}-bit "
+                    f"code, symmetric): x / scale may not reach past ±{qmax}")
+        fail(name, case, f"codes in [-{qmax}, {qmax}]",
+             f"codes from {int(c.min())} to {int(c.max())}", hint)
+    y = x.double() / want_scales.double()
+    off = (c.double() - y).abs() > 0.5 + 1e-3  # a code may differ from the engine's at a tie
+    if off.any():
+        i = int(off.flatten().nonzero()[0])
+        fail(name, case, f"code round(x / scale) = {int(want_codes.flatten()[i])} where x / scale "
+             f"= {y.flatten()[i].item():.4f}", f"code {int(c.flatten()[i])}",
+             _codes_hint(x, want_scales, c, bits))
+    return codes, scales
+
+
+@_keeps_rng
+def check_quantize(quantize_block, dequantize_block) -> None:
+    """quantize_block(x, bits) -> (codes, scales), dequantize_block(codes, scales) -> x̂: per-token
+    symmetric quantization, scale = max|x| / (2^(bits-1) - 1), against the engine's quantize and
+    dequantize on real keys and values."""
+    name = "quantize_block"
+    cases = quant_cases()
+    for label, x, bits in cases:
+        case = f"{label}, bits={bits}"
+        given = x.clone()
+        with forbid(name, *QUANT_FORBIDDEN):
+            got = _call_hinted(name, case, _quant_crash_hint, quantize_block, given, bits)
+        if not torch.equal(given, x):
+            fail(name, case, "x left unchanged", "x changed in place",
+                 "compute on new tensors (x / scales, not x /= scales or x.div_): x is the "
+                 "model's keys, which attention still reads")
+        codes, scales = _check_quantized(name, case, x, bits, got)
+        mine = (codes.clone(), scales.clone())
+        with forbid("dequantize_block", *QUANT_FORBIDDEN):
+            out = _call_hinted("dequantize_block", case, _raised, dequantize_block, *mine)
+        _check_dequantized(case, x, codes, scales, mine, out)
+    passed("quantize_block and dequantize_block", len(cases))
+
+
+def _quant_crash_hint(error: Exception) -> str:
+    if isinstance(error, RuntimeError) and "size of tensor" in str(error):
+        return ("shapes that do not broadcast: the scales must be (..., T, 1), one per "
+                "position, kept as a column (amax(dim=-1, keepdim=True)), so that x / scales "
+                "divides each position by its own")
+    return "your function raised on this input"
+
+
+def _check_dequantized(case, x, codes, scales, mine, out) -> None:
+    name = "dequantize_block"
+    if not (torch.equal(mine[0], codes) and torch.equal(mine[1], scales)):
+        fail(name, case, "codes and scales left unchanged", "changed in place",
+             "compute on new tensors: the cache keeps the codes and scales, and reads them "
+             "again at every step")
+    shape = tuple(x.shape)
+    if not isinstance(out, torch.Tensor):
+        fail(name, case, f"a tensor of shape {shape}", _kind(out),
+             "return x̂ as a torch tensor" + _no_return(out))
+    if tuple(out.shape) != shape:
+        fail(name, case, f"shape {shape}, x's", f"shape {tuple(out.shape)}",
+             "one value per code: codes (..., T, hs) times scales (..., T, 1), broadcast")
+    if not out.is_floating_point() or out.dtype != scales.dtype:
+        fail(name, case, f"dtype {scales.dtype}, the scales'", f"dtype {out.dtype}",
+             "dequantized values are real numbers, in the scales' dtype: codes.to(scales.dtype) "
+             "* scales")
+    want = codes.double() * scales.double()
+    if not torch.allclose(out.double(), want, rtol=1e-5, atol=1e-30):
+        o = out.double()
+        if torch.equal(o, codes.double()):
+            hint = ("this is the codes themselves: multiply them back by their scales, "
+                    "x ≈ codes * scales")
+        elif torch.allclose(o, codes.double() / scales.double(), rtol=1e-5, atol=0):
+            hint = "you divided by the scales: x ≈ codes * scales, multiply"
+        else:
+            hint = "x ≈ codes * scales: each position's codes times that position's scale"
+        i = int((~torch.isclose(o, want, rtol=1e-5, atol=1e-30)).flatten().nonzero()[0])
+        fail(name, case, f"codes * scales (e.g. {want.flatten()[i].item():.6g})",
+             f"e.g. {o.flatten()[i].item():.6g}", hint)
+    error = (out.double() - x.double()).abs()
+    if (error > scales.double() / 2 * (1 + 1e-4) + 1e-30).any():
+        fail(name, case, "every element within half a scale of x", "a larger error",
+             "round x / scale to the nearest code: the reconstruction is then within scale / 2")
+
+
+# --- exercise 3: which positions a sink-and-window cache holds ----------------------------------
+
+# (sinks, window); each is fed N_TOKENS tokens one per pass, t = 0 .. N_TOKENS - 1
+WINDOW_PAIRS = [(2, 4), (0, 5), (4, 8), (1, 1), (0, 1), (3, 2), (5, 3), (4, 12)]
+N_TOKENS = 24
+
+WINDOW_PLUS = ("this is what you get keeping window + 1 recent positions: the cache keeps the "
+               "last `window` positions after each pass, the one just written (t) among them: "
+               "t - window + 1 .. t")
+WINDOW_MINUS = ("this is what you get keeping window - 1 recent positions: the last `window` "
+                "positions are t - window + 1 .. t, the one just written among them")
+TWICE = ("this is what you get when the sinks are counted twice: before anything is evicted (t "
+         "< sinks + window) the first positions are both sinks and recent; a position is held "
+         "once. Nothing is evicted until more than sinks + window positions are written")
+UNWRITTEN = ("this lists sinks that are not written yet: after the pass that wrote position t "
+             "only positions 0 .. t exist; while t < sinks the cache holds just those")
+NO_SINKS = ("this is what you get without the sinks: the cache keeps the FIRST `sinks` positions "
+            "too (the attention sinks), evicting only the positions between them and the window")
+LAST_BOTH = ("this is what you get keeping the last sinks + window positions: the first `sinks` "
+             "positions stay for good (the sinks); only the middle is evicted")
+SLOTS = ("these are the cache's slots, 0 .. held - 1, not the positions: return the ABSOLUTE "
+         "position each slot holds (what SinkWindowCache.positions lists)")
+TOKENS = ("this is what you get when t counts the tokens seen: t is the position just written, "
+          "so t + 1 tokens (positions 0 .. t) have been fed")
+
+
+def _right(t: int, s: int, w: int) -> list[int]:
+    seen = t + 1
+    return list(range(seen)) if seen <= s + w else list(range(s)) + list(range(seen - w, seen))
+
+
+def window_mistakes(t: int, s: int, w: int) -> list[tuple[list[int], str]]:
+    def recent(n):
+        return list(range(max(0, t - n + 1), t + 1))
+
+    def dedup(*parts):
+        return sorted(set().union(*parts))
+    held = _right(t, s, w)
+    return [
+        (dedup(range(min(s, t + 1)), recent(w + 1)), WINDOW_PLUS),
+        (dedup(range(min(s, t + 1)), recent(w - 1)), WINDOW_MINUS),
+        (list(range(min(s, t + 1))) + recent(w), TWICE),
+        (list(range(s)) + recent(w), TWICE),
+        (dedup(range(s), recent(w)), UNWRITTEN),
+        (list(range(s)) + recent(w), UNWRITTEN),
+        (recent(w), NO_SINKS),
+        (recent(s + w), LAST_BOTH),
+        (list(range(len(held))), SLOTS),
+        (_right(t - 1, s, w) if t > 0 else [], TOKENS),
+    ]
+
+
+def engine_positions(sinks: int, window: int, n_tokens: int = N_TOKENS) -> list[list[int]]:
+    """A real SinkWindowCache fed a text one token per pass (`feed`, one token at a time): the
+    positions it holds after each pass, t = 0 .. n_tokens - 1."""
+    model = tiny_model(7, n_layer=1)
+    cache = SinkWindowCache.for_model(model, sinks=sinks, window=window)
+    gen = torch.Generator().manual_seed(72 + 10 * sinks + window)
+    held = []
+    for token in torch.randint(0, model.config.vocab_size, (n_tokens,), generator=gen).tolist():
+        feed(model, [token], cache)
+        held.append(list(cache.positions))
+    return held
+
+
+@_keeps_rng
+def check_held_positions(held_positions) -> None:
+    """held_positions(t, sinks, window) -> the absolute positions a SinkWindowCache holds, in
+    slot order, after the pass that wrote position t (the text fed one token per pass)."""
+    name = "held_positions"
+    n_cases = 0
+    ruled_out: set[int] = set()  # mistakes an earlier case, which the function passed, tells apart
+    for sinks, window in WINDOW_PAIRS:
+        for t, want in enumerate(engine_positions(sinks, window)):
+            case = (f"t={t}, sinks={sinks}, window={window} (fed one token per pass: positions "
+                    f"0 .. {t} written)")
+            with forbid(name, SinkWindowCache.update, feed):
+                got = _call_hinted(name, case, _raised, held_positions, t, sinks, window)
+            n_cases += 1
+            _check_held(name, case, t, sinks, window, want, got, ruled_out)
+            ruled_out |= {i for i, (wrong, _) in enumerate(window_mistakes(t, sinks, window))
+                          if wrong != want}
+    passed(name, n_cases)
+
+
+def _check_held(name, case, t, sinks, window, want, got, ruled_out) -> None:
+    if isinstance(got, (set, frozenset)):
+        fail(name, case, want, got, "return a list, in the order the cache holds them (its "
+             "slots): the sinks first, then the window, oldest first")
+    held = list(got) if isinstance(got, range) else int_list(got)
+    if held is None:
+        fail(name, case, want, got, "return a list of ints, the absolute positions held"
+             + _no_return(got))
+    if held == want:
+        return
+    hints = dict.fromkeys(h for i, (wrong, h) in enumerate(window_mistakes(t, sinks, window))
+                          if i not in ruled_out and wrong != want and wrong == held)
+    hint = "; or ".join(hints)
+    if not hint and sorted(held) == want:
+        hint = ("the right positions in the wrong order: list them as the cache holds them, "
+                "the sinks first, then the window, oldest first (ascending)")
+    if not hint and len(set(held)) < len(held):
+        hint = "a position is held once: no duplicates"
+    if not hint and any(p > t or p < 0 for p in held):
+        hint = f"only positions 0 .. {t} have been written"
+    fail(name, case, want, held, hint or (
+        "after each pass the cache keeps the first `sinks` positions and the last `window` "
+        "(the one just written among them), and evicts the rest; until more than sinks + "
+        "window positions are written, it holds them all"))
+
+
+__all__ = ["check_gqa_attention", "check_quantize", "check_held_positions", "CheckFailed"]
