@@ -93,3 +93,25 @@ def test_token_labels_fit_their_boxes(max_positions):
                 assert box.x0 <= inside.x0 and inside.x1 <= box.x1, (
                     f"{text.get_text()!r} ({inside.width:.0f} px) overflows its box "
                     f"({box.width:.0f} px)")
+
+
+def test_the_window_picture_draws_what_the_cache_held_and_nothing_else():
+    """draw_window: a box in the prompt colour for each position SinkWindowCache held after each
+    pass, an empty outline for each it had evicted."""
+    from minikv.engine.window import SinkWindowCache, feed
+    from minikv.viz.draw import draw_window
+    model = varied_model()
+    cache, held = SinkWindowCache.for_model(model, sinks=2, window=3), []
+    ids = list(range(3, 12))
+    for token in ids:
+        feed(model, [token], cache)
+        held.append(list(cache.positions))
+    gids = {p.get_gid(): p for p in draw_window(held, ids, sinks=2).axes[0].patches}
+    for t, positions in enumerate(held):
+        for j in range(t + 1):
+            if j in positions:
+                assert mcolors.to_hex(gids[f"held-{t}-{j}"].get_facecolor()) == COLORS["prompt"]
+                assert f"evicted-{t}-{j}" not in gids
+            else:
+                assert f"evicted-{t}-{j}" in gids and f"held-{t}-{j}" not in gids
+    assert sum(g.startswith("held-") for g in gids) == sum(map(len, held)) == 1 + 2 + 3 + 4 + 5 * 5
