@@ -579,3 +579,13 @@ def test_speedup_is_the_formula_and_its_limit_at_alpha_1():
     assert math.isclose(ch04.speedup(0.5, 0.1, 3), (1 - 0.5 ** 4) / (0.5 * 1.3))
     assert math.isclose(ch04.speedup(1.0, 0.1, 3), 4 / 1.3)
     assert math.isclose(ch04.speedup(1 - 1e-9, 0.1, 3), 4 / 1.3, rel_tol=1e-6)
+
+
+def test_a_patched_checker_does_not_silence_the_check_cell(monkeypatch):
+    """An exercise cell that replaces the checker (or empties its cases) changes nothing: the
+    check cell loads a fresh copy from the package."""
+    import minikv.course.checks as checks
+    monkeypatch.setattr(ch04, "check_best_gamma", lambda fn: print("✓ best_gamma: all 6 cases"))
+    monkeypatch.setattr(ch04, "GAMMA_CASES", [])
+    with pytest.raises(CheckFailed):
+        checks.fresh("ch04").check_best_gamma(gamma_ignores_cost)

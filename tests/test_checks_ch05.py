@@ -344,3 +344,12 @@ def test_checkers_are_fast():
         start = time.perf_counter()
         checker(solution)
         assert time.perf_counter() - start < 5, checker.__name__
+
+
+def test_a_patched_checker_does_not_silence_the_check_cell(monkeypatch):
+    """An exercise cell that replaces the checker changes nothing: the check cell loads a fresh
+    copy from the package."""
+    import minikv.course.checks as checks
+    monkeypatch.setattr(ch05, "check_choose", lambda fn: print("✓ choose: all cases pass"))
+    with pytest.raises(CheckFailed):
+        checks.fresh("ch05").check_choose(choose_global_rng)

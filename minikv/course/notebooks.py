@@ -6,8 +6,10 @@
 
 A solution region is the code between `### BEGIN SOLUTION` and `### END SOLUTION` (nbgrader's
 markers), always inside a function body, so the stub only raises when the check cell calls it.
-Outputs are kept: nbval then compares a student's check cells with the solution's, and passes
-exactly when they match.
+Other cells keep the solution's outputs; check cells are saved without any, so an exercise notebook
+shows no success before the student writes a line. Under nbval a check cell passes exactly when it
+runs without raising: the checker raises on every wrong answer, and the stub raises
+NotImplementedError.
 """
 from __future__ import annotations
 

@@ -47,13 +47,18 @@ def expect(condition: bool, exercise: str, case: str, expected, got, hint: str =
 
 def call(exercise: str, case: str, fn, *args, **kwargs):
     """Run the learner's function; a crash becomes a failed case that names the input."""
+    return call_hinted(exercise, case, lambda e: "your function raised on this input", fn, *args,
+                       **kwargs)
+
+
+def call_hinted(exercise: str, case: str, hint_of, fn, *args, **kwargs):
+    """Like `call`, but a crash gets the hint `hint_of(exception)` (a usual mistake named)."""
     try:
         return fn(*args, **kwargs)
-    except NotImplementedError:
+    except (NotImplementedError, CheckFailed):
         raise
     except Exception as e:  # noqa: BLE001 - any crash is a wrong answer for this case
-        fail(exercise, case, "a result", f"{type(e).__name__}: {e}",
-             "your function raised on this input")
+        fail(exercise, case, "a result", f"{type(e).__name__}: {e}", hint_of(e))
 
 
 def passed(exercise: str, n_cases: int) -> None:

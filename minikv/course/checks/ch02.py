@@ -33,6 +33,7 @@ from . import (
     ENGINE_DIR,
     CheckFailed,
     as_int,
+    call_hinted,
     expect,
     fail,
     forbid,
@@ -70,15 +71,8 @@ def _keeps_rng(check):
 
 
 def _call(name: str, case: str, fn, *args, hint="your code raised on this input", **kw):
-    """Run the learner's code; a crash becomes a failed case that names the input, with a hint
-    (or a function of the exception that picks one)."""
-    try:
-        return fn(*args, **kw)
-    except (NotImplementedError, CheckFailed):
-        raise
-    except Exception as e:  # noqa: BLE001 - any crash is a wrong answer for this case
-        fail(name, case, "a result", f"{type(e).__name__}: {e}",
-             hint(e) if callable(hint) else hint)
+    """call_hinted with a fixed hint, or a function of the exception that picks one."""
+    return call_hinted(name, case, hint if callable(hint) else (lambda e: hint), fn, *args, **kw)
 
 
 def _what(value) -> str:

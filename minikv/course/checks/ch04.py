@@ -35,6 +35,7 @@ from . import (
     as_int,
     cache_state,
     call,
+    call_hinted,
     expect,
     fail,
     forbid,
@@ -78,15 +79,6 @@ def _keeps_rng(check):
             check(fn)
     return run
 
-
-def _call_hinted(exercise: str, case: str, hint_of, fn, *args):
-    """Like `call`, but a crash gets the hint `hint_of(exception)` (a usual mistake named)."""
-    try:
-        return fn(*args)
-    except (NotImplementedError, CheckFailed):
-        raise
-    except Exception as e:  # noqa: BLE001 - any crash is a wrong answer for this case
-        fail(exercise, case, "a result", f"{type(e).__name__}: {e}", hint_of(e))
 
 
 def _one_thread(check):
@@ -275,7 +267,7 @@ def _check_round(name, case, round_fn, target, draft, seq, t_cache, d_cache, gam
     case = f"{case}, round at len(seq) = {len(before_seq)}"
     with forbid(name, speculative_generate, verify_and_commit, accept_matching), \
             PassCounter(target) as t_passes, PassCounter(draft) as d_passes:
-        got = _call_hinted(name, case, _round_crash_hint, round_fn, target, draft, seq, t_cache,
+        got = call_hinted(name, case, _round_crash_hint, round_fn, target, draft, seq, t_cache,
                            d_cache, gamma)
     # what it returned, and what it did to seq
     tokens = int_list(got)
@@ -520,7 +512,7 @@ def check_alpha_from_trace(alpha_from_trace) -> None:
     with torch.inference_mode():
         for label, out in _alpha_cases():
             want = out.stats.alpha
-            got = _call_hinted(name, label, _alpha_crash_hint, alpha_from_trace, list(out.trace))
+            got = call_hinted(name, label, _alpha_crash_hint, alpha_from_trace, list(out.trace))
             if isinstance(got, bool) or not isinstance(got, (int, float)):
                 kind = f"{type(got).__module__}.{type(got).__name__}".replace("builtins.", "")
                 fail(name, label, want, got, f"return a Python float, not a {kind} (float(...))")
@@ -600,7 +592,7 @@ def check_best_gamma(best_gamma) -> None:
     for alpha, c, max_gamma in GAMMA_CASES:
         case = f"alpha={alpha}, c={c}, max_gamma={max_gamma}"
         want = reference_best_gamma(alpha, c, max_gamma)
-        got = _call_hinted(name, case, _gamma_crash_hint, best_gamma, alpha, c, max_gamma)
+        got = call_hinted(name, case, _gamma_crash_hint, best_gamma, alpha, c, max_gamma)
         value = as_int(got)
         if value is None:
             kind = f"{type(got).__module__}.{type(got).__name__}".replace("builtins.", "")

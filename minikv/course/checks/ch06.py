@@ -34,6 +34,7 @@ from ...engine.paged import BlockPool, BlockTable, PagedCache, block_hash
 from ...engine.serving import _Sequence, _Server
 from . import (
     CheckFailed,
+    call_hinted,
     engine_methods_are_pristine,
     fail,
     forbid,
@@ -53,15 +54,6 @@ def _keeps_rng(check):
             check(fn)
     return run
 
-
-def _call_hinted(exercise: str, case: str, hint_of, fn, *args):
-    """Run the learner's function; a crash becomes a failed case with the hint hint_of(error)."""
-    try:
-        return fn(*args)
-    except (NotImplementedError, CheckFailed):
-        raise
-    except Exception as e:  # noqa: BLE001 - any crash is a wrong answer for this case
-        fail(exercise, case, "a result", f"{type(e).__name__}: {e}", hint_of(e))
 
 
 def _kind(value) -> str:
@@ -213,7 +205,7 @@ def check_gather_keys(gather_keys) -> None:
         want = engine_read(pool_keys, table, length)
         given, given_table = pool_keys.clone(), list(table)
         with forbid(name, PagedCache.update, PagedCache._indices):
-            got = _call_hinted(name, case, _gather_crash_hint, gather_keys, given, given_table,
+            got = call_hinted(name, case, _gather_crash_hint, gather_keys, given, given_table,
                                length)
         if not torch.equal(given, pool_keys) or given_table != table:
             fail(name, case, "pool_keys and table left as they were", "they changed",
@@ -353,7 +345,7 @@ def _check_reserve_case(name: str, case_id: int, case: tuple, reserve) -> None:
     want_pool, want = copy.deepcopy(pool), copy.deepcopy(mine)
     PagedCache(want_pool, [want]).reserve(n_new)  # the engine, on a copy
     with forbid(name, PagedCache.reserve, PagedCache.blocks_needed, BlockPool.copy_on_write):
-        _call_hinted(name, where, _reserve_crash_hint(not blocks0), reserve, pool, mine, n_new)
+        call_hinted(name, where, _reserve_crash_hint(not blocks0), reserve, pool, mine, n_new)
     got, n_want = mine.blocks, len(want.blocks)
     if mine.length != length:
         fail(name, where, f"table.length = {length}", f"table.length = {mine.length}",
@@ -583,7 +575,7 @@ def check_matching_blocks(matching_blocks) -> None:
         want = engine_shared_prefix(prompt, bs, by_hash)
         given_prompt, given = list(prompt), dict(by_hash)
         with forbid(name, _Server.shared_prefix):
-            got = _call_hinted(name, case, lambda e: "your function raised on this input",
+            got = call_hinted(name, case, lambda e: "your function raised on this input",
                                matching_blocks, given_prompt, bs, given)
         if given != by_hash or given_prompt != prompt:
             fail(name, case, "prompt and by_hash left as they were", "changed",
@@ -763,7 +755,7 @@ def check_can_admit(can_admit) -> None:
                  f"n_running={n_running}")
         books = (list(pool.ref), list(pool.free), dict(pool.by_hash))
         with forbid(name, _Server.admit, _Server.shared_prefix):
-            got = _call_hinted(name, where, lambda e: "your function raised on this input",
+            got = call_hinted(name, where, lambda e: "your function raised on this input",
                                can_admit, pool, len(seq), list(shared), n_running)
         if (list(pool.ref), list(pool.free), dict(pool.by_hash)) != books:
             fail(name, where, "the pool left as it was", "the pool changed",

@@ -34,6 +34,7 @@ from ...engine.window import SinkWindowCache, feed
 from ..checkpoint import load_course_model
 from . import (
     CheckFailed,
+    call_hinted,
     engine_methods_are_pristine,
     fail,
     forbid,
@@ -57,15 +58,6 @@ def _keeps_rng(check):
             check(*fns)
     return run
 
-
-def _call_hinted(exercise: str, case: str, hint_of, fn, *args):
-    """Run the learner's function; a crash becomes a failed case with the hint hint_of(error)."""
-    try:
-        return fn(*args)
-    except (NotImplementedError, CheckFailed):
-        raise
-    except Exception as e:  # noqa: BLE001 - any crash is a wrong answer for this case
-        fail(exercise, case, "a result", f"{type(e).__name__}: {e}", hint_of(e))
 
 
 def _raised(error: Exception) -> str:
@@ -248,7 +240,7 @@ def check_gqa_attention(gqa_attention) -> None:
         k, v = (torch.randn(B, nkv, T, hs, generator=gen) * 1.5 for _ in range(2))
         given = [t.clone() for t in (q, k, v)]
         with _no_kernel(name):
-            got = _call_hinted(name, case, _gqa_crash_hint(nh, nkv), gqa_attention, *given)
+            got = call_hinted(name, case, _gqa_crash_hint(nh, nkv), gqa_attention, *given)
         _check_gqa_output(name, case, got, q, k, v, given)
     for model_name in GQA_MODELS:
         model, tok = load_course_model(model_name, "cpu")
@@ -259,7 +251,7 @@ def check_gqa_attention(gqa_attention) -> None:
                 f"{ids.size(1)}-token prompt")
         want = model(ids)
         with _no_kernel(name):
-            got = _call_hinted(name, case, _gqa_crash_hint(cfg.n_head, cfg.kv_heads), model, ids,
+            got = call_hinted(name, case, _gqa_crash_hint(cfg.n_head, cfg.kv_heads), model, ids,
                                None, None, False, gqa_attention)
         if not _close(got, want, 1e-4):
             fail(name, case, "the model's own logits (to 1e-4)",
@@ -497,7 +489,7 @@ def check_quantize(quantize_block, dequantize_block) -> None:
         case = f"{label}, bits={bits}"
         given = x.clone()
         with forbid(name, *QUANT_FORBIDDEN):
-            got = _call_hinted(name, case, _quant_crash_hint, quantize_block, given, bits)
+            got = call_hinted(name, case, _quant_crash_hint, quantize_block, given, bits)
         if not torch.equal(given, x):
             fail(name, case, "x left unchanged", "x changed in place",
                  "compute on new tensors (x / scales, not x /= scales or x.div_): x is the "
@@ -505,7 +497,7 @@ def check_quantize(quantize_block, dequantize_block) -> None:
         codes, scales = _check_quantized(name, case, x, bits, got)
         mine = (codes.clone(), scales.clone())
         with forbid("dequantize_block", *QUANT_FORBIDDEN):
-            out = _call_hinted("dequantize_block", case, _raised, dequantize_block, *mine)
+            out = call_hinted("dequantize_block", case, _raised, dequantize_block, *mine)
         _check_dequantized(case, x, codes, scales, mine, out)
     passed("quantize_block and dequantize_block", len(cases))
 
@@ -631,7 +623,7 @@ def check_held_positions(held_positions) -> None:
             case = (f"t={t}, sinks={sinks}, window={window} (fed one token per pass: positions "
                     f"0 .. {t} written)")
             with forbid(name, SinkWindowCache.update, feed):
-                got = _call_hinted(name, case, _raised, held_positions, t, sinks, window)
+                got = call_hinted(name, case, _raised, held_positions, t, sinks, window)
             n_cases += 1
             _check_held(name, case, t, sinks, window, want, got, ruled_out)
             ruled_out |= {i for i, (wrong, _) in enumerate(window_mistakes(t, sinks, window))
