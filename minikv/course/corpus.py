@@ -10,10 +10,13 @@ Every document belongs to one split, chosen by a hash of its text (of the plain 
 flips), so train and held-out text never share a document, whatever the seed or the sizes.
 """
 
+import functools
 import hashlib
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from . import names as name_maker
 
 EOT = "<|endoftext|>"
 STATES = ("heads", "tails")  # answer tokens are " heads" / " tails"
@@ -64,6 +67,15 @@ PLACES = (
     "in the desert", "in the valley",
 )
 CORPORA = ("coinflip", "facts", "stories")
+# Words the templates below write themselves (and the training names): names.word_split makes them
+# train words, so no name drawn for the test split contains one.
+TEMPLATE_WORDS = (
+    "A coin's state is heads tails flips doesn't flip then so it's What's the A The of can vary "
+    "widely Every likes to lives is You see has eats moves It My Once upon a time there was named "
+    "lived with Mom Dad Grandma Grandpa day liked met wanted too They ate some together felt "
+    "became good friends end very"
+)
+
 SPLIT_PERCENT = {"train": 90, "val": 5, "test": 5}
 
 
@@ -100,10 +112,11 @@ class CoinFlip:
         """Text up to the end of person i's clause (i=0: the start sentence). Clauses end at a token
         boundary, so its tokens are a prefix of the full prompt's: a cache filled with the prompt
         can be cropped here and asked question(i) without recomputing anything before it."""
-        clauses = [
-            (f"{name} flips" if flips else f"{name} doesn't flip")
+        clauses = [  # a name opening the sentence is capitalized ("The teacher flips")
+            (f"{name[:1].upper() + name[1:] if k == 0 else name} "
+             + ("flips" if flips else "doesn't flip"))
             + (f", so it's {s}" if cot else "")
-            for (name, flips), s in zip(self.steps[:i], self.states[1:])
+            for k, ((name, flips), s) in enumerate(zip(self.steps[:i], self.states[1:]))
         ]
         return f"A coin's state is {self.start}" + (". " + ", then ".join(clauses) if i else "")
 
@@ -220,3 +233,33 @@ def coin_flip_eval(n_per_count: int, seed: int = 0, split: str = "test") -> list
                 picked.append(q)
         out += picked
     return out
+
+
+@functools.cache
+def vocabulary() -> frozenset[str]:
+    """The keys (names.key) of every word the corpora write: never part of a test name."""
+    lists = (NAMES, ANIMALS, ATTRIBUTES, COLORS, OBJECTS, ADJECTIVES, FEELINGS, VERBS, FOODS,
+             ADVERBS, FAMILY, WEATHER, PLACES, TEMPLATE_WORDS.split())
+    return frozenset(name_maker.key(w) for words in lists for phrase in words
+                     for w in name_maker.words(phrase))
+
+
+def unseen_coin_flips(n_per_count: int, seed: int = 0,
+                      keep: Callable[[str], bool] | None = None) -> list[CoinFlip]:
+    """n_per_count questions for each number of people 1..MAX_PEOPLE whose people all have names
+    of the names module's test split: no word of them occurs in any training text. `keep(name)`
+    filters the names (e.g. only those of several tokens). Seeded: the same list every call."""
+    rng = random.Random(f"unseen names {seed}")
+    out: list[CoinFlip] = []
+    for n in range(1, MAX_PEOPLE + 1):
+        for _ in range(n_per_count):
+            people: list[str] = []
+            while len(people) < n:
+                name = name_maker.random_name(rng, "test", vocabulary())
+                if (keep is None or keep(name)) and name.casefold() not in {
+                        p.casefold() for p in people}:
+                    people.append(name)
+            out.append(CoinFlip(rng.choice(STATES), tuple((p, rng.random() < 0.5)
+                                                          for p in people)))
+    return out
+

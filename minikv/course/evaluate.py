@@ -36,12 +36,15 @@ AGREEMENT_PROMPTS = ("Once upon a time", "The color of dog", "A coin's state is 
 
 @torch.no_grad()
 def coin_flip_accuracy(model, tok, n_per_count: int = 200, seed: int = 0, split: str = "test",
-                       cot: bool = False, cache=None, attention=None) -> dict[int, float]:
+                       cot: bool = False, cache=None, attention=None,
+                       questions: list[corpus.CoinFlip] | None = None) -> dict[int, float]:
     """Fraction answered correctly (greedy token after "A:") for each number of people 1..8.
     `cot`: the questions state the coin after every person (seed 000's intermediate answers).
     `cache(model, batch_size)`, if given, makes the cache each batch is answered through (a
-    quantized one, say); `attention` swaps the attention kernel (a window's mask, say)."""
-    questions = corpus.coin_flip_eval(n_per_count, seed=seed, split=split)
+    quantized one, say); `attention` swaps the attention kernel (a window's mask, say).
+    `questions`, if given, replaces the held-out questions (corpus.unseen_coin_flips, say)."""
+    if questions is None:
+        questions = corpus.coin_flip_eval(n_per_count, seed=seed, split=split)
     by_length = defaultdict(list)  # same-length prompts go through the model as one batch
     for q in questions:
         by_length[len(tok.encode(q.prompt(cot)))].append(q)
@@ -98,6 +101,29 @@ def draft_agreement(target, draft, tok, prompts=AGREEMENT_PROMPTS, new_tokens: i
     return agree / total
 
 
+def multi_token(tok):
+    """Whether a name is several tokens where it stands in a question (after a space)."""
+    return lambda name: len(tok.encode(" " + name)) > 1
+
+
+@torch.no_grad()
+def draft_agreement_on(target, draft, tok, questions: list[corpus.CoinFlip],
+                       new_tokens: int = 32) -> dict[str, float]:
+    """How often the draft's greedy token equals the target's, both reading the same tokens: over
+    each question's own positions ("prompt") and over the target's greedy continuation of it
+    ("continuation", what greedy speculative decoding accepts)."""
+    agree, total = defaultdict(int), defaultdict(int)
+    for q in questions:
+        out = generate(target, tok.encode(q.prompt()), new_tokens)
+        ids = torch.tensor([out.sequence[:-1]], device=target.device)
+        d, t = draft(ids)[0].argmax(-1), target(ids)[0].argmax(-1)
+        p = len(out.prompt)
+        for part, rows in (("prompt", slice(0, p - 1)), ("continuation", slice(p - 1, None))):
+            agree[part] += int((d[rows] == t[rows]).sum())
+            total[part] += len(t[rows])
+    return {part: agree[part] / total[part] for part in total}
+
+
 def complete(model, tok, prompt: str, max_new_tokens: int = 48) -> str:
     out = generate(model, tok.encode(prompt), max_new_tokens, eos_id=tok.eot_token)
     return tok.decode(out.tokens)
@@ -115,6 +141,15 @@ def report(device=None) -> str:
     acc = {name: coin_flip_accuracy(m, tok) for name, m in measured.items()}
     losses = {name: heldout_losses(m, tok) for name, m in measured.items()}
     step = decode_step_seconds({name: models[name] for name in ("target", "draft")})
+    unseen = {"unseen names": corpus.unseen_coin_flips(200),
+              "unseen names of several tokens": corpus.unseen_coin_flips(200,
+                                                                         keep=multi_token(tok))}
+    unseen_acc = {(name, which): coin_flip_accuracy(models[name], tok, questions=qs)
+                  for name in ("target", "draft") for which, qs in unseen.items()}
+    people = [p for q in unseen["unseen names"] for p, _ in q.steps]
+    several = statistics.mean(map(multi_token(tok), people))
+    agreement = draft_agreement_on(models["target"], models["draft"], tok,
+                                   corpus.unseen_coin_flips(5, seed=1))
     alpha = draft_agreement(models["target"], models["draft"], tok)
     meta = {name: read_metadata(MODELS_DIR / name) for name in models}
     n_q = len(corpus.coin_flip_eval(200)) // corpus.MAX_PEOPLE
@@ -166,6 +201,31 @@ def report(device=None) -> str:
         lines.append(f"| {name} | " + " | ".join(f"{100 * a[n]:.1f}%" for n in a)
                      + f" | {100 * upto6:.1f}% |")
     lines += [
+        "",
+        "## Names the models never saw (issue 14: not yet good enough)",
+        "",
+        "The same question form with people whose names come from `minikv.course.names`' test "
+        "split (no",
+        "word of them in any training text; the models were trained on the 40 names of "
+        "`corpus.NAMES`, one",
+        f"token each). {100 * several:.0f}% of these names are several tokens long. "
+        "200 questions for each number of people;",
+        "\"training names\" is the held-out table above.",
+        "",
+        "| model | names | " + " | ".join(str(n) for n in range(1, corpus.MAX_PEOPLE + 1))
+        + " | ≤ 6 |",
+        "|---|---|" + "---|" * (corpus.MAX_PEOPLE + 1),
+    ]
+    for (name, which), a in unseen_acc.items():
+        upto6 = statistics.mean(a[n] for n in range(1, 7))
+        lines.append(f"| {name} | {which} | " + " | ".join(f"{100 * a[n]:.1f}%" for n in a)
+                     + f" | {100 * upto6:.1f}% |")
+    lines += [
+        "",
+        "The draft's greedy token equals the target's at "
+        f"**{100 * agreement['prompt']:.1f}%** of the positions of 40 such questions "
+        f"and at **{100 * agreement['continuation']:.1f}%**",
+        "of the positions of the target's greedy continuations of them (32 tokens each).",
         "",
         "## Held-out loss (test split, nats per token)",
         "",
