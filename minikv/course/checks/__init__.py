@@ -7,13 +7,14 @@ came back and, for the usual mistakes, which mistake it is. On success it prints
 A check cell cannot be silenced from an exercise cell: it reloads this package and runs a fresh
 copy of its chapter's checker, loaded from the package's own file (`fresh`), so a checker patched
 in an earlier cell is not the one that runs; and it refuses to run when the engine functions the
-checkers compare with were replaced in the notebook (`engine_is_pristine`; a checker that compares
-with engine methods also calls `engine_methods_are_pristine`).
+checkers compare with were replaced in the notebook (`engine_is_pristine`; every checker runs
+through `guarded`, which also refuses replaced engine methods and leaves the random state alone).
 """
 from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import importlib.util
 import inspect
 import random
@@ -150,6 +151,31 @@ def engine_methods_are_pristine() -> None:
                         raise CheckFailed(f"{name}.{cls.__name__}.{attr} is not the packaged one "
                                           f"(it was replaced in this notebook): restart the "
                                           f"kernel and run the notebook from the top")
+
+
+def guarded(check):
+    """How every checker runs: first refuse an engine whose methods were replaced in the notebook
+    (the references are computed with them), then run under torch.random.fork_rng, so that neither
+    the checker nor the learner's code it calls changes the notebook's random state."""
+    @functools.wraps(check)
+    def run(*args, **kwargs):
+        engine_methods_are_pristine()
+        with torch.random.fork_rng(devices=[]):
+            return check(*args, **kwargs)
+    return run
+
+
+def one_thread(check):
+    """Tiny models decode fastest on one thread, and stay fast when other work shares the CPU."""
+    @functools.wraps(check)
+    def run(*args, **kwargs):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return check(*args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+    return run
 
 
 def fresh(chapter: str):

@@ -10,8 +10,6 @@ Each usual mistake is recognised by computing what it would give and named in th
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -19,17 +17,7 @@ from ...engine import GPT, GPTConfig
 from ...engine.model import causal_attention
 from ..checkpoint import load_course_model
 from ..tokenizer import load_tokenizer
-from . import CheckFailed, as_int, call, expect, fail, forbid, passed, tiny_model
-
-
-def _keeps_rng(check):
-    """Run a checker under torch.random.fork_rng: the caller's random state is left alone."""
-    @functools.wraps(check)
-    def run(fn) -> None:
-        with torch.random.fork_rng(devices=[]):
-            check(fn)
-    return run
-
+from . import CheckFailed, as_int, call, expect, fail, forbid, guarded, passed, tiny_model
 
 # --- exercise 1: count the parameters -----------------------------------------------------------
 
@@ -62,7 +50,7 @@ def _count_params_mistakes(cfg: GPTConfig) -> dict[int, str]:
     return mistakes
 
 
-@_keeps_rng
+@guarded
 def check_count_params(count_params) -> None:
     """count_params(cfg) == sum(p.numel()) of minikv.GPT(cfg), as an int, for several presets and a
     toy config."""
@@ -123,7 +111,7 @@ def _stream_mistakes(tok, docs: list[str]) -> list[tuple[list[int], str]]:
     ]
 
 
-@_keeps_rng
+@guarded
 def check_encode_documents(encode_documents) -> None:
     """encode_documents(tok, docs) == each document's ids followed by <|endoftext|>, as the course
     models were trained, as one flat list of ints."""
@@ -226,7 +214,7 @@ def _forward_cases():
            "the course target")
 
 
-@_keeps_rng
+@guarded
 def check_forward_by_hand(forward_by_hand) -> None:
     """forward_by_hand(model, idx) == model(idx) (within 1e-5), logits (B, T, vocab), on random tiny
     models of 1 to 4 layers, batches of 1 to 3, and the course target; GPT.forward is not called."""

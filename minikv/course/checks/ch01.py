@@ -12,23 +12,23 @@ would give) and named in the hint.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ... import bench
 from ...engine import GPT, GPTConfig, KVCache, generate
 from ..checkpoint import load_course_model
-from . import PassCounter, as_int, cache_state, call, expect, fail, forbid, passed, tiny_model
-
-
-def _keeps_rng(check):
-    """Run a checker under torch.random.fork_rng: the caller's random state is left alone."""
-    @functools.wraps(check)
-    def run(fn) -> None:
-        with torch.random.fork_rng(devices=[]):
-            check(fn)
-    return run
+from . import (
+    PassCounter,
+    as_int,
+    cache_state,
+    call,
+    expect,
+    fail,
+    forbid,
+    guarded,
+    passed,
+    tiny_model,
+)
 
 
 class _PassLog:
@@ -163,7 +163,7 @@ def _decode_token_hint(model, prompt, n, eos_id, expected, got) -> str:
     return "pick argmax of the last position's logits each pass; stop right after eos_id"
 
 
-@_keeps_rng
+@guarded
 def check_greedy_decode(greedy_decode) -> None:
     """greedy_decode(model, prompt_ids, max_new_tokens, eos_id) == generate(..., mode="cached")
     .tokens, with exactly one (1, T) prefill and one (1, 1) pass per later token, all into the same
@@ -244,7 +244,7 @@ def _chunked_cases():
         "course target"
 
 
-@_keeps_rng
+@guarded
 def check_chunked_prefill(chunked_prefill) -> None:
     """chunked_prefill(model, ids, chunk) -> (logits (vocab,), cache): the last position's logits
     and a cache equal (within 1e-5, every layer's K and V) to a one-pass prefill's, filled in
@@ -402,7 +402,7 @@ COST_MISTAKES = {
 }
 
 
-@_keeps_rng
+@guarded
 def check_pass_cost(pass_cost) -> None:
     """pass_cost(cfg, n_new, n_cached, bytes_per_value=4) == minikv.bench.pass_cost(...) as two
     ints, on GPT-2, the course models and toy shapes, for decode (n_new = 1) and prefill passes,

@@ -11,10 +11,7 @@ random state alone and runs in about a second on a busy CPU.
 """
 from __future__ import annotations
 
-import functools
-import inspect
 import math
-from pathlib import Path
 
 import torch
 
@@ -27,47 +24,19 @@ from ...engine import (
     generate,
     kv_cache_bytes,
 )
-from ...engine import model as engine_model
 from ..checkpoint import load_course_model
 from . import (
-    ENGINE_DIR,
-    CheckFailed,
     as_int,
     call_hinted,
     expect,
     fail,
     forbid,
+    guarded,
     int_list,
     passed,
     same_cache_prefix,
     tiny_model,
 )
-
-
-def _engine_methods_untouched() -> None:
-    """Raise unless the engine classes these checkers run (the model and its parts, KVCache,
-    KVCounter) still have their packaged methods: `fresh` checks the engine's module-level names,
-    and a method replaced in the notebook (KVCache.update, say) would change the reference."""
-    for cls in (KVCache, KVCounter, engine_model.GPT, engine_model.Block,
-                engine_model.CausalSelfAttention, engine_model.MLP):
-        for attr, value in vars(cls).items():
-            fn = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
-            code = getattr(inspect.unwrap(fn) if callable(fn) else fn, "__code__", None)
-            if code is not None and Path(code.co_filename).resolve().parent != ENGINE_DIR:
-                raise CheckFailed(f"minikv's {cls.__name__}.{attr} is not the packaged one (it "
-                                  f"was replaced in this notebook): restart the kernel and run "
-                                  f"the notebook from the top")
-
-
-def _keeps_rng(check):
-    """Run a checker under torch.random.fork_rng, so that neither it nor the learner's code it
-    calls changes the notebook's random state; first make sure the engine is the packaged one."""
-    @functools.wraps(check)
-    def wrapper(*args, **kwargs):
-        _engine_methods_untouched()
-        with torch.random.fork_rng(devices=[]):
-            return check(*args, **kwargs)
-    return wrapper
 
 
 def _call(name: str, case: str, fn, *args, hint="your code raised on this input", **kw):
@@ -125,7 +94,7 @@ def _bytes_mistakes():
     ]
 
 
-@_keeps_rng
+@guarded
 def check_cache_bytes(cache_bytes) -> None:
     """cache_bytes(cfg, seq_len, batch_size, bytes_per_value, n_kv_head) -> an int, against
     kv_cache_bytes and a real cache's nbytes."""
@@ -197,7 +166,7 @@ _KV_WORK_MISTAKES = [  # each as a student would write it, without a case for ne
 ]
 
 
-@_keeps_rng
+@guarded
 def check_kv_work(kv_work) -> None:
     """kv_work(prompt_len, new_tokens) -> (naive, cached), ints, against the K/V vectors the
     engine counts (stats.kv_computed)."""
@@ -317,7 +286,7 @@ def _ids(vocab: int, n: int, a: int, b: int) -> list[int]:
     return [(a * i + b) % vocab for i in range(n)]
 
 
-@_keeps_rng
+@guarded
 def check_cached_attention(cached_attention) -> None:
     """cached_attention(q, k, v) -> (B, n_head, T, head_dim) for the last T of L positions, against
     the engine's kernel on random tensors, then inside the model with a real KVCache."""
@@ -659,7 +628,7 @@ def _drive(name, model, label, MyKVCache, attention, n_new: int, hint: str = "")
                         keep + len(new), hint)
 
 
-@_keeps_rng
+@guarded
 def check_my_kv_cache(MyKVCache, cached_attention) -> None:
     """MyKVCache (update, get_seq_length, crop) driven directly, then in the model with minikv's
     attention, then with cached_attention: greedy tokens and rollbacks, as the engine's."""

@@ -17,11 +17,7 @@ CPU, in about a second, leaving the caller's random state alone.
 """
 from __future__ import annotations
 
-import functools
-import inspect
 import math
-import sys
-from pathlib import Path
 
 import torch
 
@@ -29,8 +25,6 @@ from ...engine import GPT, GPTConfig, KVCache, generate, speculative_generate
 from ...engine.verify import accept_matching, residual_distribution, verify_and_commit
 from ..checkpoint import load_course_model
 from . import (
-    ENGINE_DIR,
-    CheckFailed,
     PassCounter,
     as_int,
     cache_state,
@@ -39,60 +33,13 @@ from . import (
     expect,
     fail,
     forbid,
+    guarded,
     int_list,
+    one_thread,
     passed,
     same_cache_prefix,
     tiny_model,
 )
-
-
-def methods_are_pristine() -> None:
-    """Raise unless every method of every class the engine defines (KVCache.crop, GPT.forward, ...)
-    is the one in the engine's files: `fresh` checks the engine's functions and classes, but a
-    method replaced in the notebook (say a KVCache.crop that never grows a cache) could make a
-    wrong round look right."""
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("minikv.engine.") or module is None:
-            continue
-        for cls in [v for v in vars(module).values()
-                    if isinstance(v, type) and v.__module__ == name]:
-            for attr, value in vars(cls).items():
-                if attr.startswith("__"):
-                    continue  # dataclasses write __init__, __eq__, ... themselves
-                parts = [value.fget, value.fset] if isinstance(value, property) else [value]
-                for part in parts:
-                    function = inspect.unwrap(getattr(part, "__func__", part))  # decorated too
-                    code = getattr(function, "__code__", None)
-                    if code is not None and Path(code.co_filename).resolve().parent != ENGINE_DIR:
-                        raise CheckFailed(f"{name}.{cls.__name__}.{attr} is not the packaged one "
-                                          f"(it was replaced in this notebook): restart the "
-                                          f"kernel and run the notebook from the top")
-
-
-def _keeps_rng(check):
-    """Run a checker under torch.random.fork_rng, the caller's random state left alone, after
-    checking that the engine's methods are the packaged ones."""
-    @functools.wraps(check)
-    def run(fn) -> None:
-        methods_are_pristine()
-        with torch.random.fork_rng(devices=[]):
-            check(fn)
-    return run
-
-
-
-def _one_thread(check):
-    """Tiny models decode fastest on one thread, and stay fast when other work shares the CPU."""
-    @functools.wraps(check)
-    def run(fn) -> None:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            check(fn)
-        finally:
-            torch.set_num_threads(threads)
-    return run
-
 
 # --- exercise 1: one speculative round ----------------------------------------------------------
 
@@ -319,8 +266,8 @@ def _check_round(name, case, round_fn, target, draft, seq, t_cache, d_cache, gam
                  "it keeps; and every token must be fed at its own position, once")
 
 
-@_one_thread
-@_keeps_rng
+@one_thread
+@guarded
 def check_speculative_round(speculative_round) -> None:
     """speculative_round(target, draft, seq, t_cache, d_cache, gamma) -> the new committed tokens
     of one greedy round, seq extended in place and both caches cropped, looped to 40+ tokens."""
@@ -389,7 +336,7 @@ def speculative_sample_distribution(p: torch.Tensor, q: torch.Tensor, residual) 
     return q * accept + rejected_mass * residual(p, q)
 
 
-@_keeps_rng
+@guarded
 def check_residual(residual) -> None:
     """residual(p, q) == norm(max(0, p - q)) for probability vectors p (target) and q (draft), and
     with it one accept-or-resample step gives exactly p."""
@@ -502,8 +449,8 @@ def _alpha_crash_hint(error: Exception) -> str:
     return "your function raised on this input"
 
 
-@_one_thread
-@_keeps_rng
+@one_thread
+@guarded
 def check_alpha_from_trace(alpha_from_trace) -> None:
     """alpha_from_trace(trace) == the engine's stats.alpha: accepted / (accepted + rejections)
     over the trace's verify events."""
@@ -584,7 +531,7 @@ def _gamma_crash_hint(error: Exception) -> str:
     return "your function raised on this input"
 
 
-@_keeps_rng
+@guarded
 def check_best_gamma(best_gamma) -> None:
     """best_gamma(alpha, c, max_gamma) == the γ in 1..max_gamma maximising the chapter's speed-up
     (the smaller on a tie), as an int."""

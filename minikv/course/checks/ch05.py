@@ -15,13 +15,23 @@ runs on the CPU in about a second and leaves the caller's random state alone.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
 from ...engine import GPT, Request, SamplingParams, serve
-from . import CheckFailed, as_int, call, expect, fail, forbid, passed, tiny_model
+from . import (
+    CheckFailed,
+    as_int,
+    call,
+    expect,
+    fail,
+    forbid,
+    guarded,
+    one_thread,
+    passed,
+    tiny_model,
+)
 
 _MODELS: dict[str, GPT] = {}
 
@@ -34,26 +44,6 @@ def _tiny() -> GPT:
     return _MODELS["tiny"]
 
 
-def _keeps_rng(check):
-    """Run a checker under torch.random.fork_rng: the caller's random state is left alone."""
-    @functools.wraps(check)
-    def run(fn) -> None:
-        with torch.random.fork_rng(devices=[]):
-            check(fn)
-    return run
-
-
-def _one_thread(check):
-    """Tiny models decode fastest on one thread, and stay fast when other work shares the CPU."""
-    @functools.wraps(check)
-    def run(fn) -> None:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            check(fn)
-        finally:
-            torch.set_num_threads(threads)
-    return run
 
 
 def _kind(value) -> str:
@@ -142,7 +132,7 @@ DRAWS = 2000
 DIST_LOGITS = torch.tensor([1.0, 0.6, 0.2, 0.0, -0.3, -0.8])
 
 
-@_keeps_rng
+@guarded
 def check_choose(choose) -> None:
     """choose(logits, seed, position, temperature) -> a token id, a pure function of its inputs:
     the argmax at temperature 0, else a draw from softmax(logits / temperature) with a generator
@@ -288,7 +278,7 @@ def _split_sum_mistakes(x: torch.Tensor, n_splits: int, chunk: int) -> list[tupl
     return [(float(v), h) for v, h in mistakes]
 
 
-@_keeps_rng
+@guarded
 def check_invariant_split_sum(invariant_split_sum) -> None:
     """invariant_split_sum(x, n_splits, chunk) is the same float32 bits for every n_splits, and the
     fixed schedule's."""
@@ -357,8 +347,8 @@ def _schedule_mistakes(n: int, window: int) -> list[tuple[tuple[int, int], str]]
     ]
 
 
-@_one_thread
-@_keeps_rng
+@one_thread
+@guarded
 def check_verify_schedule(verify_schedule) -> None:
     """verify_schedule(max_new_tokens, window) -> (rounds, fast_steps), ints, against real serve()
     counters."""

@@ -23,7 +23,6 @@ CPU in well under a second and leaves the caller's random state alone.
 from __future__ import annotations
 
 import copy
-import functools
 import random
 from collections import deque
 
@@ -35,25 +34,12 @@ from ...engine.serving import _Sequence, _Server
 from . import (
     CheckFailed,
     call_hinted,
-    engine_methods_are_pristine,
     fail,
     forbid,
+    guarded,
     int_list,
     passed,
 )
-
-
-def _keeps_rng(check):
-    """Run a checker under torch.random.fork_rng, the caller's random state left alone, after
-    checking that the engine's methods (BlockPool.allocate, PagedCache.reserve, ...) are the
-    packaged ones: the references below are computed with them."""
-    @functools.wraps(check)
-    def run(fn) -> None:
-        engine_methods_are_pristine()
-        with torch.random.fork_rng(devices=[]):
-            check(fn)
-    return run
-
 
 
 def _kind(value) -> str:
@@ -193,7 +179,7 @@ def _where_from(pool_keys: torch.Tensor, row: torch.Tensor) -> str:
     return "keys found in no single slot of the pool (heads or slots mixed up?)"
 
 
-@_keeps_rng
+@guarded
 def check_gather_keys(gather_keys) -> None:
     """gather_keys(pool_keys, table, length) -> (nh, length, hs): position p's keys are
     pool_keys[table[p // block_size], :, p % block_size], as the engine's PagedCache reads them."""
@@ -441,7 +427,7 @@ def _check_reserve_case(name: str, case_id: int, case: tuple, reserve) -> None:
              f"different K/V in layer(s) {layers}", hint)
 
 
-@_keeps_rng
+@guarded
 def check_reserve(reserve) -> None:
     """reserve(pool, table, n_new): the table gets room for n_new more positions, a shared
     partly filled block that will be written copied first, as the engine's PagedCache.reserve
@@ -563,7 +549,7 @@ def _show_prompt(prompt: list[int]) -> str:
             f"{prompt[-2]}, {prompt[-1]}]") + f" ({len(prompt)} tokens)"
 
 
-@_keeps_rng
+@guarded
 def check_matching_blocks(matching_blocks) -> None:
     """matching_blocks(prompt, block_size, by_hash) -> the blocks holding the prompt's first full
     blocks, found by chained hashes, as the server's shared_prefix finds them."""
@@ -737,7 +723,7 @@ def _as_bool(value):
     return None
 
 
-@_keeps_rng
+@guarded
 def check_can_admit(can_admit) -> None:
     """can_admit(pool, n_tokens, shared, n_running) -> the server's admission rule: True when the
     pool has free blocks for the request's tokens (shared blocks a running request holds cost

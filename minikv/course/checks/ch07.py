@@ -20,7 +20,6 @@ checker runs on the CPU in a second or two and leaves the caller's random state 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import sys
 
@@ -35,9 +34,9 @@ from ..checkpoint import load_course_model
 from . import (
     CheckFailed,
     call_hinted,
-    engine_methods_are_pristine,
     fail,
     forbid,
+    guarded,
     int_list,
     passed,
     tiny_model,
@@ -45,18 +44,6 @@ from . import (
 
 TEXT = ("A coin's state is heads. Alice flips, then Bob flips, then Carol does not flip. "
         "What's the state? A:")
-
-
-def _keeps_rng(check):
-    """Run a checker under torch.random.fork_rng, the caller's random state left alone, after
-    checking that the engine's methods (SinkWindowCache.update, the model's forward, ...) are the
-    packaged ones: the references below are computed with them."""
-    @functools.wraps(check)
-    def run(*fns) -> None:
-        engine_methods_are_pristine()
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            check(*fns)
-    return run
 
 
 
@@ -223,7 +210,8 @@ def _check_gqa_output(name: str, case: str, got, q, k, v, given) -> None:
              f"an output off by up to {(got.double() - want.double()).abs().max():.4g}", hint)
 
 
-@_keeps_rng
+@guarded
+@torch.no_grad()
 def check_gqa_attention(gqa_attention) -> None:
     """gqa_attention(q, k, v) -> (B, n_head, T, head_dim): causal attention where query head i
     reads K/V head i // (n_head // n_kv_head), against the engine's kernel on random tensors and
@@ -478,7 +466,8 @@ def _check_quantized(name, case, x, bits, got) -> tuple[torch.Tensor, torch.Tens
     return codes, scales
 
 
-@_keeps_rng
+@guarded
+@torch.no_grad()
 def check_quantize(quantize_block, dequantize_block) -> None:
     """quantize_block(x, bits) -> (codes, scales), dequantize_block(codes, scales) -> x̂: per-token
     symmetric quantization, scale = max|x| / (2^(bits-1) - 1), against the engine's quantize and
@@ -611,7 +600,8 @@ def engine_positions(sinks: int, window: int, n_tokens: int = N_TOKENS) -> list[
     return held
 
 
-@_keeps_rng
+@guarded
+@torch.no_grad()
 def check_held_positions(held_positions) -> None:
     """held_positions(t, sinks, window) -> the absolute positions a SinkWindowCache holds, in
     slot order, after the pass that wrote position t (the text fed one token per pass)."""
