@@ -93,6 +93,13 @@ def test_a_prompt_fed_in_one_pass_is_read_whole_then_forgotten():
     assert cache.positions == [0, 1] + list(range(P + 5 - window, P + 5))
 
 
+def test_window_attention_refuses_a_cache():
+    cache = minikv.KVCache.for_model(MODEL, max_len=8)
+    MODEL(torch.tensor([[1, 2, 3]]), cache=cache)
+    with pytest.raises(ValueError, match="one full pass without a cache"):
+        MODEL(torch.tensor([[4]]), cache=cache, attention=window_attention(1, 2))
+
+
 def test_feed_and_the_window_cache_refuse_what_they_cannot_do():
     cache = SinkWindowCache.for_model(MODEL, sinks=1, window=3)
     feed(MODEL, [1, 2, 3, 4, 5], cache)

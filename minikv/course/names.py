@@ -165,7 +165,8 @@ KANA = transliterate(_syllabary(
      "d": "だ じ ず で ど", "b": "ば び ぶ べ ぼ", "p": "ぱ ぴ ぷ ぺ ぽ"},
     "a i u e o", "si>shi ti>chi tu>tsu hu>fu zi>ji", "n>ん ji>じ"))
 DEVANAGARI = transliterate(_syllabary(
-    {c: " ".join(cons + s for s in ("", "ा", "ि", "ी", "ु", "ू", "े", "ै", "ो", "ौ")) for c, cons in (
+    {c: " ".join(cons + s for s in ("", "ा", "ि", "ी", "ु", "ू", "े", "ै", "ो", "ौ"))
+     for c, cons in (
         ("k", "क"), ("kh", "ख"), ("g", "ग"), ("gh", "घ"), ("ch", "च"), ("j", "ज"), ("t", "त"),
         ("th", "थ"), ("d", "द"), ("dh", "ध"), ("n", "न"), ("p", "प"), ("b", "ब"), ("bh", "भ"),
         ("m", "म"), ("y", "य"),
