@@ -12,7 +12,7 @@ import minikv
 from minikv.course.checks import CheckFailed, ch02
 from minikv.engine.cache import Cache
 
-from conftest import stub
+from conftest import solution_check_cells, stub
 
 
 # --- exercise 1: cache bytes ---------------------------------------------------------------------
@@ -702,19 +702,8 @@ def test_a_replaced_engine_method_is_refused(monkeypatch, cls, method):
 def test_check_cells_are_two_lines_after_their_exercise():
     """Each exercise cell of the solution is followed by exactly one check cell, in the shared
     two-line form, which calls the checker on what that cell defines."""
-    import nbformat
-
-    from minikv.course import notebooks as course
-    nb = nbformat.read(course.ROOT / "solutions/02_kv_cache_guide.ipynb", as_version=4)
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    calls = []
-    for before, cell in zip(code, code[1:]):
-        if "check" not in cell.metadata.get("tags", []):
-            continue
-        first, second = cell.source.splitlines()
-        assert first == "import importlib, minikv.course.checks as checks"
-        assert second.startswith('importlib.reload(checks).fresh("ch02").check_')
-        defined = second.split("(", 3)[-1].rstrip(")").split(", ")[0]
-        assert course.BEGIN in before.source and f" {defined}(" in before.source
-        calls.append(second.split(".check_")[1].split("(")[0])
-    assert calls == ["cache_bytes", "kv_work", "cached_attention", "my_kv_cache"]
+    cells = solution_check_cells("02_kv_cache_guide.ipynb", "ch02")
+    for before, _, _, passed in cells:
+        assert f" {passed[0]}(" in before
+    assert [called for _, _, called, _ in cells] == ["cache_bytes", "kv_work", "cached_attention",
+                                                     "my_kv_cache"]

@@ -16,7 +16,7 @@ from minikv.engine import causal_attention
 from minikv.engine.paged import BlockPool, PagedCache, block_hash
 from minikv.engine.serving import _Sequence, _Server
 
-from conftest import stub
+from conftest import solution_check_cells, stub
 
 # --- exercise 1: gather_keys ----------------------------------------------------------------------
 
@@ -696,19 +696,8 @@ def test_a_replaced_engine_method_is_refused(monkeypatch, cls, method):
 
 
 def test_check_cells_are_two_lines_after_their_exercise():
-    import nbformat
-
-    from minikv.course import notebooks as course
-    nb = nbformat.read(course.ROOT / "solutions/06_many_requests.ipynb", as_version=4)
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    calls = []
-    for before, cell in zip(code, code[1:]):
-        if "check" not in cell.metadata.get("tags", []):
-            continue
-        first, second = cell.source.splitlines()
-        assert first == "import importlib, minikv.course.checks as checks"
-        assert second.startswith('importlib.reload(checks).fresh("ch06").check_')
-        defined = second.split("(", 3)[-1].rstrip(")").split(", ")[0]
-        assert course.BEGIN in before.source and f"def {defined}(" in before.source
-        calls.append(second.split(".check_")[1].split("(")[0])
-    assert calls == ["gather_keys", "reserve", "matching_blocks", "can_admit"]
+    cells = solution_check_cells("06_many_requests.ipynb", "ch06")
+    for before, _, _, passed in cells:
+        assert f"def {passed[0]}(" in before
+    assert [called for _, _, called, _ in cells] == ["gather_keys", "reserve", "matching_blocks",
+                                                     "can_admit"]

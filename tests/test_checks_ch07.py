@@ -16,7 +16,7 @@ from minikv.engine import causal_attention
 from minikv.engine.quantized import QuantizedKVCache, quantize
 from minikv.engine.window import SinkWindowCache
 
-from conftest import stub
+from conftest import solution_check_cells, stub
 
 # --- exercise 1: gqa_attention --------------------------------------------------------------------
 
@@ -621,20 +621,8 @@ def test_a_replaced_engine_function_is_refused(monkeypatch):
 
 
 def test_check_cells_follow_their_exercise():
-    import nbformat
-
-    from minikv.course import notebooks as course
-    nb = nbformat.read(course.ROOT / "solutions/07_shrinking_the_cache.ipynb", as_version=4)
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    calls = []
-    for before, cell in zip(code, code[1:]):
-        if "check" not in cell.metadata.get("tags", []):
-            continue
-        first, second = cell.source.splitlines()
-        assert first == "import importlib, minikv.course.checks as checks"
-        assert second.startswith('importlib.reload(checks).fresh("ch07").check_')
-        for defined in second.split("(", 3)[-1].rstrip(")").split(", "):
-            assert course.BEGIN in before.source and f"def {defined}(" in before.source
-        calls.append(second.split(".check_")[1].split("(")[0])
+    cells = solution_check_cells("07_shrinking_the_cache.ipynb", "ch07")
+    for before, cell, _, passed in cells:
+        assert all(f"def {name}(" in before for name in passed)
         assert "✓" in str(cell.outputs)
-    assert calls == ["gqa_attention", "quantize", "held_positions"]
+    assert [called for _, _, called, _ in cells] == ["gqa_attention", "quantize", "held_positions"]
