@@ -87,40 +87,27 @@ def decode_step_seconds(models: dict, repeats: int = 9, new_tokens: int = 64) ->
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-@torch.no_grad()
-def draft_agreement(target, draft, tok, prompts=AGREEMENT_PROMPTS, new_tokens: int = 100) -> float:
-    """How often the draft's greedy next token equals the target's, along the target's own greedy
-    continuations: the acceptance rate greedy speculative decoding will see."""
-    agree = total = 0
-    for prompt in prompts:
-        out = generate(target, tok.encode(prompt), new_tokens)
-        ids = torch.tensor([out.sequence[:-1]], device=draft.device)
-        guesses = draft(ids)[0, len(out.prompt) - 1:].argmax(-1).tolist()
-        agree += sum(g == t for g, t in zip(guesses, out.tokens))
-        total += len(out.tokens)
-    return agree / total
-
-
 def multi_token(tok):
     """Whether a name is several tokens where it stands in a question (after a space)."""
     return lambda name: len(tok.encode(" " + name)) > 1
 
 
 @torch.no_grad()
-def draft_agreement_on(target, draft, tok, questions: list[corpus.CoinFlip],
-                       new_tokens: int = 32) -> dict[str, float]:
-    """How often the draft's greedy token equals the target's, both reading the same tokens: over
-    each question's own positions ("prompt") and over the target's greedy continuation of it
-    ("continuation", what greedy speculative decoding accepts)."""
+def draft_agreement(target, draft, tok, prompts=AGREEMENT_PROMPTS,
+                    new_tokens: int = 100) -> dict[str, float]:
+    """How often the draft's greedy token equals the target's, both reading the same tokens: along
+    the target's own greedy continuation of each prompt ("continuation": the acceptance rate greedy
+    speculative decoding will see) and over the prompt's own positions ("prompt")."""
     agree, total = defaultdict(int), defaultdict(int)
-    for q in questions:
-        out = generate(target, tok.encode(q.prompt()), new_tokens)
+    for prompt in prompts:
+        out = generate(target, tok.encode(prompt), new_tokens)
         ids = torch.tensor([out.sequence[:-1]], device=target.device)
-        d, t = draft(ids)[0].argmax(-1), target(ids)[0].argmax(-1)
-        p = len(out.prompt)
+        p, guesses = len(out.prompt), draft(ids)[0].argmax(-1)
+        wanted = {"prompt": target(ids)[0, :p - 1].argmax(-1),
+                  "continuation": torch.tensor(out.tokens, device=target.device)}
         for part, rows in (("prompt", slice(0, p - 1)), ("continuation", slice(p - 1, None))):
-            agree[part] += int((d[rows] == t[rows]).sum())
-            total[part] += len(t[rows])
+            agree[part] += int((guesses[rows] == wanted[part]).sum())
+            total[part] += len(wanted[part])
     return {part: agree[part] / total[part] for part in total}
 
 
@@ -148,9 +135,9 @@ def report(device=None) -> str:
                   for name in ("target", "draft") for which, qs in unseen.items()}
     people = [p for q in unseen["unseen names"] for p, _ in q.steps]
     several = statistics.mean(map(multi_token(tok), people))
-    agreement = draft_agreement_on(models["target"], models["draft"], tok,
-                                   corpus.unseen_coin_flips(5, seed=1))
-    alpha = draft_agreement(models["target"], models["draft"], tok)
+    agreement = draft_agreement(models["target"], models["draft"], tok,
+                                [q.prompt() for q in corpus.unseen_coin_flips(5, seed=1)], 32)
+    alpha = draft_agreement(models["target"], models["draft"], tok)["continuation"]
     meta = {name: read_metadata(MODELS_DIR / name) for name in models}
     n_q = len(corpus.coin_flip_eval(200)) // corpus.MAX_PEOPLE
     lines = [
