@@ -3,16 +3,14 @@ which request holds each block, which blocks are shared or free, and each reques
 engine step by engine step."""
 from __future__ import annotations
 
-import base64
 from collections import Counter
 
-import ipywidgets as widgets
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from ..engine.records import PoolStep
-from .draw import png
+from .widgets import Stepper
 
 # One hue per request, none of them a token-state colour (minikv.viz.draw.COLORS).
 OWNER_COLORS = ("#7b52ab", "#2a9d8f", "#264653", "#8c564b", "#b5838d", "#6d597a", "#606c38",
@@ -110,55 +108,20 @@ def draw_pool(step: PoolStep, columns: int = 16, ax=None) -> Figure:
     return ax.figure
 
 
-class PoolStepper(widgets.VBox):
+class PoolStepper(Stepper):
     """Step through a server run's pool: the picture, the caption, and the numbers it shows."""
 
     def __init__(self, steps: list[PoolStep], title: str = ""):
         if not steps:
             raise ValueError("no pool steps: serve with trace=True to record them")
-        self.steps, self._pngs = steps, {}
-        self.slider = widgets.IntSlider(value=1, min=1, max=len(steps), description="step",
-                                        continuous_update=False)
-        self.prev_button = widgets.Button(description="◀ Prev", layout=widgets.Layout(width="90px"))
-        self.next_button = widgets.Button(description="Next ▶", layout=widgets.Layout(width="90px"))
-        self.prev_button.on_click(lambda _: self.go(self.index - 1))
-        self.next_button.on_click(lambda _: self.go(self.index + 1))
-        self.caption, self.image = widgets.HTML(), widgets.Image(format="png")
-        # the drawn numbers as text: what a reader (or a browser test) can check
-        self.cache_info = widgets.HTML()
-        for widget, name in ((self.prev_button, "prev"), (self.next_button, "next"),
-                             (self.caption, "caption"), (self.cache_info, "cache"),
-                             (self.image, "image")):
-            widget.add_class(f"minikv-{name}")  # the same hooks as TraceStepper's
-        header = widgets.HTML(f"<b>{title}</b>")
-        controls = widgets.HBox([self.prev_button, self.next_button, self.slider])
-        super().__init__([header, controls, self.caption, self.cache_info, self.image])
-        self.slider.observe(lambda change: self._render(), names="value")
-        self._render()
+        self.steps = steps
+        super().__init__(len(steps), f"<b>{title}</b>")
 
-    @property
-    def index(self) -> int:
-        return self.slider.value - 1
+    def draw(self, index: int):
+        return draw_pool(self.steps[index])
 
-    def go(self, index: int) -> None:
-        self.slider.value = min(max(index, 0), len(self.steps) - 1) + 1
+    def info(self, index: int) -> str:
+        return pool_info(self.steps[index])
 
-    def picture(self, index: int) -> bytes:
-        if index not in self._pngs:
-            self._pngs[index] = png(draw_pool(self.steps[index]))
-        return self._pngs[index]
-
-    def _render(self) -> None:
-        i = self.index
-        step = self.steps[i]
-        self.cache_info.value = pool_info(step)
-        self.image.value = self.picture(i)
-        self.prev_button.disabled, self.next_button.disabled = i == 0, i == len(self.steps) - 1
-        # The caption goes last: once it names this step, the rest of the step has been sent.
-        self.caption.value = f"<code>step {i + 1}/{len(self.steps)}</code> {pool_caption(step)}"
-
-    def _repr_mimebundle_(self, **kwargs):
-        bundle = super()._repr_mimebundle_(**kwargs)
-        bundle["image/png"] = base64.b64encode(self.picture(self.index)).decode()
-        bundle["text/plain"] = f"PoolStepper: {len(self.steps)} steps"
-        return bundle
+    def describe(self, index: int) -> str:
+        return pool_caption(self.steps[index])

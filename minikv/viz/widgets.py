@@ -26,7 +26,73 @@ def device_line(device: torch.device) -> str:
     return f"device: {device}"
 
 
-class TraceStepper(widgets.VBox):
+class Stepper(widgets.VBox):
+    """Prev / Next (and Play) and a slider over a list of steps, a caption, the drawn step's numbers
+    as text, and its picture. A subclass says what step i draws (`draw(i)`, a Figure), the numbers
+    that picture shows (`info(i)`) and what happened (`describe(i)`)."""
+
+    def __init__(self, n_steps: int, header: str, play: bool = False):
+        self._pngs: dict[int, bytes] = {}
+        # The slider counts steps from 1, as the caption does ("step 3/12"); `index` is 0-based.
+        self.slider = widgets.IntSlider(value=1, min=1, max=n_steps, description="step",
+                                        continuous_update=False)
+        self.prev_button = widgets.Button(description="◀ Prev", layout=widgets.Layout(width="90px"))
+        self.next_button = widgets.Button(description="Next ▶", layout=widgets.Layout(width="90px"))
+        self.prev_button.on_click(lambda _: self.go(self.index - 1))
+        self.next_button.on_click(lambda _: self.go(self.index + 1))
+        controls = [self.prev_button, self.next_button]
+        if play:
+            self.play = widgets.Play(value=1, min=1, max=n_steps, interval=900, description="Play")
+            widgets.jslink((self.play, "value"), (self.slider, "value"))
+            controls.append(self.play)
+        self.caption = widgets.HTML()
+        # the drawn numbers as text: what a reader (or a browser test) can check
+        self.cache_info = widgets.HTML()
+        self.image = widgets.Image(format="png")
+        for widget, name in ((self.prev_button, "prev"), (self.next_button, "next"),
+                             (self.caption, "caption"), (self.cache_info, "cache"),
+                             (self.image, "image")):
+            widget.add_class(f"minikv-{name}")  # stable hooks for styling and for the browser test
+        super().__init__([widgets.HTML(header), widgets.HBox([*controls, self.slider]),
+                          self.caption, self.cache_info, self.image])
+        self.slider.observe(lambda change: self._render(), names="value")
+        self._render()
+
+    @property
+    def n_steps(self) -> int:
+        return self.slider.max
+
+    @property
+    def index(self) -> int:
+        """The step shown, counted from 0 (the slider shows it counted from 1)."""
+        return self.slider.value - 1
+
+    def go(self, index: int) -> None:
+        """Show step `index` (from 0), clamped to the steps there are."""
+        self.slider.value = min(max(index, 0), self.n_steps - 1) + 1
+
+    def picture(self, index: int) -> bytes:
+        if index not in self._pngs:
+            self._pngs[index] = png(self.draw(index))
+        return self._pngs[index]
+
+    def _render(self) -> None:
+        i = self.index
+        self.cache_info.value = self.info(i)
+        self.image.value = self.picture(i)
+        self.prev_button.disabled, self.next_button.disabled = i == 0, i == self.n_steps - 1
+        # The caption goes last: once it names this step, the rest of the step has been sent.
+        self.caption.value = f"<code>step {i + 1}/{self.n_steps}</code> {self.describe(i)}"
+
+    def _repr_mimebundle_(self, **kwargs):
+        bundle = super()._repr_mimebundle_(**kwargs)
+        # for viewers without a kernel
+        bundle["image/png"] = base64.b64encode(self.picture(self.index)).decode()
+        bundle["text/plain"] = f"{type(self).__name__}: {self.n_steps} steps"
+        return bundle
+
+
+class TraceStepper(Stepper):
     """Step through a trace: each step shows what the event did to the tokens and the KV cache."""
 
     def __init__(self, trace: list[TraceEvent], decode=None, title: str = "",
@@ -34,68 +100,25 @@ class TraceStepper(widgets.VBox):
         if not trace:
             raise ValueError("empty trace: generate with trace=True to record one")
         self.snapshots = replay(trace)
-        self.decode, self.bytes_per_slot, self._pngs = decode, bytes_per_slot, {}
-        # The slider counts steps from 1, as the caption does ("step 3/12"); `index` is 0-based.
-        n = len(self.snapshots)
-        self.slider = widgets.IntSlider(value=1, min=1, max=n, description="step",
-                                        continuous_update=False)
-        self.play = widgets.Play(value=1, min=1, max=n, interval=900, description="Play")
-        widgets.jslink((self.play, "value"), (self.slider, "value"))
-        self.prev_button = widgets.Button(description="◀ Prev", layout=widgets.Layout(width="90px"))
-        self.next_button = widgets.Button(description="Next ▶", layout=widgets.Layout(width="90px"))
-        self.prev_button.on_click(lambda _: self.go(self.index - 1))
-        self.next_button.on_click(lambda _: self.go(self.index + 1))
-        self.caption = widgets.HTML()
-        # the drawn cache lengths as text: what a reader (or a browser test) can check
-        self.cache_info = widgets.HTML()
-        self.image = widgets.Image(format="png")
-        for widget, name in ((self.prev_button, "prev"), (self.next_button, "next"),
-                             (self.caption, "caption"), (self.cache_info, "cache"),
-                             (self.image, "image")):
-            widget.add_class(f"minikv-{name}")  # stable hooks for styling and for the browser test
+        self.decode, self.bytes_per_slot = decode, bytes_per_slot
         info = device_line(device) if device is not None else ""
-        header = widgets.HTML(f"<b>{title}</b> <span style='color:#666'>{info}</span>")
-        controls = widgets.HBox([self.prev_button, self.next_button, self.play, self.slider])
-        super().__init__([header, controls, self.caption, self.cache_info, self.image])
-        self.slider.observe(lambda change: self._render(), names="value")
-        self._render()
-
-    @property
-    def index(self) -> int:
-        """The step shown, counted from 0 (the slider shows it counted from 1)."""
-        return self.slider.value - 1
+        super().__init__(len(self.snapshots),
+                         f"<b>{title}</b> <span style='color:#666'>{info}</span>", play=True)
 
     @property
     def snapshot(self):
         return self.snapshots[self.index]
 
-    def go(self, index: int) -> None:
-        """Show step `index` (from 0), clamped to the trace."""
-        self.slider.value = min(max(index, 0), len(self.snapshots) - 1) + 1
+    def draw(self, index: int):
+        return draw_step(self.snapshots[index], self.decode, self.bytes_per_slot)
 
-    def picture(self, step: int) -> bytes:
-        if step not in self._pngs:
-            self._pngs[step] = png(draw_step(self.snapshots[step], self.decode,
-                                             self.bytes_per_slot))
-        return self._pngs[step]
-
-    def _render(self) -> None:
-        step, snap = self.index, self.snapshot
-        self.cache_info.value = f"KV cache: {snap.cache_len} positions" + (
+    def info(self, index: int) -> str:
+        snap = self.snapshots[index]
+        return f"KV cache: {snap.cache_len} positions" + (
             f" · draft cache: {snap.draft_cache_len} positions" if snap.has_draft else "")
-        self.image.value = self.picture(step)
-        self.prev_button.disabled = step == 0
-        self.next_button.disabled = step == len(self.snapshots) - 1
-        # The caption goes last: once it names this step, the rest of the step has been sent.
-        self.caption.value = (f"<code>step {step + 1}/{len(self.snapshots)}</code> "
-                              f"{caption(snap, self.decode)}")
 
-    def _repr_mimebundle_(self, **kwargs):
-        bundle = super()._repr_mimebundle_(**kwargs)
-        # for viewers without a kernel
-        bundle["image/png"] = base64.b64encode(self.picture(self.index)).decode()
-        bundle["text/plain"] = f"{type(self).__name__}: {len(self.snapshots)} steps"
-        return bundle
+    def describe(self, index: int) -> str:
+        return caption(self.snapshots[index], self.decode)
 
 
 class CompareStepper(widgets.VBox):
