@@ -42,11 +42,12 @@ def clause_cuts(tok, question):
 
 
 def clause_cuts_walk(tok, question):
-    """Also right: encode the prompt once, walk its tokens until the text reaches each clause."""
-    ids, cuts, text = tok.encode(question.prompt()), [], ""
-    ends = [len(question.prefix(i)) for i in range(len(question.steps) + 1)]
+    """Also right: encode the prompt once, walk its tokens until the text reaches each clause.
+    In bytes: a name's character may span several tokens, and one of them alone is no text."""
+    ids, cuts, text = tok.encode(question.prompt()), [], b""
+    ends = [len(question.prefix(i).encode()) for i in range(len(question.steps) + 1)]
     for k, token in enumerate(ids):
-        text += tok.decode([token])
+        text += tok.decode_single_token_bytes(token)
         if len(text) in ends and len(cuts) < len(ends):
             cuts.append(k + 1)
     return np.array(cuts)  # a numpy array of ints is a list of ints

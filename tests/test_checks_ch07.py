@@ -547,17 +547,19 @@ def test_quantize_reference_is_what_the_quantized_cache_holds():
     layer whose keys no quantization upstream has changed), and the solution agrees with it code
     for code on every case."""
     model, tok = minikv.load_course_model("target", "cpu")
-    ids = torch.tensor([tok.encode(ch07.TEXT)[:24]])
+    T, c = 20, model.config
+    ids = torch.tensor([tok.encode(ch07.TEXT)[:T]])
     for bits in (8, 4):
-        cache = QuantizedKVCache.for_model(model, max_len=25, bits=bits)
-        plain = minikv.KVCache.for_model(model, max_len=24)
+        cache = QuantizedKVCache.for_model(model, max_len=T + 1, bits=bits)
+        plain = minikv.KVCache.for_model(model, max_len=T)
         with torch.no_grad():
             model(ids, cache=cache)
             model(ids, cache=plain)
-        held, _ = cache.update(*[torch.zeros(1, 8, 1, 32)] * 2, 0)  # dequantized K, layer 0
-        codes, scales, dequantized = ch07.engine_quantized(plain.keys[0][:, :, :24], bits)
-        torch.testing.assert_close(held[:, :, :24], dequantized, atol=0, rtol=0)
-        torch.testing.assert_close(cache.key_scales[0][:, :, :24], scales, atol=0, rtol=0)
+        one = torch.zeros(1, c.kv_heads, 1, c.n_embd // c.n_head)
+        held, _ = cache.update(one, one, 0)  # dequantized K, layer 0
+        codes, scales, dequantized = ch07.engine_quantized(plain.keys[0][:, :, :T], bits)
+        torch.testing.assert_close(held[:, :, :T], dequantized, atol=0, rtol=0)
+        torch.testing.assert_close(cache.key_scales[0][:, :, :T], scales, atol=0, rtol=0)
         assert codes.abs().max() == 2 ** (bits - 1) - 1
     for _, x, bits in ch07.quant_cases():
         codes, scales, _ = ch07.engine_quantized(x, bits)

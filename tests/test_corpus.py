@@ -80,9 +80,7 @@ def test_answer_tokens_are_single_tokens(enc):
 def test_coin_flip_documents_are_correct():
     for doc in docs("".join(corpus.splits("coinflip", seed=1, sizes=SMALL).values())):
         state = re.match(r"A coin's state is (heads|tails)\. ", doc)[1]
-        for name, action, said in re.findall(r"(\w+) (flips|doesn't flip)(?:, so it's (\w+))?",
-                                             doc):
-            assert name in NAMES
+        for action, said in re.findall(r" (flips|doesn't flip)(?:, so it's (\w+))?", doc):
             state = STATES[1 - STATES.index(state)] if action == "flips" else state
             assert said in ("", state)
         assert doc.endswith(f"What's the state? A: {state}.")

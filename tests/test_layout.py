@@ -20,6 +20,7 @@ ENGINE_LINE_BUDGET = sum({
     "a quantized KV cache, int8 and int4 with per-token scales (19)": 110,
     "a sink-and-window cache that evicts, with absolute positions (19)": 125,
     "window_attention: the same window as one masked pass, to measure many texts (19)": 19,
+    "why the target has 12 layers; admission holds a preempted request's recompute (14)": 5,
 }.values())
 
 

@@ -2,7 +2,6 @@
 train and test names sharing no word, and held-out questions made of test names only."""
 import random
 
-import pytest
 import torch
 
 import minikv
@@ -65,11 +64,11 @@ def test_a_name_opening_the_sentence_is_capitalized():
                           "flip. What's the state? A:")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 14: the shipped models learned 40 one-token names, "
-                                       "not to read who flips; retrained models must pass this")
 def test_the_target_tracks_the_coin_for_names_it_never_saw():
+    # the target shipped before issue 14 (40 one-token training names): 90 100 80 70 60 40 40 60%
     model, tok = minikv.load_course_model("target", device="cpu")
-    questions = [q for q in corpus.unseen_coin_flips(10, seed=3) if len(q.steps) <= 6]
+    questions = corpus.unseen_coin_flips(10, seed=3)
     with torch.no_grad():
         accuracy = coin_flip_accuracy(model, tok, questions=questions)
-    assert min(accuracy.values()) >= 0.9, accuracy
+    assert min(accuracy[n] for n in range(1, 7)) >= 0.9, accuracy
+    assert min(accuracy[n] for n in range(7, 9)) >= 0.8, accuracy

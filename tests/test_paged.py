@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import minikv
+from minikv.bench import random_model
 from minikv.engine.paged import BlockPool, BlockTable, PagedCache, paged_attention
 from minikv.engine.serving import masked_attention, packed_causal_mask
 
@@ -233,3 +234,23 @@ def test_a_freed_prompt_block_is_reused_until_it_is_reallocated():
                            block_size=8, num_blocks=6)
     assert [o.stats.reused for o in crowded] == [0, 0, 0, 8]
     assert [o.tokens for o in crowded][0::3] == [o.tokens for o in first]
+
+
+def test_a_preempted_deterministic_request_comes_back_with_room_for_its_recompute():
+    """A preempted deterministic request recomputes its tokens in padded windows: admitting it
+    must hold those blocks, or a request admitted in the same step takes them and the recompute
+    finds the pool empty (MemoryError before the fix; these crowds and pools were found so)."""
+    model = random_model("tiny", "cpu")
+    det = minikv.Request(list(range(1, 20)), 30, deterministic=True, temperature=1.0, seed=3)
+    alone_out = minikv.serve(model, [det], block_size=4)[0].tokens
+    preempted = 0
+    for seed in range(12):
+        rng = random.Random(seed)
+        crowd = [minikv.Request([rng.randrange(512) for _ in range(rng.randint(5, 30))],
+                                rng.randint(4, 30), arrival=i % 3) for i in range(6)]
+        det.arrival = seed % 3
+        for num_blocks in (20, 24):
+            out = minikv.serve(model, crowd + [det], block_size=4, num_blocks=num_blocks)
+            assert out[-1].tokens == alone_out and out.pool.n_free == num_blocks
+            preempted += out[-1].stats.preempted
+    assert preempted > 0  # the case under test happened

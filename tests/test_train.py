@@ -22,23 +22,51 @@ def data(tok):
     return T.load_corpora(tok, SMALL_DOCS)
 
 
-def test_batches_start_at_documents_and_are_seeded(tok, data):
-    starts = {n: T.document_starts(t, tok.eot_token, 33) for n, t in data.items()}
+def test_batches_are_whole_documents_and_are_seeded(tok, data):
+    docs = {n: T.documents(t, tok.eot_token) for n, t in data.items()}
     mix = {"coinflip": 0.5, "stories": 0.5}
-    x, y = T.get_batch(data, starts, mix, 8, 32, torch.Generator().manual_seed(1))
+    x, y = T.get_batch(data, docs, mix, 8, 32, torch.Generator().manual_seed(1))
     assert x.shape == y.shape == (8, 32) and torch.equal(x[:, 1:], y[:, :-1])
     openings = [tok.decode(row.tolist()).startswith(("A coin's state is", "Once upon a time"))
                 for row in x]
     assert all(openings)  # as a prompt does, every row starts a document
-    x2, _ = T.get_batch(data, starts, mix, 8, 32, torch.Generator().manual_seed(1))
+    x2, _ = T.get_batch(data, docs, mix, 8, 32, torch.Generator().manual_seed(1))
     assert torch.equal(x, x2)
+    x3, _ = T.get_batch(data, docs, mix, 8, 32, torch.Generator().manual_seed(2))
+    assert not torch.equal(x, x3)
 
 
-def test_every_row_is_a_document_start(tok, data):
+def test_documents_cover_the_corpus(tok, data):
     for name, tokens in data.items():
-        starts = T.document_starts(tokens, tok.eot_token, 10)
-        assert starts[0] == 0 and (tokens[starts[1:] - 1] == tok.eot_token).all()
-        assert int(starts.max()) + 10 <= len(tokens)
+        docs = T.documents(tokens, tok.eot_token)
+        assert docs[0, 0] == 0 and docs[-1, 1] == len(tokens)
+        assert torch.equal(docs[1:, 0], docs[:-1, 1])  # back to back
+        assert (tokens[docs[:, 1] - 1] == tok.eot_token).all()
+        assert (tokens[docs[:, 0]] != tok.eot_token).all()
+
+
+def test_curriculum_limits_the_people_then_lifts_the_limit():
+    tc = T.TrainConfig(steps=100, curriculum=0.5)
+    limits = [T.people_limit(s, tc) for s in range(100)]
+    assert limits[0] == 2 and limits[-1] == minikv.course.corpus.MAX_PEOPLE
+    assert all(a <= b for a, b in zip(limits, limits[1:]))
+    assert set(limits[50:]) == {minikv.course.corpus.MAX_PEOPLE}
+    assert {T.people_limit(s, T.TrainConfig(steps=100)) for s in range(100)} == {8}
+    with pytest.raises(ValueError, match="curriculum"):
+        T.TrainConfig(curriculum=1.5)
+
+
+def test_people_pools_limit_and_weight_the_coin_flips():
+    docs = torch.arange(8).reshape(4, 2)  # four documents' (start, end)
+    people = torch.tensor([1, 8, 3, 2])
+    plain = T.people_pools(docs, people, weighted=False)
+    assert plain[2].tolist() == [[0, 1], [6, 7]]  # only documents of at most 2 people
+    assert plain[8].tolist() == docs.tolist()  # every document once
+    weighted = T.people_pools(docs, people, weighted=True)
+    listed = [row[0] // 2 for row in weighted[8].tolist()]
+    assert [listed.count(d) for d in range(4)] == [1, 8, 3, 2]  # once per person
+    with pytest.raises(ValueError, match="weight_by_people"):
+        T.TrainConfig(weight_by_people=1)
 
 
 def test_learning_rate_schedule():

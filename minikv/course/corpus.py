@@ -13,6 +13,7 @@ flips), so train and held-out text never share a document, whatever the seed or 
 import functools
 import hashlib
 import random
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -133,10 +134,39 @@ class CoinFlip:
         return f"{self.prompt(cot)} {self.answer}."
 
 
-def random_coin_flip(rng: random.Random, n_people: int | None = None) -> CoinFlip:
+# Most people in a coin flip get a generated name (names.py: many languages, most of them several
+# tokens), so that the models learn to read who flips rather than 40 one-token names; the rest keep
+# the classic names of the seeds ("Alice flips, then Bob flips").
+GENERATED_NAMES = 0.85
+
+
+def random_person(rng: random.Random) -> str:
+    """A name of the train split: generated with probability GENERATED_NAMES, else from NAMES."""
+    if rng.random() < GENERATED_NAMES:
+        return name_maker.random_name(rng, "train", vocabulary())
+    return rng.choice(NAMES)
+
+
+def random_coin_flip(rng: random.Random, n_people: int | None = None,
+                     classic_names: bool = False) -> CoinFlip:
+    """classic_names: people only from NAMES, the seeds' one-token names, drawn as the corpus
+    drew them before the generated names (the shipped tokenizer was trained on that text)."""
     n = rng.randint(1, MAX_PEOPLE) if n_people is None else n_people
-    steps = tuple((name, rng.random() < 0.5) for name in rng.sample(NAMES, n))
-    return CoinFlip(rng.choice(STATES), steps)
+    if classic_names:
+        steps = tuple((name, rng.random() < 0.5) for name in rng.sample(NAMES, n))
+        return CoinFlip(rng.choice(STATES), steps)
+    people: list[str] = []
+    while len(people) < n:  # n different people
+        name = random_person(rng)
+        if name.casefold() not in {p.casefold() for p in people}:
+            people.append(name)
+    return CoinFlip(rng.choice(STATES), tuple((name, rng.random() < 0.5) for name in people))
+
+
+def people_in(document: str) -> int:
+    """How many people a coin-flip document (question, or question and answer) names: its clauses
+    end in "flips" or "doesn't flip", words no name contains (names.QUESTION_WORDS)."""
+    return len(re.findall(r" (?:flips|doesn't flip)(?=[,.])", document))
 
 
 def random_fact(rng: random.Random) -> str:
@@ -191,10 +221,12 @@ def split_of(key: str) -> str:
     raise AssertionError("SPLIT_PERCENT must sum to 100")
 
 
-def random_document(corpus: str, rng: random.Random) -> tuple[str, str]:
-    """(split, document) for one random document of `corpus`."""
+def random_document(corpus: str, rng: random.Random,
+                    classic_names: bool = False) -> tuple[str, str]:
+    """(split, document) for one random document of `corpus` (classic_names: see
+    random_coin_flip)."""
     if corpus == "coinflip":
-        q = random_coin_flip(rng)
+        q = random_coin_flip(rng, classic_names=classic_names)
         # route by the plain question, so its chain-of-thought form can't leak a held-out answer
         return split_of(q.text()), q.text(cot=rng.random() < 0.5) + EOT
     if corpus == "facts":
@@ -206,23 +238,24 @@ def random_document(corpus: str, rng: random.Random) -> tuple[str, str]:
     return split_of(doc), doc
 
 
-def splits(corpus: str, seed: int = 0,
-           sizes: tuple[int, int, int] = (4000, 200, 200)) -> dict[str, str]:
+def splits(corpus: str, seed: int = 0, sizes: tuple[int, int, int] = (4000, 200, 200),
+           classic_names: bool = False) -> dict[str, str]:
     """Train / val / test text of `corpus`, with sizes[k] documents each, drawn from
-    random.Random(seed)."""
+    random.Random(seed) (classic_names: see random_coin_flip)."""
     rng = random.Random(seed)
     docs: dict[str, list[str]] = {split: [] for split in SPLIT_PERCENT}
     quota = dict(zip(SPLIT_PERCENT, sizes))
     while any(len(docs[s]) < quota[s] for s in docs):
-        split, doc = random_document(corpus, rng)
+        split, doc = random_document(corpus, rng, classic_names)
         if len(docs[split]) < quota[split]:
             docs[split].append(doc)
     return {split: "".join(d) for split, d in docs.items()}
 
 
 def coin_flip_eval(n_per_count: int, seed: int = 0, split: str = "test") -> list[CoinFlip]:
-    """n_per_count held-out questions for each number of people 1..MAX_PEOPLE. Of the 160 one-person
-    questions only 8 are in test (5 in val), so short counts repeat questions."""
+    """n_per_count held-out questions for each number of people 1..MAX_PEOPLE, people named as in
+    training (random_person). A one-person question with a classic name can repeat: of its 160
+    forms only 8 are in test (5 in val)."""
     rng = random.Random(seed)
     out: list[CoinFlip] = []
     for n in range(1, MAX_PEOPLE + 1):

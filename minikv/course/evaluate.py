@@ -139,7 +139,9 @@ def report(device=None) -> str:
                                 [q.prompt() for q in corpus.unseen_coin_flips(5, seed=1)], 32)
     alpha = draft_agreement(models["target"], models["draft"], tok)["continuation"]
     meta = {name: read_metadata(MODELS_DIR / name) for name in models}
-    n_q = len(corpus.coin_flip_eval(200)) // corpus.MAX_PEOPLE
+    heldout = corpus.coin_flip_eval(200)
+    n_q = len(heldout) // corpus.MAX_PEOPLE
+    distinct = len({q.text() for q in heldout if len(q.steps) == 1})
     lines = [
         "# The shipped course models",
         "",
@@ -174,11 +176,14 @@ def report(device=None) -> str:
         "rows below",
         "measure the pooled model before any uptraining.",
         "",
-        f"## Held-out coin flips: accuracy by number of people ({n_q} questions each)",
+        f"## Held-out coin flips, training names: accuracy by number of people ({n_q} questions "
+        "each)",
         "",
-        "Plain question form, answered directly by the greedy token after \"A:\". "
-        "One-person questions",
-        "repeat: only 8 of the 160 possible ones are in the test split.",
+        "Plain question form, answered directly by the greedy token after \"A:\"; the people "
+        "have names the",
+        "models were trained on (`corpus.random_person`), in questions of the test split. "
+        f"{distinct} of the {n_q}",
+        "one-person questions are distinct (a classic name's question can repeat).",
         "",
         "| model | " + " | ".join(str(n) for n in range(1, corpus.MAX_PEOPLE + 1)) + " | ≤ 6 |",
         "|---|" + "---|" * (corpus.MAX_PEOPLE + 1),
@@ -189,13 +194,13 @@ def report(device=None) -> str:
                      + f" | {100 * upto6:.1f}% |")
     lines += [
         "",
-        "## Names the models never saw (issue 14: not yet good enough)",
+        "## Names the models never saw",
         "",
         "The same question form with people whose names come from `minikv.course.names`' test "
-        "split (no",
-        "word of them in any training text; the models were trained on the 40 names of "
-        "`corpus.NAMES`, one",
-        f"token each). {100 * several:.0f}% of these names are several tokens long. "
+        "split: no",
+        "word of them is in any training text (the models were trained on names of its train "
+        "split and on",
+        f"the 40 of `corpus.NAMES`). {100 * several:.0f}% of these names are several tokens long. "
         "200 questions for each number of people;",
         "\"training names\" is the held-out table above.",
         "",

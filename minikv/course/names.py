@@ -22,9 +22,9 @@ apart from CONNECTORS, the titles, articles and particles any name may contain (
 connectors on their own are always train words, so no word of a test name but a connector occurs
 in any training text. No name contains a word of the coin-flip question (QUESTION_WORDS).
 
-Today the shipped models were trained on corpus.NAMES (40 one-token names): minikv.course.evaluate
-uses the test names to measure how they do on names they never saw (issue 14 retrains them on
-these names).
+The course models are trained on names of the train split (corpus.random_person) and on the 40
+classic names of corpus.NAMES; minikv.course.evaluate asks them about people with test names, which
+they never saw.
 """
 from __future__ import annotations
 

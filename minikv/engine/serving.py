@@ -218,17 +218,20 @@ class _Server:
         already holds (or will, by the end of this step's prefill)."""
         bs, pool = self.pool.block_size, self.pool
         known = s.seq if not s.verified else s.prompt  # what must be in the cache to go on
+        need = len(known)
+        if s.verified:  # a preempted one recomputes its tokens in padded windows (see prefill)
+            need += -(-max(0, len(s.seq) - 1 - len(s.prompt)) // self.window) * self.window
         shared = self.shared_prefix(s) if self.prefix_caching and not s.verified else []
         held = sum(pool.ref[b] > 0 for b in shared)  # shared blocks that cost no free block
         headroom = len(self.running)
-        if pool.n_free < -(-len(known) // bs) - held + 1 + headroom:
+        if pool.n_free < -(-need // bs) - held + 1 + headroom:
             return False
         pool.step = self.step
         for block in shared:  # another prompt's blocks with the same tokens: K/V reused
             pool.share(block, s.index)
         s.table.blocks, s.table.length = list(shared), len(shared) * bs
         s.stats.reused += s.table.length
-        PagedCache(pool, [s.table]).reserve(len(known) - s.table.length)
+        PagedCache(pool, [s.table]).reserve(need - s.table.length)  # held until prefill runs
         self.publish(s)
         self.running.append(s)  # counted in the next admission's headroom
         return True

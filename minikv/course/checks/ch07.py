@@ -253,9 +253,10 @@ def check_gqa_attention(gqa_attention) -> None:
 
 def _real_kv() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The course target's layer-0 and layer-5 keys and layer-3 values for a prompt,
-    (1, 8, T, 32) each."""
+    (1, 8, T, head_dim) each; T = 20, not head_dim (24), so that a scale taken per channel
+    instead of per position has the wrong shape."""
     target, tok = load_course_model("target", "cpu")
-    ids = tok.encode(TEXT)[:24]
+    ids = tok.encode(TEXT)[:20]
     cache = KVCache.for_model(target, max_len=len(ids))
     target(torch.tensor([ids]), cache=cache)
     T = len(ids)
