@@ -1,6 +1,7 @@
 """Training: batches start at document starts and are seeded, the schedule warms up then decays,
 and a short CPU run lowers the loss and saves a checkpoint that loads back."""
 import math
+import shutil
 
 import pytest
 import torch
@@ -59,14 +60,16 @@ def test_curriculum_limits_the_people_then_lifts_the_limit():
 def test_people_pools_limit_and_weight_the_coin_flips():
     docs = torch.arange(8).reshape(4, 2)  # four documents' (start, end)
     people = torch.tensor([1, 8, 3, 2])
-    plain = T.people_pools(docs, people, weighted=False)
+    plain = T.people_pools(docs, people, power=0)
     assert plain[2].tolist() == [[0, 1], [6, 7]]  # only documents of at most 2 people
     assert plain[8].tolist() == docs.tolist()  # every document once
-    weighted = T.people_pools(docs, people, weighted=True)
-    listed = [row[0] // 2 for row in weighted[8].tolist()]
-    assert [listed.count(d) for d in range(4)] == [1, 8, 3, 2]  # once per person
-    with pytest.raises(ValueError, match="weight_by_people"):
-        T.TrainConfig(weight_by_people=1)
+    for power, times in ((1, [1, 8, 3, 2]), (2, [1, 64, 9, 4])):
+        weighted = T.people_pools(docs, people, power=power)
+        listed = [row[0] // 2 for row in weighted[8].tolist()]
+        assert [listed.count(d) for d in range(4)] == times  # people ** power times
+    for bad in (True, 1.5, -1):
+        with pytest.raises(ValueError, match="people_power"):
+            T.TrainConfig(people_power=bad)
 
 
 def test_learning_rate_schedule():
@@ -120,6 +123,55 @@ def test_command_line_trains_and_saves(tmp_path, monkeypatch):
                    "--out", str(tmp_path / "cli")]) == 0
     assert read_metadata(tmp_path / "cli")["train"]["steps"] == 2
     load_checkpoint(tmp_path / "cli", device="cpu")
+
+
+def kl_to(teacher, student, x) -> float:
+    with torch.no_grad():
+        p, q = teacher(x).log_softmax(-1), student(x).log_softmax(-1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+def test_distillation_learns_the_teachers_distribution(tok):
+    tc = T.TrainConfig(steps=30, batch_size=4, lr=3e-3, warmup=3, docs=SMALL_DOCS, distill=True)
+    with pytest.raises(ValueError, match="teacher"):
+        T.train("tiny", tc, device="cpu", progress=False)  # distill, but nobody to learn from
+    with pytest.raises(ValueError, match="teacher"):
+        T.train("tiny", T.TrainConfig(steps=1, docs=SMALL_DOCS), device="cpu", progress=False,
+                teacher=minikv.GPT(minikv.GPTConfig.preset("tiny", vocab_size=tok.n_vocab)))
+    teacher, _ = T.train("tiny", T.TrainConfig(steps=30, batch_size=4, lr=3e-3, warmup=3,
+                                               docs=SMALL_DOCS, seed=1), "cpu", progress=False)
+    torch.manual_seed(2)
+    student = minikv.GPT(minikv.GPTConfig.preset("tiny", vocab_size=tok.n_vocab))
+    x = torch.tensor([tok.encode("Once upon a time, there was a little dog named Max.")])
+    before = kl_to(teacher, student, x)
+    learned, _ = T.train("tiny", tc, "cpu", progress=False, init=student, teacher=teacher)
+    # the same steps on the text's own next tokens move it less close to this teacher
+    plain, _ = T.train("tiny", T.TrainConfig(**{**T.asdict(tc), "distill": False}), "cpu",
+                       progress=False, init=student)
+    assert kl_to(teacher, learned, x) < 0.5 * before, (before, kl_to(teacher, learned, x))
+    assert kl_to(teacher, learned, x) < kl_to(teacher, plain, x)
+
+
+def test_second_phase_goes_on_from_the_shipped_model(tmp_path, monkeypatch):
+    first = T.TrainConfig(steps=2, batch_size=2, warmup=1, docs=SMALL_DOCS)
+    monkeypatch.setitem(T.TRAINING, "tiny", first)
+    monkeypatch.setitem(T.FINISHING, "tiny", T.TrainConfig(steps=3, batch_size=2, warmup=1,
+                                                           lr=1e-4, docs=SMALL_DOCS, seed=5))
+    assert T.main(["--preset", "tiny", "--phase", "1", "--device", "cpu",
+                   "--out", str(tmp_path / "first")]) == 0
+    shipped = read_metadata(tmp_path / "first")
+    assert [p["train"]["steps"] for p in shipped["phases"]] == [2]
+    shutil.copytree(tmp_path / "first", tmp_path / "models" / "tiny")
+    monkeypatch.setattr(T, "MODELS_DIR", tmp_path / "models")  # as if it were shipped
+    assert T.main(["--preset", "tiny", "--phase", "2", "--device", "cpu",
+                   "--out", str(tmp_path / "run")]) == 0
+    meta = read_metadata(tmp_path / "run")
+    assert [p["train"]["steps"] for p in meta["phases"]] == [2, 3]
+    assert meta["phases"][0] == shipped["phases"][0] and meta["train"]["seed"] == 5
+    assert meta["wall_time_s"] == round(sum(p["wall_time_s"] for p in meta["phases"]), 1)
+    monkeypatch.delitem(T.FINISHING, "tiny")
+    with pytest.raises(SystemExit):  # no second phase to run
+        T.main(["--preset", "tiny", "--phase", "2", "--out", str(tmp_path / "x")])
 
 
 @pytest.mark.cuda

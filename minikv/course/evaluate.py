@@ -135,8 +135,10 @@ def report(device=None) -> str:
                   for name in ("target", "draft") for which, qs in unseen.items()}
     people = [p for q in unseen["unseen names"] for p, _ in q.steps]
     several = statistics.mean(map(multi_token(tok), people))
-    agreement = draft_agreement(models["target"], models["draft"], tok,
-                                [q.prompt() for q in corpus.unseen_coin_flips(5, seed=1)], 32)
+    # the draft, and for scale two proposers of the target's own size made from it (the variants)
+    questions = [q.prompt() for q in corpus.unseen_coin_flips(5, seed=1)]
+    agreement = {name: draft_agreement(models["target"], models[name], tok, questions, 32)
+                 for name in ("draft", *VARIANTS)}
     alpha = draft_agreement(models["target"], models["draft"], tok)["continuation"]
     meta = {name: read_metadata(MODELS_DIR / name) for name in models}
     heldout = corpus.coin_flip_eval(200)
@@ -162,19 +164,24 @@ def report(device=None) -> str:
         c, md = m.config, meta[name]
         size = (MODELS_DIR / name / WEIGHTS_FILE).stat().st_size
         how = "uptrained, " if "uptrained_from" in md else ""
+        phases = md.get("phases") or [md]  # a second phase, if any, went on from the first
+        minutes = " + ".join(f"{p.get('wall_time_s', float('nan')) / 60:.1f}" for p in phases)
+        steps = " + ".join(str(p.get("train", {}).get("steps", "?")) for p in phases)
         lines.append(f"| {name} | {c.n_layer} | {c.n_head} ({c.kv_heads}) | {c.n_embd} | "
                      f"{c.block_size} | {m.num_params():,} | "
                      f"{kv_cache_bytes(c, 1, dtype=torch.float32):,} | {size / 1e6:.2f} MB | "
-                     f"{how}{md.get('wall_time_s', float('nan')) / 60:.1f} min "
-                     f"({md.get('train', {}).get('steps', '?')} steps) | {md.get('device', '?')}, "
+                     f"{how}{minutes} min ({steps} steps) | {md.get('device', '?')}, "
                      f"{md.get('cpu_threads', '?')} threads |")
     lines += [
         "",
         "The grouped-query variants (chapter 07) are the target with each group's K/V heads "
         "mean-pooled",
-        "(Ainslie et al. 2023), then uptrained for 5% of the target's steps. \"pooled only\" "
-        "rows below",
-        "measure the pooled model before any uptraining.",
+        "(Ainslie et al. 2023), then uptrained for the steps in their row. The target and the "
+        "draft",
+        "were trained in two phases, the second on from the first's weights (`FINISHING` in",
+        "minikv/course/train.py: the target on more of the longest questions, the draft distilled "
+        "from",
+        "the target). \"pooled only\" rows below measure the pooled model before any uptraining.",
         "",
         f"## Held-out coin flips, training names: accuracy by number of people ({n_q} questions "
         "each)",
@@ -214,10 +221,20 @@ def report(device=None) -> str:
                      + f" | {100 * upto6:.1f}% |")
     lines += [
         "",
-        "The draft's greedy token equals the target's at "
-        f"**{100 * agreement['prompt']:.1f}%** of the positions of 40 such questions "
-        f"and at **{100 * agreement['continuation']:.1f}%**",
-        "of the positions of the target's greedy continuations of them (32 tokens each).",
+        "How often a proposer's greedy token equals the target's, over the positions of 40 such",
+        "questions (\"prompt\") and of the target's greedy continuations of them (32 tokens "
+        "each). The",
+        "variants are not drafts (each costs what the target costs); they are there for scale: "
+        "models of",
+        "the target's own size, made from its weights.",
+        "",
+        "| proposer | layers | prompt | continuation |",
+        "|---|---|---|---|",
+    ]
+    for name, a in agreement.items():
+        lines.append(f"| {name} | {models[name].config.n_layer} | {100 * a['prompt']:.1f}% | "
+                     f"{100 * a['continuation']:.1f}% |")
+    lines += [
         "",
         "## Held-out loss (test split, nats per token)",
         "",

@@ -435,11 +435,13 @@ def _alpha_cases():
         target, draft, prompt, 1, gamma=3, trace=True)
     course_target, tok = load_course_model("target", "cpu")
     course_draft, _ = load_course_model("draft", "cpu")
-    ids = tok.encode("Once upon a time")
+    # a coin flip: the distilled draft agrees on the whole of a short story (α = 1 there), while
+    # here it misses now and then, so a wrong estimator shows
+    ids = tok.encode("A coin's state is heads. Alice flips")
     yield "the course pair, greedy, γ = 5", speculative_generate(
-        course_target, course_draft, ids, 40, gamma=5, trace=True)
+        course_target, course_draft, ids, 60, gamma=5, trace=True)
     yield "the course pair, temperature 0.8, γ = 3", speculative_generate(
-        course_target, course_draft, ids, 40, gamma=3, temperature=0.8, seed=1, trace=True)
+        course_target, course_draft, ids, 60, gamma=3, temperature=0.8, seed=1, trace=True)
 
 
 def _alpha_crash_hint(error: Exception) -> str:
