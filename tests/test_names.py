@@ -6,7 +6,7 @@ import torch
 
 import minikv
 from minikv.course import corpus, names
-from minikv.course.evaluate import coin_flip_accuracy, multi_token
+from minikv.course.evaluate import NEXT_KINDS, coin_flip_accuracy, multi_token, next_token_kinds
 
 
 def draw(split: str, n: int, seed: int = 0) -> list[str]:
@@ -72,3 +72,18 @@ def test_the_target_tracks_the_coin_for_names_it_never_saw():
         accuracy = coin_flip_accuracy(model, tok, questions=questions)
     assert min(accuracy[n] for n in range(1, 7)) >= 0.9, accuracy
     assert min(accuracy[n] for n in range(7, 9)) >= 0.8, accuracy
+
+
+def test_prompt_positions_are_told_apart_by_what_comes_next():
+    """evaluate's breakdown of draft agreement: which next tokens are a name's, which are the
+    coin's flip or not; by bytes, so a name whose characters span tokens is still all name."""
+    tok = minikv.load_tokenizer()
+    q = corpus.CoinFlip("heads", (("the teacher", True), ("马玉杰", False), ("Siobhán", True)))
+    ids = tok.encode(q.prompt())
+    kinds = next_token_kinds(q, tok)
+    assert len(kinds) == len(ids) - 1 and set(kinds) <= set(NEXT_KINDS)
+    pieces = [tok.decode_bytes([t]) for t in ids[1:]]
+    name_bytes = b"".join(p for p, k in zip(pieces, kinds) if k == NEXT_KINDS[0])
+    assert name_bytes.replace(b" ", b"") == "Theteacher马玉杰Siobhán".encode()
+    verbs = [tok.decode([t]) for t, k in zip(ids[1:], kinds) if k == NEXT_KINDS[1]]
+    assert verbs == [" flips", " doesn", " flips"]  # one per person: its clause's first word

@@ -111,6 +111,50 @@ def draft_agreement(target, draft, tok, prompts=AGREEMENT_PROMPTS,
     return {part: agree[part] / total[part] for part in total}
 
 
+NEXT_KINDS = ("a name's token", "flips or doesn't", "the rest")
+
+
+def next_token_kinds(question: corpus.CoinFlip, tok) -> list[str]:
+    """For each position of the question's prompt but the last, what the token after it is: part
+    of a person's name, the first token of the clause's verb (the coin's flip or not), or
+    something else. Works on bytes, since one character of a name can span several tokens."""
+    text = question.prompt().encode()
+    spans, at = [], 0
+    for k, (name, _) in enumerate(question.steps):  # the first name opens a sentence: capitalized
+        shown = (name[:1].upper() + name[1:] if k == 0 else name).encode()
+        start = text.index(shown, at)
+        spans.append((start, start + len(shown)))
+        at = start + len(shown)
+    kinds, offset = [], 0
+    for t in tok.encode(question.prompt()):
+        piece = tok.decode_bytes([t])
+        first = offset + (piece[:1] == b" ")  # where its text starts, past a leading space
+        kinds.append(NEXT_KINDS[0] if any(a <= first < e for a, e in spans) else
+                     NEXT_KINDS[1] if any(first == e + 1 for _, e in spans) else NEXT_KINDS[2])
+        offset += len(piece)
+    return kinds[1:]
+
+
+@torch.no_grad()
+def prompt_agreement_by_kind(target, proposers: dict, tok, questions) -> dict:
+    """Over the prompts' positions, by what the next token is (next_token_kinds): how many
+    positions, how often the target's greedy token is that real next token, and how often each
+    proposer's greedy token equals the target's."""
+    counts = {kind: defaultdict(int) for kind in NEXT_KINDS}
+    for q in questions:
+        ids = tok.encode(q.prompt())
+        x = torch.tensor([ids[:-1]], device=target.device)
+        wanted = target(x)[0].argmax(-1).tolist()
+        guesses = {name: m(x)[0].argmax(-1).tolist() for name, m in proposers.items()}
+        for i, kind in enumerate(next_token_kinds(q, tok)):
+            counts[kind]["positions"] += 1
+            counts[kind]["target"] += wanted[i] == ids[i + 1]
+            for name, g in guesses.items():
+                counts[kind][name] += g[i] == wanted[i]
+    return {kind: {key: c[key] if key == "positions" else c[key] / c["positions"] for key in c}
+            for kind, c in counts.items()}
+
+
 def complete(model, tok, prompt: str, max_new_tokens: int = 48) -> str:
     out = generate(model, tok.encode(prompt), max_new_tokens, eos_id=tok.eot_token)
     return tok.decode(out.tokens)
@@ -136,9 +180,11 @@ def report(device=None) -> str:
     people = [p for q in unseen["unseen names"] for p, _ in q.steps]
     several = statistics.mean(map(multi_token(tok), people))
     # the draft, and for scale two proposers of the target's own size made from it (the variants)
-    questions = [q.prompt() for q in corpus.unseen_coin_flips(5, seed=1)]
-    agreement = {name: draft_agreement(models["target"], models[name], tok, questions, 32)
-                 for name in ("draft", *VARIANTS)}
+    questions = corpus.unseen_coin_flips(5, seed=1)
+    proposers = {name: models[name] for name in ("draft", *VARIANTS)}
+    agreement = {name: draft_agreement(models["target"], m, tok, [q.prompt() for q in questions],
+                                       32) for name, m in proposers.items()}
+    by_kind = prompt_agreement_by_kind(models["target"], proposers, tok, questions)
     alpha = draft_agreement(models["target"], models["draft"], tok)["continuation"]
     meta = {name: read_metadata(MODELS_DIR / name) for name in models}
     heldout = corpus.coin_flip_eval(200)
@@ -234,6 +280,25 @@ def report(device=None) -> str:
     for name, a in agreement.items():
         lines.append(f"| {name} | {models[name].config.n_layer} | {100 * a['prompt']:.1f}% | "
                      f"{100 * a['continuation']:.1f}% |")
+    names, n_positions = by_kind[NEXT_KINDS[0]], sum(k["positions"] for k in by_kind.values())
+    lines += [
+        "",
+        "The prompt positions, by what the next token is. Where it is part of a name neither model "
+        "has seen,",
+        "or the coin's flip or not, the target's greedy token is a guess (\"target right\": how "
+        "often it is",
+        "the real next token), and agreeing with it is one guess matching another. "
+        f"{100 * names['positions'] / n_positions:.0f}% of the",
+        "positions are inside names, so the prompt column above stays far from 100% for any "
+        "proposer,",
+        "a model of the target's own size included.",
+        "",
+        "| next token | positions | target right | " + " | ".join(proposers) + " |",
+        "|---|---|---|" + "---|" * len(proposers),
+    ]
+    for kind, c in by_kind.items():
+        lines.append(f"| {kind} | {c['positions']:,} | {100 * c['target']:.1f}% | "
+                     + " | ".join(f"{100 * c[name]:.1f}%" for name in proposers) + " |")
     lines += [
         "",
         "## Held-out loss (test split, nats per token)",
