@@ -7,6 +7,7 @@
     figures    redraw figures/ from engine runs
     bench      the benchmarks: benchmarks/README.md, results.json, plots.png
     exercises  regenerate exercises/ from solutions/ (--check: only report)
+    grade      grade exercise notebooks by what they compute: ✓/✗ per exercise, then the score
     run        execute notebooks in place, saving their outputs
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ COMMANDS = {
     "figures": ("minikv.viz.figures", False),
     "bench": ("minikv.bench", False),
     "exercises": ("minikv.course.notebooks", True),
+    "grade": ("minikv.course.grade", False),
     "run": ("minikv.course.notebooks", True),
 }
 

@@ -52,21 +52,27 @@ def test_exercise_check_cells_show_no_result_before_the_student_runs_them(path):
     assert not any("✓" in str(c.get("outputs", "")) for c in cells)
 
 
-def test_the_classroom_workflow_grades_every_chapter_one_point_per_exercise():
-    """GitHub Classroom's workflow: a grader per exercise notebook, its command nbval on exactly
-    that notebook, worth as many points as the notebook has check cells; the reporter reads every
-    grader (a grader it does not list would score nothing)."""
+def test_the_classroom_workflow_grades_one_point_per_exercise():
+    """GitHub Classroom's workflow: a grader per exercise, worth one point, its command `python -m
+    minikv grade --exercise` on exactly that exercise of its notebook (lax: by what it computes),
+    sharing one cache so each notebook runs once; the reporter reads every grader (a grader it does
+    not list would score nothing)."""
     import nbformat
     yaml = pytest.importorskip("yaml")
     workflow = yaml.safe_load(course.CLASSROOM.read_text())
     steps = workflow["jobs"]["autograding"]["steps"]
     graders = [s for s in steps if "autograding-command-grader" in s.get("uses", "")]
     reporter = next(s for s in steps if "autograding-grading-reporter" in s.get("uses", ""))
-    assert len(graders) == len(course.exercise_pairs())
-    for grader, (solution, exercise) in zip(graders, course.exercise_pairs()):
-        points = course.check_cells(nbformat.read(solution, as_version=4))
-        assert points >= 3 and grader["with"]["max-score"] == points
-        assert f"exercises/{exercise.name} --nbval" in grader["with"]["command"]
+    expected = [(exercise, name) for solution, exercise in course.exercise_pairs()
+                for name in course.exercise_names(nbformat.read(solution, as_version=4)).values()]
+    assert len(graders) == len(expected) >= 3 * len(course.exercise_pairs())
+    for grader, (exercise, name) in zip(graders, expected):
+        assert grader["with"]["max-score"] == 1
+        assert grader["with"]["command"].split() == [
+            ".venv/bin/python", "-m", "minikv", "grade", f"exercises/{exercise.name}",
+            "--exercise", name, "--cache", "${{", "runner.temp", "}}/minikv-grade"]
+    assert "--nbval" not in course.CLASSROOM.read_text()  # no saved output compared
     ids = [g["id"] for g in graders]
+    assert len(set(ids)) == len(ids)
     assert reporter["with"]["runners"].split(",") == ids
     assert set(reporter["env"]) == {f"{i.upper()}_RESULTS" for i in ids}
