@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from ..engine.records import PoolStep
+from .draw import NotebookFigure
 from .widgets import Stepper
 
 # One hue per request, none of them a token-state colour (minikv.viz.draw.COLORS).
@@ -70,8 +70,7 @@ def draw_pool(step: PoolStep, columns: int = 16, ax=None) -> Figure:
     grid_rows = -(-n // columns)
     rows = grid_rows + 1 + len(step.tables)
     if ax is None:
-        fig = Figure(figsize=(10, 1.0 + 0.42 * rows))
-        FigureCanvasAgg(fig)
+        fig = NotebookFigure(figsize=(10, 1.0 + 0.42 * rows))
         ax = fig.add_axes((0.01, 0.01, 0.98, 0.99 - 0.45 / fig.get_figheight()))
     for block in range(n):
         x, y = block % columns, -(block // columns)
