@@ -61,28 +61,64 @@ def _box(ax, x, y, state, gid, bold=False):
                            linewidth=2.0 if bold else 0.6, gid=gid))
 
 
-def _label(ax, x, y, token: int, decode, gid: str, renderer) -> None:
-    """The token's text inside its box: smaller type, then fewer letters, until it fits."""
+def _label(ax, x, y, token: int, decode, gid: str, renderer, fontsize: float = 8) -> None:
+    """The token's text inside its box, at the strip's font size; letters dropped (…) only for a
+    token too long for its box even then."""
     text = decode([token]) if decode else str(token)
     text = text.replace("\n", "⏎").replace(" ", "␣") if text.strip() == "" else text.strip()
     box = ax.transData.transform([(x, 0), (x + 0.92, 0)])
     width = (box[1, 0] - box[0, 0]) - 2  # pixels, less a margin for the border
-    label = ax.text(x + 0.46, y + 0.4, text, ha="center", va="center", fontsize=8, gid=gid)
+    label = ax.text(x + 0.46, y + 0.4, text, ha="center", va="center", fontsize=fontsize,
+                    gid=gid)
     while label.get_window_extent(renderer).width > width and len(label.get_text()) > 1:
-        if label.get_fontsize() > 5.5:
-            label.set_fontsize(label.get_fontsize() - 0.5)
-        else:
-            text = text[:-1]
-            label.set_text(text[:-1] + "…" if len(text) > 1 else text)
+        text = text[:-1]
+        label.set_text(text[:-1] + "…" if len(text) > 1 else text)
+
+
+def _strip_fontsize(ax, tokens: list[int], decode, renderer) -> float:
+    """One font size for a whole strip, so no token looks smaller than its neighbours: the
+    largest (8 to 6 points) at which all but the longest tenth of the tokens fit their boxes."""
+    box = ax.transData.transform([(0, 0), (0.92, 0)])
+    width = (box[1, 0] - box[0, 0]) - 2
+    texts = sorted(((decode([t]) if decode else str(t)).strip() or "␣" for t in tokens), key=len)
+    texts = texts[:max(1, len(texts) - len(texts) // 10)]  # the longest tenth may be shortened
+    probe = ax.text(0, 0, "")
+
+    def fits(size: float) -> bool:
+        probe.set_fontsize(size)
+        for t in texts:
+            probe.set_text(t)
+            if probe.get_window_extent(renderer).width > width:
+                return False
+        return True
+
+    size = 8.0
+    while size > 6 and not fits(size):
+        size -= 0.5
+    probe.remove()
+    return size
+
+
+def states_shown(snaps) -> set[str]:
+    """Every state a token or slot takes in these snapshots: what a legend should list."""
+    shown = set()
+    for snap in snaps:
+        shown.update(snap.status)
+        shown.update(snap.slots("cache"))
+        if snap.has_draft:
+            shown.update(snap.slots("draft"))
+    return shown
 
 
 def draw_step(snap: Snapshot, decode=None, bytes_per_slot: int | None = None,
               max_positions: int = 28, title: str | None = None, ax=None,
-              legend: bool = True) -> plt.Figure:
+              legend: bool | set[str] = True) -> plt.Figure:
     """The token strip above the KV cache (and the draft's cache, when there is one) after one
     event. A slot takes the colour of the token whose K/V it holds; bold borders mark what this
-    event computed (slots) or produced (the newest token). Patches and labels carry a gid
-    "row:position" ("tokens", "cache", "draft" or "recomputed") for tests to read back."""
+    event computed (slots) or produced (the newest token). The legend lists the states in
+    `legend` (a stepper passes those of its whole trace), or this snapshot's when True, never
+    states the picture cannot show. Patches and labels carry a gid "row:position" ("tokens",
+    "cache", "draft" or "recomputed") for tests to read back."""
     written = max(snap.cache_written, snap.draft_written, 1)
     n = max(len(snap.tokens), written)
     first = max(0, n - max_positions)
@@ -100,15 +136,17 @@ def draw_step(snap: Snapshot, decode=None, bytes_per_slot: int | None = None,
     renderer = ax.figure.canvas.get_renderer()
     ax.set_xlim(first - 3.2, first + max_positions + 4)
     ax.set_ylim(-1.15 * (len(rows) - 1) - 0.9, 1.4)
-    names = {"tokens": "tokens", "cache": "KV cache", "draft": "draft cache",
+    names = {"tokens": "tokens", "cache": "target cache" if snap.has_draft else "KV cache",
+             "draft": "draft cache",
              "recomputed": "no cache"}
     for r, (row, slots) in enumerate(rows):
         y = -r * 1.15
         ax.text(first - 0.3, y + 0.4, names[row], ha="right", va="center", fontsize=9)
         if slots is None:
+            size = _strip_fontsize(ax, snap.tokens[first:], decode, renderer)
             for p in range(first, len(snap.tokens)):
                 _box(ax, p, y, snap.status[p], f"tokens:{p}", bold=p == snap.newest)
-                _label(ax, p, y, snap.tokens[p], decode, f"tokens:{p}", renderer)
+                _label(ax, p, y, snap.tokens[p], decode, f"tokens:{p}", renderer, size)
                 ax.text(p + 0.46, y + 0.92, str(p), ha="center", fontsize=6, color="#555555")
             continue
         for p in range(first, len(slots)):
@@ -124,8 +162,9 @@ def draw_step(snap: Snapshot, decode=None, bytes_per_slot: int | None = None,
     ax.axis("off")
     ax.set_title(title or caption(snap, decode), fontsize=9, loc="left", wrap=True)
     if legend:
+        shown = legend if isinstance(legend, set) else states_shown([snap])
         handles = [Patch(facecolor=COLORS[state], hatch=HATCH.get(state), edgecolor="#777777",
-                         label=label) for label, state in LEGEND]
+                         label=label) for label, state in LEGEND if state in shown]
         handles.append(Patch(facecolor="white", edgecolor="black", linewidth=2.0,
                              label="bold: computed in this step"))
         ax.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.0), ncol=7,
@@ -143,7 +182,8 @@ def draw_steps(snaps: list[Snapshot], decode=None, bytes_per_slot: int | None = 
                              gridspec_kw={"height_ratios": heights, "left": 0.01, "right": 0.99,
                                           "top": top, "bottom": 0.01, "hspace": 0.15})
     for i, (snap, ax) in enumerate(zip(snaps, axes[:, 0])):
-        draw_step(snap, decode, bytes_per_slot, max_positions, ax=ax, legend=i == len(snaps) - 1)
+        draw_step(snap, decode, bytes_per_slot, max_positions, ax=ax,
+                  legend=states_shown(snaps) if i == len(snaps) - 1 else False)
     if suptitle:
         fig.suptitle(suptitle, fontsize=11, x=0.02, y=1 - 0.15 / height, ha="left")
     return fig
@@ -172,21 +212,31 @@ def attention_weights(model, ids: list[int], cache=None, layer: int = 0) -> torc
 
 
 def draw_attention(weights: torch.Tensor, labels: list[str] | None = None, title: str = "",
-                   ax=None, vmax: float | None = None, ylabel: str = "queries") -> plt.Figure:
-    """Heat map of (T, L) attention weights, one head averaged or chosen by the caller; masked
-    cells blank. Pass the same `vmax` to pictures that are compared, so one colour is one
-    weight in all of them."""
+                   ax=None, vmax: float | None = None, ylabel: str = "queries",
+                   colorbar: bool = True) -> plt.Figure:
+    """Heat map of (T, L) attention weights, one head averaged or chosen by the caller. Cells the
+    causal mask hides (query i at position L - T + i never sees a later key) are hatched, so a
+    masked cell cannot be mistaken for a small weight. Pass the same `vmax` to pictures that are
+    compared, so one colour is one weight in all of them."""
     T, L = weights.shape
     if ax is None:
-        _, ax = plt.subplots(figsize=(0.5 + 0.35 * L, 0.7 + 0.35 * T))
-    shown = weights.masked_fill(weights == 0, float("nan"))
+        _, ax = plt.subplots(figsize=(1.3 + 0.35 * L, 0.7 + 0.35 * T))
     vmax = float(weights.max()) if vmax is None else vmax
-    ax.imshow(shown.numpy(), cmap="Greys", vmin=0, vmax=vmax, aspect="equal")
+    image = ax.imshow(weights.numpy(), cmap="Greys", vmin=0, vmax=vmax, aspect="equal")
+    for i in range(T):
+        for j in range(L - T + i + 1, L):  # the future of query i: masked, never a weight
+            ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, facecolor="white", hatch="////",
+                                   edgecolor="#c8c8c8", linewidth=0, gid=f"masked-{i}-{j}"))
     ax.set_xticks(range(L), labels if labels else range(L), rotation=90, fontsize=7)
     ax.set_yticks(range(T), (labels[L - T:] if labels else range(L - T, L)), fontsize=7)
-    ax.set_xlabel("keys (cached + new)")
+    # with T == L nothing was cached: every key is computed in this pass
+    ax.set_xlabel("keys" if T == L else f"keys ({L - T} cached + {T} new)")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
+    if colorbar:
+        bar = ax.figure.colorbar(image, ax=ax, fraction=0.046, pad=0.03)
+        bar.set_label("attention weight (hatched: masked)", fontsize=7)
+        bar.ax.tick_params(labelsize=7)
     ax.figure.tight_layout()
     return ax.figure
 

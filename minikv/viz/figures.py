@@ -61,7 +61,7 @@ def seed_003_kv_cache_guide(target, tok, counted: dict[int, tuple[int, int]] | N
     ax.legend(fontsize=8)
 
     ax = axes[0, 1]  # scaling, counted by the engine's hooks
-    ns = [1, 2, 4, 8, 16, 32, 64, 128, 200]
+    ns = [1, 2, 4, 8, 16, 32, 64, 100, 200]
     if counted is None:
         counted = {n: (generate(target, prompt[:1], n, mode="naive").stats.kv_computed,
                        generate(target, prompt[:1], n, mode="cached").stats.kv_computed)
@@ -75,7 +75,7 @@ def seed_003_kv_cache_guide(target, tok, counted: dict[int, tuple[int, int]] | N
               label="N(N+1)/2 and N")
     ax.loglog(ns, ns, "--", color=SERIES["formula"])
     ax.set(xlabel="tokens generated N (1-token prompt)", ylabel="K/V vectors computed per layer",
-           title=f"O(N²) vs O(N): at N=200, {counted[-1][0] / counted[-1][1]:.1f}x the work")
+           title=f"O(N²) vs O(N): at N=100, {counted[-2][0] / counted[-2][1]:.1f}x the work")
     ax.legend(fontsize=8)
 
     ids = prompt + cached.tokens[:1]  # "Once upon a" + its first new token: seed 003's step 2
@@ -90,9 +90,10 @@ def seed_003_kv_cache_guide(target, tok, counted: dict[int, tuple[int, int]] | N
     triangle = attention_weights(target, ids).mean(0)
     one_row = attention_weights(target, ids[-1:], cache=cache).mean(0)
     vmax = float(max(triangle.max(), one_row.max()))  # one colour scale for both
-    draw_attention(triangle, labels, "attention without cache: all rows", ax=full, vmax=vmax)
+    draw_attention(triangle, labels, "attention without cache: all rows\n(darker: more weight; "
+                   "hatched: masked)", ax=full, vmax=vmax, colorbar=False)  # no room for a bar
     draw_attention(one_row, labels, "with cache: one row", ax=row, vmax=vmax,
-                   ylabel="queries (new)")
+                   ylabel="queries (new)", colorbar=False)
     full.set(xlabel="")
 
     ax = axes[1, 0]  # cache bytes, GPT-2 small in fp16: the formula and a real cache agree
@@ -113,19 +114,23 @@ def seed_003_kv_cache_guide(target, tok, counted: dict[int, tuple[int, int]] | N
         ax.plot(range(1, 6), [e.positions[-1] for e in out.trace], "o-", color=color,
                 label=f"{name}: …{tok.decode(out.tokens)!r}")
     ax.set(xlabel="generation step", ylabel="position id of the last token fed",
-           title="Seed 003's position bug")
+           title="Seed 003's position bug", ylim=(-1, len(prompt) + 12))  # room for the legend
+    ax.set_xticks(range(1, 6))  # steps are whole
     ax.legend(fontsize=8, loc="upper left")
 
-    ax = axes[1, 2]  # the timeline of seed 003, drawn as work per step
-    for row, (out, color) in enumerate(((naive, SERIES["naive"]), (cached, SERIES["cached"]))):
+    ax = axes[1, 2]  # the timeline of seed 003: 1, 2, 3, 4 positions against 1, 1, 1, 1
+    runs = [generate(target, prompt[:1], 4, mode=mode, trace=True) for mode in ("naive", "cached")]
+    for row, (out, color) in enumerate(zip(runs, (SERIES["naive"], SERIES["cached"]))):
         left = 0
-        for e in out.trace[:4]:
-            ax.barh(row, e.kv_computed, left=left, color=color, edgecolor="white")
-            left += e.kv_computed
+        for e in out.trace:
+            ax.barh(row, len(e.input_ids), left=left, color=color, edgecolor="white")
+            left += len(e.input_ids)
     ax.set_yticks([0, 1], ["without cache", "with cache"])
     ax.invert_yaxis()
-    ax.set(xlabel="positions processed (cumulative over 4 tokens)",
-           title="Timeline: work per token")
+    done = [out.stats.positions_processed for out in runs]
+    ax.set(xlabel="positions processed (cumulative, one segment per token)",
+           title=f"Timeline, 1-token prompt + 4 tokens: {done[0]} vs {done[1]} positions "
+                 f"({done[0] / done[1]:.1f}x)")
     fig.suptitle("Seed 003: the KV-cache visual guide, measured by the engine", x=0.01, ha="left")
     fig.tight_layout()
     return fig

@@ -14,7 +14,7 @@ import ipywidgets as widgets
 import torch
 
 from ..engine.records import TraceEvent
-from .draw import draw_step, draw_steps, png
+from .draw import draw_step, draw_steps, png, states_shown
 from .replay import caption, replay
 
 
@@ -110,7 +110,8 @@ class TraceStepper(Stepper):
         return self.snapshots[self.index]
 
     def draw(self, index: int):
-        return draw_step(self.snapshots[index], self.decode, self.bytes_per_slot)
+        return draw_step(self.snapshots[index], self.decode, self.bytes_per_slot,
+                         legend=states_shown(self.snapshots))  # one legend for every step
 
     def info(self, index: int) -> str:
         snap = self.snapshots[index]
