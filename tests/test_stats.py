@@ -46,3 +46,15 @@ def test_record_counts_a_round():
     assert (stats.rounds, stats.proposed, stats.accepted, stats.rejected) == (2, 5, 3, 2)
     assert (stats.rejected_rounds, stats.rollbacks) == (1, 1)
     assert stats.alpha == 3 / 4 and stats.acceptance_rate == 3 / 5
+
+
+def test_alpha_is_none_when_nothing_was_judged():
+    """No proposal judged estimates nothing: None, never 0.0 (which reads as "all rejected")."""
+    stats = VerifyStats()
+    assert stats.alpha is None
+    stats.record(SimpleNamespace(proposals=[], verdict=SimpleNamespace(accepted=0),
+                                 rolled_back=False))
+    assert stats.alpha is None
+    stats.record(SimpleNamespace(proposals=[7], verdict=SimpleNamespace(accepted=0),
+                                 rolled_back=True))
+    assert stats.alpha == 0.0

@@ -84,11 +84,13 @@ class VerifyStats:
         return self.accepted / max(self.proposed, 1)
 
     @property
-    def alpha(self) -> float:
+    def alpha(self) -> float | None:
         """Leviathan et al.'s α, the chance that a judged proposal is accepted, estimated as
         accepted / (accepted + rejections): each round judges proposals until its first
-        rejection, so only those judgements count."""
-        return self.accepted / max(self.accepted + self.rejected_rounds, 1)
+        rejection, so only those judgements count. None when nothing was judged: no proposal
+        estimates nothing (0.0 would read as "every proposal rejected")."""
+        judged = self.accepted + self.rejected_rounds
+        return self.accepted / judged if judged else None
 
 
 @dataclass
