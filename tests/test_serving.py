@@ -161,3 +161,23 @@ def test_window_one_verifies_every_token():
     out = run(MODEL32, det_request(n=10), 2, 2, window=1)
     assert out.stats.fast_steps == 0 and out.stats.rounds == 9  # the prefill gives the first token
     assert out.tokens == run(MODEL32, det_request(n=10), 0, 0).tokens
+
+
+def test_max_running_caps_the_batch_and_changes_no_token():
+    """max_running (vLLM's max_num_seqs) bounds the rows of every decode pass; requests wait in
+    the queue instead, and each one's tokens are the same as uncapped."""
+    model = varied_model()
+    requests = [minikv.Request([1 + i, 2, 3], 5 + i % 4, arrival=i % 3) for i in range(9)]
+    free = minikv.serve(model, requests, verify=False, trace=True)
+    for cap in (1, 3):
+        capped = minikv.serve(model, requests, verify=False, trace=True, max_running=cap)
+        rows = [e.batch for o in capped for e in o.trace if e.kind == "decode"]
+        assert max(rows) <= cap
+        assert [o.tokens for o in capped] == [o.tokens for o in free]
+    assert max(e.batch for o in free for e in o.trace if e.kind == "decode") > 3
+
+
+@pytest.mark.parametrize("cap", [0, -1, 2.5, "4", True])
+def test_max_running_must_be_a_positive_int(cap):
+    with pytest.raises((ValueError, TypeError), match="max_running"):
+        minikv.serve(varied_model(), [minikv.Request([1, 2], 3)], max_running=cap)

@@ -183,7 +183,8 @@ def test_pool_stepper_walks_the_pool_steps():
     assert len(images) == len(steps)  # every step draws something different
     share = next(i for i, s in enumerate(steps) if any(w == "share" for _, w, _, _ in s.log))
     stepper.go(share)
-    assert "shared by request(s) [1] (prefix caching: K/V reused)" in stepper.caption.value
+    assert ("shared by running request(s) [1]" in stepper.caption.value
+            or "reused by request(s) [1] from the prefix cache" in stepper.caption.value)
     preempt = next(i for i, s in enumerate(steps) if any(w == "preempt" for _, w, _, _ in s.log))
     stepper.go(preempt + 1)
     stepper.prev_button.click()
@@ -192,6 +193,21 @@ def test_pool_stepper_walks_the_pool_steps():
     assert stepper.slider.value == stepper.slider.max == len(steps)
     stepper.go(-5)
     assert stepper.slider.value == stepper.slider.min == 1
+
+
+def test_pool_caption_tells_sharing_from_reuse():
+    """A prefix-cache hit on a block a running request holds is sharing (two tables, one copy);
+    on a block a finished request left behind it is reuse: the caption says which."""
+    from minikv.engine.records import PoolStep
+    from minikv.viz.pool import pool_caption
+    live = PoolStep(step=3, tables={0: (0, 1), 1: (0, 2)}, lengths={0: 8, 1: 5}, ref=(2, 1, 1, 0),
+                    log=((3, "share", 0, 1), (3, "allocate", 2, 1)))
+    revived = PoolStep(step=7, tables={1: (0, 2)}, lengths={1: 5}, ref=(1, 0, 1, 0),
+                       log=((7, "share", 0, 1), (7, "allocate", 2, 1)))
+    assert "1 block(s) shared by running request(s) [1]" in pool_caption(live)
+    assert "reused" not in pool_caption(live)
+    assert "1 block(s) reused by request(s) [1] from the prefix cache" in pool_caption(revived)
+    assert "shared by running" not in pool_caption(revived)
 
 
 def test_pool_stepper_has_the_browser_hooks_and_a_static_picture():

@@ -94,17 +94,21 @@ def static_batching(model, requests: list[Request], batch_size: int) -> dict:
 
 
 def continuous_batching(model, requests: list[Request], block_size: int, num_blocks: int,
-                        prefix_caching: bool = True) -> dict:
-    """minikv.serve over a pool of num_blocks blocks: requests join and leave the batch at every
-    step. Rows: token positions pushed through the model. Waste: the most unused positions a
-    request ever held in its blocks."""
+                        prefix_caching: bool = True, max_running: int | None = None) -> dict:
+    """minikv.serve over a pool of num_blocks blocks (and at most max_running requests at once):
+    requests join and leave the batch at every step. Rows: token positions pushed through the
+    model. Waste: the most unused positions a request ever held in its blocks. Batch: the mean
+    and the largest number of requests in a decode pass."""
     with PassCount(model) as passes:
         outs = serve(model, requests, block_size=block_size, num_blocks=num_blocks, trace=True,
-                     prefix_caching=prefix_caching)
+                     prefix_caching=prefix_caching, max_running=max_running)
     waste = max((len(blocks) * block_size - step.lengths[r]
                  for step in outs.pool_steps for r, blocks in step.tables.items()), default=0)
     rows = sum(e.kv_computed for o in outs for e in o.trace)  # every token row of every pass
+    batch = {e.step: e.batch for o in outs for e in o.trace if e.kind == "decode"}
     return {"tokens": [o.tokens for o in outs], "passes": passes.n, "rows": rows,
+            "mean_batch": sum(batch.values()) / max(len(batch), 1),
+            "max_batch": max(batch.values(), default=0),
             "kv_positions": num_blocks * block_size, "waste_per_request": waste,
             "preempted": sum(o.stats.preempted for o in outs)}
 

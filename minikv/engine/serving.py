@@ -143,14 +143,18 @@ class _Sequence:
 
 def serve(model, requests, window: int = 4, verify: bool = True, trace: bool = False,
           record_logits: bool = False, *, block_size: int = 16, num_blocks: int | None = None,
-          prefix_caching: bool = True) -> ServeOutputs:
+          prefix_caching: bool = True, max_running: int | None = None) -> ServeOutputs:
     """Serve `requests` (each arriving at its `arrival` step) to completion. The pool holds
     `num_blocks` blocks of `block_size` positions (default: enough for every request at once);
     `prefix_caching` lets a prompt reuse the full blocks another prompt with the same beginning
-    computed. Deterministic requests are verified every `window` positions; with `verify=False`
-    every request keeps the fast path's tokens as they come, as a plain batched server does."""
+    computed; `max_running` caps how many requests run at once (vLLM's `max_num_seqs`; default:
+    as many as the pool admits). Deterministic requests are verified every `window` positions;
+    with `verify=False` every request keeps the fast path's tokens as they come, as a plain
+    batched server does."""
     requests = list(requests)
     prompts, num_blocks = validate.serve_call(model, requests, window, block_size, num_blocks)
+    if max_running is not None:
+        validate.int_at_least("max_running", max_running, hint=" (requests running at once)")
     pool = BlockPool(model.config, num_blocks, block_size, device=model.device, dtype=model.dtype)
     seqs = [_Sequence(i, r, p, verify and r.deterministic)
             for i, (r, p) in enumerate(zip(requests, prompts))]
@@ -165,6 +169,7 @@ def serve(model, requests, window: int = 4, verify: bool = True, trace: bool = F
             #    newcomers' prompts are computed together in one packed pass.
             new = []
             while (waiting and waiting[0].request.arrival <= server.step
+                   and (max_running is None or len(running) + len(new) < max_running)
                    and server.admit(waiting[0])):
                 new.append(waiting.popleft())
             server.prefill(new)

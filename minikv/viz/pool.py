@@ -13,8 +13,10 @@ from .draw import NotebookFigure
 from .widgets import Stepper
 
 # One hue per request, none of them a token-state colour (minikv.viz.draw.COLORS).
-OWNER_COLORS = ("#7b52ab", "#2a9d8f", "#264653", "#8c564b", "#b5838d", "#6d597a", "#606c38",
-                "#bc6c25")
+# Requests get hues used nowhere else in the course: not a token state's (COLORS), not a chart
+# series' (SERIES: purple means "without cache", teal "with cache" in every chapter).
+OWNER_COLORS = ("#bc6c25", "#3d405b", "#606c38", "#b5838d", "#6d597a", "#9c6644", "#4a4e69",
+                "#a3a380")
 SHARED_HATCH = "xx"
 
 
@@ -27,9 +29,18 @@ def pool_caption(step: PoolStep) -> str:
     what = Counter(kind for _, kind, _, _ in step.log)
     owners = {kind: sorted({r for _, k, _, r in step.log if k == kind}) for kind in what}
     parts = []
-    if what["share"]:
-        parts.append(f"{what['share']} block(s) shared by request(s) {owners['share']} "
-                     f"(prefix caching: K/V reused)")
+    # A prefix-cache hit either shares a block another running request holds (two tables point
+    # at it after the step) or revives one a finished request left behind (only one does).
+    shares = [(b, r) for _, k, b, r in step.log if k == "share"]
+    live = [(b, r) for b, r in shares if step.ref[b] > 1]
+    revived = [(b, r) for b, r in shares if step.ref[b] <= 1]
+    if live:
+        parts.append(f"{len(live)} block(s) shared by running request(s) "
+                     f"{sorted({r for _, r in live})} (prefix caching: one copy, two tables)")
+    if revived:
+        parts.append(f"{len(revived)} block(s) reused by request(s) "
+                     f"{sorted({r for _, r in revived})} from the prefix cache (left by a "
+                     f"finished request, K/V kept)")
     if what["allocate"]:
         parts.append(f"{what['allocate']} block(s) allocated to {owners['allocate']}")
     if what["copy"]:
@@ -59,7 +70,7 @@ def pool_info(step: PoolStep) -> str:
             f"{len(step.ref) - held} free")
 
 
-def draw_pool(step: PoolStep, columns: int = 16, ax=None) -> Figure:
+def draw_pool(step: PoolStep, columns: int = 12, ax=None) -> Figure:
     """The pool as a grid of blocks (owner colour, hatched when shared, white when free) above
     every running request's block table."""
     owners: dict[int, list[int]] = {}
@@ -67,10 +78,11 @@ def draw_pool(step: PoolStep, columns: int = 16, ax=None) -> Figure:
         for block in blocks:
             owners.setdefault(block, []).append(request)
     n = len(step.ref)
+    columns = min(columns, n)  # a small pool fills its row: no empty canvas
     grid_rows = -(-n // columns)
     rows = grid_rows + 1 + len(step.tables)
     if ax is None:
-        fig = NotebookFigure(figsize=(10, 1.0 + 0.42 * rows))
+        fig = NotebookFigure(figsize=(8, 1.0 + 0.5 * rows))
         ax = fig.add_axes((0.01, 0.01, 0.98, 0.99 - 0.45 / fig.get_figheight()))
     for block in range(n):
         x, y = block % columns, -(block // columns)
@@ -79,11 +91,11 @@ def draw_pool(step: PoolStep, columns: int = 16, ax=None) -> Figure:
         ax.add_patch(Rectangle((x, y), 0.92, 0.8, facecolor=color, edgecolor="#777777",
                                linewidth=0.6, hatch=SHARED_HATCH if len(held) > 1 else None,
                                gid=f"block:{block}"))
-        ax.text(x + 0.46, y + 0.62, str(block), ha="center", va="center", fontsize=5,
+        ax.text(x + 0.46, y + 0.62, f"#{block}", ha="center", va="center", fontsize=7,
                 color="white" if held else "#999999")
         if held:  # who holds it: one request, or several sharing it
-            ax.text(x + 0.46, y + 0.28, f"×{len(held)}" if len(held) > 1 else str(held[0]),
-                    ha="center", va="center", fontsize=5.5, color="white", fontweight="bold")
+            ax.text(x + 0.46, y + 0.24, f"×{len(held)}" if len(held) > 1 else f"r{held[0]}",
+                    ha="center", va="center", fontsize=7, color="white", fontweight="bold")
     y = -grid_rows + 0.1
     for request, blocks in sorted(step.tables.items()):
         y -= 1
@@ -93,17 +105,19 @@ def draw_pool(step: PoolStep, columns: int = 16, ax=None) -> Figure:
             ax.add_patch(Rectangle((i, y), 0.92, 0.8, facecolor=owner_color(request),
                                    edgecolor="#777777", linewidth=0.6,
                                    hatch=SHARED_HATCH if step.ref[block] > 1 else None))
-            ax.text(i + 0.46, y + 0.4, str(block), ha="center", va="center", fontsize=6,
+            ax.text(i + 0.46, y + 0.4, f"#{block}", ha="center", va="center", fontsize=7,
                     color="white")
-    ax.set_xlim(-9, columns + 4)
+    ax.text(-0.3, 0.4, "pool", ha="right", va="center", fontsize=8)
+    ax.set_xlim(-7, columns + 3.5)
     ax.set_ylim(y - 0.8, 1.2)
     ax.axis("off")
     ax.set_title(pool_caption(step), fontsize=8, loc="left", wrap=True)
     handles = [Patch(facecolor=owner_color(r), label=f"request {r}") for r in sorted(step.tables)]
-    handles += [Patch(facecolor="#cccccc", hatch=SHARED_HATCH, label="shared"),
+    handles += [Patch(facecolor="#cccccc", hatch=SHARED_HATCH,
+                      label="shared by running requests (×k)"),
                 Patch(facecolor="white", edgecolor="#777777", label="free")]
-    ax.legend(handles=handles, loc="upper right", bbox_to_anchor=(1.0, 1.0), fontsize=6,
-              frameon=False, ncol=1)
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0.0, 0.0), fontsize=7,
+              frameon=False, ncol=len(handles))
     return ax.figure
 
 
