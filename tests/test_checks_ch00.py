@@ -348,3 +348,147 @@ def a_tuple(model, idx):
 ])
 def test_forward_by_hand_wrong_answers(wrong, fragments):
     fails_with(ch00.check_forward_by_hand, wrong, *fragments)
+
+
+# --- exercise 4: predict, then measure ------------------------------------------------------------
+PROMPT = ch00.PREDICT_QUESTION + " What's the state? A:"
+
+
+def predict_generation():
+    P = len(minikv.load_tokenizer().encode(PROMPT))
+    return 3, P + 2  # " tails", ".", <|endoftext|>: the last one never fed
+
+
+def prompt_len():
+    return len(minikv.load_tokenizer().encode(PROMPT))
+
+
+@pytest.mark.parametrize("wrong, fragments", [
+    (lambda: (40, prompt_len() + 39), ["you predicted all 40 tokens"]),
+    (lambda: (3, prompt_len() + 39), ["that K/V count is for all 40 tokens"]),
+    (lambda: (40, prompt_len() + 2), ["40 passes is max_new_tokens"]),
+    (lambda: (3, prompt_len() + 3), ["the last new token as fed"]),
+    (lambda: (4, prompt_len() + 2), ["the prefill's pass already yields the first new token"]),
+    (lambda: (3, 2), ["you forgot the prompt"]),
+    (lambda: (3, 3), ["you forgot the prompt"]),
+    (lambda: (3, prompt_len()), ["that is the prefill alone"]),
+    (lambda: (prompt_len() + 2, prompt_len() + 2), ["one pass per token"]),
+    (lambda: (3, 3 * prompt_len() + 3), ["what the naive decoder computes"]),
+    (lambda: (3, len(PROMPT.split()) + 2), ["word count"]),
+    (lambda: (3, len(PROMPT) + 2), ["character count"]),
+    (lambda: 3, ["a pair of ints"]),
+    (lambda: (3.0, 29.0), ["a pair of ints"]),
+    (lambda: minikv.generate(minikv.load_course_model("target")[0],
+                             minikv.load_tokenizer().encode(PROMPT), 40).stats.forward_passes,
+     ["your prediction ran the model", "BEFORE the measurement"]),
+])
+def test_predict_generation_wrong_answers(wrong, fragments):
+    fails_with(ch00.check_predict_generation, wrong, "predict_generation: ", *fragments)
+
+
+# --- exercise 5: debug the checkpoint loader ----------------------------------------------------
+TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def loader(transpose, skip=(".attn.bias", ".attn.masked_bias")):
+    """A loader in the notebook's shape, with `transpose(name, tensor, ours)` deciding."""
+    def load(state_dict, config):
+        model = minikv.GPT(config)
+        ours = model.state_dict()
+        with torch.no_grad():
+            for name, tensor in state_dict.items():
+                if skip and name.endswith(skip):
+                    continue
+                if transpose(name, tensor, ours[name]):
+                    tensor = tensor.t()
+                ours[name].copy_(tensor)
+        return model
+    return load
+
+
+load_gpt2_fixed = loader(lambda name, t, ours: name.endswith(TRANSPOSED))
+load_gpt2_shape_or_name = loader(  # also right: the shape test, plus the square one by name
+    lambda name, t, ours: t.shape != ours.shape or name.endswith("attn.c_proj.weight"))
+load_gpt2_shipped = loader(lambda name, t, ours: t.shape != ours.shape)
+load_gpt2_forgets_mlp_proj = loader(lambda name, t, ours: name.endswith(TRANSPOSED[:3]))
+load_gpt2_everything = loader(lambda name, t, ours: t.dim() == 2)
+load_gpt2_keeps_buffers = loader(lambda name, t, ours: name.endswith(TRANSPOSED), skip=())
+load_gpt2_name_and_shape = loader(  # by name, but c_proj only when the shape says so
+    lambda name, t, ours: name.endswith(TRANSPOSED[0::2]) or t.shape != ours.shape)
+
+
+def load_gpt2_needs_head(state_dict, config):
+    state_dict["lm_head.weight"]  # noqa: B018 - "every checkpoint has its head"
+    return load_gpt2_fixed(state_dict, config)
+
+
+def load_gpt2_untied(state_dict, config):
+    model = load_gpt2_fixed(state_dict, config)
+    model.lm_head.weight = torch.nn.Parameter(model.transformer.wte.weight.detach().clone())
+    return model
+
+
+def load_gpt2_no_return(state_dict, config):
+    load_gpt2_fixed(state_dict, config)
+
+
+def load_gpt2_engine(state_dict, config):
+    return minikv.GPT.from_gpt2_state_dict(state_dict, config)
+
+
+@pytest.mark.parametrize("wrong, fragments", [
+    (load_gpt2_shipped, ["the shipped loader's logits", "the same in both layouts"]),
+    (load_gpt2_name_and_shape, ["the shipped loader's logits"]),
+    (load_gpt2_forgets_mlp_proj, ["a shape mismatch", "transpose all four"]),
+    (load_gpt2_everything, ["a shape mismatch", "and nothing else"]),
+    (load_gpt2_keeps_buffers, ["causal-mask buffer"]),
+    (load_gpt2_needs_head, ["no 'lm_head.weight'"]),
+    (load_gpt2_untied, ["ties the LM head"]),
+    (load_gpt2_no_return, ["forget to return it"]),
+    (load_gpt2_engine, ["called minikv's own", "from_gpt2_state_dict"]),
+])
+def test_load_gpt2_wrong_answers(wrong, fragments):
+    fails_with(ch00.check_load_gpt2, wrong, "load_gpt2_fixed: ", *fragments)
+
+
+# --- exercise 6: design: the widest model in 24 MiB -----------------------------------------------
+@pytest.mark.parametrize("wrong, fragments", [
+    (lambda: 208, ["over budget", "left out the embeddings"]),
+    (lambda: 288, ["over budget", "2 bytes per parameter"]),
+    (lambda: 256, ["over budget", "2 bytes per parameter"]),
+    (lambda: 192, ["a wider model fits too", "not 24 x 10**6"]),
+    (lambda: 184, ["a wider model fits too"]),
+    (lambda: 204, ["GPTConfig refuses n_embd=204", "multiple of 8"]),
+    (lambda: 768, ["over budget"]),
+    (lambda: 200.0, ["a positive int"]),
+    (lambda: None, ["a positive int"]),
+])
+def test_choose_width_wrong_answers(wrong, fragments):
+    fails_with(ch00.check_choose_width, wrong, "choose_width: ", *fragments)
+
+
+def test_new_exercises_pass_and_leave_the_random_state_alone(capsys):
+    state = torch.get_rng_state()
+    ch00.check_predict_generation(predict_generation)
+    ch00.check_load_gpt2(load_gpt2_fixed)
+    ch00.check_load_gpt2(load_gpt2_shape_or_name)
+    ch00.check_choose_width(lambda: 200)
+    assert capsys.readouterr().out.count("✓") == 4
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("check", [ch00.check_predict_generation, ch00.check_load_gpt2,
+                                   ch00.check_choose_width])
+def test_new_stubs_raise_not_implemented(check):
+    with pytest.raises(NotImplementedError):
+        check(stub)
+
+
+def test_check_cells_follow_their_exercises():
+    from conftest import solution_check_cells
+    cells = solution_check_cells("00_setup.ipynb", "ch00")
+    for before, cell, _, passed in cells:
+        assert f"def {passed[0]}(" in before and "✓" in str(cell.outputs)
+    assert [called for _, _, called, _ in cells] == [
+        "count_params", "encode_documents", "forward_by_hand", "predict_generation", "load_gpt2",
+        "choose_width"]

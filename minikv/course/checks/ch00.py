@@ -4,7 +4,13 @@
   nothing), as an int;
 - encode_documents: against the course tokenizer, as a flat list of ints;
 - forward_by_hand: against the model's own forward pass, on random tiny models of several depths
-  and on the course target, without calling GPT.forward.
+  and on the course target, without calling GPT.forward;
+- predict_generation (predict, then measure): the forward passes and K/V vectors of one greedy
+  generation, predicted without running the model, then measured by `generate`'s own stats;
+- load_gpt2_fixed (debug): a Hugging Face-layout checkpoint loader whose shape test leaves the
+  square attn.c_proj untransposed, fixed: logits against the model the checkpoint came from;
+- choose_width (design): the widest n_embd whose float32 weights fit 24 MiB, measured on models
+  built on the meta device.
 
 Each usual mistake is recognised by computing what it would give and named in the hint.
 """
@@ -13,11 +19,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...engine import GPT, GPTConfig
+from ...engine import GPT, GPTConfig, generate
 from ...engine.model import causal_attention
 from ..checkpoint import load_course_model
 from ..tokenizer import load_tokenizer
-from . import CheckFailed, as_int, call, expect, fail, forbid, guarded, passed, tiny_model
+from . import (
+    CheckFailed,
+    as_int,
+    call,
+    call_hinted,
+    expect,
+    fail,
+    forbid,
+    guarded,
+    passed,
+    tiny_model,
+)
 
 # --- exercise 1: count the parameters -----------------------------------------------------------
 
@@ -70,10 +87,11 @@ def check_count_params(count_params) -> None:
                  f"return an int, not a {type(got).__name__}: a parameter count is a whole number"
                  + (" (count with integers: // not /, no float(), no math.pow)"
                     if isinstance(got, float) or "float" in type(got).__name__ else ""))
-        hint = _count_params_mistakes(cfg).get(value, "per block: two LayerNorms (4·C), c_attn "
-                                               "(C·3C + 3C), c_proj (C·C + C), c_fc (C·4C + 4C) "
-                                               "and the MLP's c_proj (4C·C + C); plus wte, wpe "
-                                               "and ln_f (2·C); the tied head adds nothing")
+        hint = _count_params_mistakes(cfg).get(value, "count every parameter section 2 lists, "
+                                               "each shape as it follows from the config: per "
+                                               "block two LayerNorms and four linears (weights "
+                                               "and biases), then wte, wpe and ln_f; the tied "
+                                               "head adds nothing")
         expect(value == expected, name, case, expected, value, hint)
     passed(name, len(configs))
 
@@ -281,3 +299,273 @@ def check_forward_by_hand(forward_by_hand) -> None:
             fail(name, case, "model(idx), within 1e-5", f"logits off by up to {error:.3g}", hint)
         n_cases += 1
     passed(name, n_cases)
+
+
+# --- a prediction is committed before the measurement -------------------------------------------
+
+def _predicted(name: str, fn, *engine_functions):
+    """Call a prediction function; running the model inside it (a measurement, not a prediction)
+    fails the check with a message that says so."""
+    try:
+        with forbid(name, *engine_functions):
+            return call(name, f"{name}()", fn)
+    except CheckFailed as e:
+        if "called minikv's own" not in str(e):
+            raise
+        raise CheckFailed(f"{name}: your prediction ran the model ({str(e).split('own ')[1]}): "
+                          f"a prediction is committed BEFORE the measurement; reason from the "
+                          f"chapter and return the numbers (counting the prompt's tokens with the "
+                          f"tokenizer is fine)") from None
+
+
+# --- exercise 4: predict, then measure: what one generation costs -------------------------------
+
+PREDICT_QUESTION = "A coin's state is tails. Alice doesn't flip, then Bob flips, then Carol flips."
+
+
+def _generation_mistakes(P: int, words: int, chars: int, n_new: int, limit: int) -> list:
+    """((passes, kv) or (None, kv) or (passes, None), hint) for the usual wrong predictions of a
+    cached generation of n_new tokens (stopped by EOS before `limit`) after a P-token prompt."""
+    fed = P + n_new - 1
+    return [
+        ((limit, P + limit - 1), f"you predicted all {limit} tokens (max_new_tokens): generation "
+         f"stops right after <|endoftext|>, and the target ends its answer quickly (chapter "
+         f"section 3 shows how it answers a coin question)"),
+        ((None, P + limit - 1), f"that K/V count is for all {limit} tokens (max_new_tokens): "
+         f"generation stops right after <|endoftext|>"),
+        ((limit, None), f"{limit} passes is max_new_tokens: generation stops right after "
+         f"<|endoftext|>"),
+        ((None, P + n_new), "you counted the last new token as fed: <|endoftext|> is returned, "
+         "never fed back (no pass computes its K/V)"),
+        ((n_new + 1, None), "you counted the last new token as fed (or the prefill as a pass "
+         "of its own): the prefill's pass already yields the first new token, and the last one "
+         "is never fed"),
+        ((None, n_new - 1), "you forgot the prompt: the prefill computes the K/V of every "
+         "prompt token, in one pass"),
+        ((None, n_new), "you forgot the prompt: the prefill computes the K/V of every prompt "
+         "token, in one pass"),
+        ((None, P), "that is the prefill alone: every decode pass after it computes the K/V "
+         "of the token it feeds"),
+        ((P + n_new - 1, None), "that is one pass per token: the prompt goes through the model "
+         "in ONE pass (the prefill), then one pass per new token but the last"),
+        ((None, sum(P + i for i in range(n_new))), "that is what the naive decoder computes "
+         "(every pass feeds the whole sequence again); generate's default mode keeps a KV "
+         "cache: each pass computes only the K/V of the tokens it feeds"),
+        ((None, words + n_new - 1), f"{words} is the prompt's word count: the cache holds one "
+         f"K/V per TOKEN (len(tok.encode(prompt)) = {P})"),
+        ((None, chars + n_new - 1), f"{chars} is the prompt's character count: the cache "
+         f"holds one K/V per TOKEN"),
+    ], fed
+
+
+@guarded
+def check_predict_generation(predict_generation) -> None:
+    """predict_generation() -> (forward passes, K/V vectors per layer) of
+    generate(target, ids, 40, eos_id=tok.eot_token) on PREDICT_QUESTION's question, measured."""
+    name = "predict_generation"
+    prediction = _predicted(name, predict_generation, GPT.forward, generate)
+    pair = (list(prediction) if isinstance(prediction, (tuple, list))
+            and not isinstance(prediction, str) else None)
+    values = None if pair is None or len(pair) != 2 else [as_int(v) for v in pair]
+    if values is None or None in values:
+        fail(name, "predict_generation()", "a pair of ints (forward_passes, kv_computed)",
+             prediction, "return the two numbers you predict, as ints, e.g. return 7, 9")
+    passes, kv = values
+    target, tok = load_course_model("target", "cpu")
+    prompt = PREDICT_QUESTION + " What's the state? A:"
+    ids = tok.encode(prompt)
+    limit = 40
+    out = generate(target, ids, limit, eos_id=tok.eot_token)  # the measurement
+    want = (out.stats.forward_passes, out.stats.kv_computed)
+    case = (f"generate(target, tok.encode({prompt!r}), {limit}, eos_id=tok.eot_token): it wrote "
+            f"{[tok.decode([t]) for t in out.tokens]}")
+    if (passes, kv) == want:
+        print(f"✓ {name}: as measured, {passes} forward passes and {kv} K/V vectors per layer")
+        return
+    mistakes, _ = _generation_mistakes(len(ids), len(prompt.split()), len(prompt),
+                                       len(out.tokens), limit)
+    hint = next((h for (p, k), h in mistakes if (p is None or p == passes)
+                 and (k is None or k == kv) and (p, k) != (None, None)
+                 and ((p is not None and p != want[0]) or (k is not None and k != want[1]))), "")
+    fail(name, case, f"{want[0]} forward passes, {want[1]} K/V vectors per layer (measured)",
+         f"you predicted {passes} passes, {kv} K/V vectors",
+         hint or f"the prompt is {len(ids)} tokens, fed once; the model wrote "
+                 f"{len(out.tokens)} tokens, the last of them never fed")
+
+
+# --- exercise 5: debug a GPT-2 checkpoint loader ------------------------------------------------
+
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def _hf_layout(model: GPT, head: bool = True) -> dict[str, torch.Tensor]:
+    """The model's weights as a Hugging Face GPT-2 checkpoint holds them: names under
+    'transformer.', the four Conv1D weights stored (in, out), each block's causal-mask buffer
+    'attn.bias', and (optionally) the tied 'lm_head.weight'."""
+    sd = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        sd[name] = t.t().clone() if name.endswith(CONV1D) else t.clone()
+    n, T = model.config.n_layer, model.config.block_size
+    for i in range(n):
+        sd[f"transformer.h.{i}.attn.bias"] = torch.tril(torch.ones(T, T)).view(1, 1, T, T)
+    if head:
+        sd["lm_head.weight"] = model.transformer.wte.weight.detach().clone()
+    return sd
+
+
+def _buggy_load(state_dict, config) -> GPT:
+    """The notebook's loader as shipped: transposes a weight only when its shape says so."""
+    model = GPT(config)
+    ours = model.state_dict()
+    with torch.no_grad():
+        for name, tensor in state_dict.items():
+            if name.endswith((".attn.bias", ".attn.masked_bias")):
+                continue
+            if tensor.shape != ours[name].shape:
+                tensor = tensor.t()
+            ours[name].copy_(tensor)
+    return model
+
+
+def _loader_error_hint(e: Exception) -> str:
+    text = f"{type(e).__name__}: {e}"
+    if isinstance(e, KeyError) and "attn.bias" in text:
+        return ("'attn.bias' is GPT-2's causal-mask buffer, not a weight: minikv builds its mask "
+                "in causal_attention, so skip it (and 'attn.masked_bias')")
+    if isinstance(e, KeyError) and "lm_head" in text:
+        return ("some GPT-2 checkpoints have no 'lm_head.weight' (the head is tied to wte): "
+                "do not require it")
+    if "wte" in text or "wpe" in text:
+        return ("the embeddings (wte, wpe) are stored the same way in both layouts, one row per "
+                "token or position: transpose only the four Conv1D weights")
+    if "size" in text or "shape" in text:
+        return ("a shape mismatch: GPT-2 stores the four Conv1D weights (attn.c_attn, attn.c_proj, "
+                "mlp.c_fc, mlp.c_proj) as (in, out), nn.Linear as (out, in): transpose all four, "
+                "and nothing else")
+    return "your loader raised on this checkpoint"
+
+
+@guarded
+def check_load_gpt2(load_gpt2_fixed) -> None:
+    """load_gpt2_fixed(state_dict, config) -> a minikv.GPT whose logits are those of the model
+    the Hugging Face-layout state dict was made from (within 1e-5), with the LM head still tied,
+    without calling GPT.from_gpt2_state_dict."""
+    name = "load_gpt2_fixed"
+    target, tok = load_course_model("target", "cpu")
+    g = torch.Generator().manual_seed(5)
+    cases = [(tiny_model(11), "a tiny random model (2 layers, n_embd 64)", True),
+             (tiny_model(12, n_layer=3, n_head=2, n_embd=48), "a 3-layer random model, no "
+              "'lm_head.weight' in the checkpoint", False),
+             (target, "the course target", True)]
+    for model, label, head in cases:
+        case = f"{label}: load_gpt2_fixed(its Hugging Face-layout state dict, its config)"
+        sd = _hf_layout(model, head)
+        idx = (torch.tensor([tok.encode("The color of dog can vary widely.")]) if model is target
+               else torch.randint(0, model.config.vocab_size, (2, 11), generator=g))
+        with torch.inference_mode():
+            want = model(idx)
+        with forbid(name, GPT.from_gpt2_state_dict):
+            got = call_hinted(name, case, _loader_error_hint, load_gpt2_fixed,
+                              {k: v.clone() for k, v in sd.items()}, model.config)
+        if not isinstance(got, GPT):
+            fail(name, case, "a minikv.GPT", type(got).__name__,
+                 "return the model you loaded the weights into"
+                 + (" (did you forget to return it?)" if got is None else ""))
+        got.eval()
+        if got.lm_head.weight is not got.transformer.wte.weight:
+            fail(name, case, "lm_head.weight IS transformer.wte.weight (tied)",
+                 "two different tensors", "GPT-2 ties the LM head to the token embedding: load "
+                 "the weights into the tensors GPT(config) made (copy_ into them), do not replace "
+                 "a parameter with a new one")
+        with torch.inference_mode():
+            logits = got(idx)
+        if _close(logits, want):
+            continue
+        with torch.inference_mode():
+            buggy = _buggy_load(_hf_layout(model, head), model.config)(idx)
+        wrong = [n for n, t in got.state_dict().items()
+                 if n in model.state_dict() and not torch.equal(t, model.state_dict()[n])]
+        hint = (f"weights that differ from the checkpoint's model: {wrong[:4]}"
+                + (" ..." if len(wrong) > 4 else "") + ". ")
+        if _close(logits, buggy):
+            hint = ("these are the shipped loader's logits: the bug is still there. It loads "
+                    "without an error and the model runs, but some weight is still in GPT-2's "
+                    "(in, out) layout: one whose shape is the same in both layouts, so the "
+                    "shape test cannot tell it needs transposing")
+        elif wrong and all(n.endswith("attn.c_proj.weight") for n in wrong):
+            hint += ("attn.c_proj.weight is a Conv1D weight too, and square (C x C): the shape "
+                     "cannot tell you it needs transposing, its name can")
+        elif wrong:
+            hint += ("load each tensor under its own name, transposing exactly the four Conv1D "
+                     "weights")
+        error = float((logits.double() - want.double()).abs().max())
+        fail(name, case, "the checkpoint's model's logits (within 1e-5)",
+             f"logits off by up to {error:.3g}", hint)
+    passed(name, len(cases))
+
+
+# --- exercise 6: design: the widest model that fits a memory budget -----------------------------
+
+WIDTH_BUDGET = 24 * 2**20  # bytes of float32 weights
+WIDTH_SHAPE = dict(vocab_size=1024, block_size=256, n_layer=12, n_head=8)
+
+
+def _weight_bytes(n_embd: int) -> int:
+    """float32 bytes of minikv.GPT's parameters (the tied head once), built on the meta device."""
+    with torch.device("meta"):
+        return GPT(GPTConfig(n_embd=n_embd, **WIDTH_SHAPE)).num_params() * 4
+
+
+def _widest(budget: int) -> int:
+    """The largest multiple of 8 whose model's float32 weights fit `budget` bytes (the bytes grow
+    with the width, so a binary search over the engine's own models finds it)."""
+    lo, hi = 1, 128  # in units of 8: n_embd = 8 fits any budget here, 1024 none
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if _weight_bytes(8 * mid) <= budget else (lo, mid)
+    return 8 * lo
+
+
+@guarded
+def check_choose_width(choose_width) -> None:
+    """choose_width() -> the largest n_embd (a multiple of n_head = 8) whose model's float32
+    weights fit in 24 MiB, measured on the engine's models."""
+    name = "choose_width"
+    got = call(name, "choose_width()", choose_width)
+    width = as_int(got)
+    case = (f"GPTConfig(vocab_size=1024, block_size=256, n_layer=12, n_head=8, n_embd=your "
+            f"choice), float32 weights within 24 MiB = {WIDTH_BUDGET:,} bytes")
+    if width is None or width <= 0:
+        fail(name, case, "a positive int n_embd", got, "return the width you choose, an int")
+    best = _widest(WIDTH_BUDGET)
+    if width % WIDTH_SHAPE["n_head"]:
+        fail(name, case, "an n_embd that 8 heads split evenly", width,
+             f"GPTConfig refuses n_embd={width} with n_head=8 (each head gets n_embd / n_head "
+             f"dimensions): choose a multiple of 8")
+    used = _weight_bytes(width)
+    if used > WIDTH_BUDGET:
+        with torch.device("meta"):
+            model = GPT(GPTConfig(n_embd=width, **WIDTH_SHAPE))
+        C = width
+        embeddings = (model.transformer.wte.weight.numel() + model.transformer.wpe.weight.numel())
+        hint = ("over budget: count every parameter (section 2 lists them), the tied head once, "
+                "4 bytes each (float32)")
+        if (used - 4 * embeddings) <= WIDTH_BUDGET:
+            hint = (f"over budget: you left out the embeddings; wte and wpe hold "
+                    f"{embeddings:,} parameters at n_embd={C} ({4 * embeddings / 2**20:.1f} MiB)")
+        elif used // 2 <= WIDTH_BUDGET:
+            hint = ("over budget: you counted 2 bytes per parameter; the budget is for float32 "
+                    "weights, 4 bytes each")
+        fail(name, case, f"at most {WIDTH_BUDGET:,} bytes",
+             f"n_embd={width}: {used:,} bytes ({used / 2**20:.2f} MiB)", hint)
+    if width != best:
+        hint = (f"n_embd={width} fits ({used / 2**20:.2f} MiB), but a wider model fits too, and "
+                f"the goal is the widest")
+        if width == _widest(24 * 10**6):
+            hint += (": 24 MiB is 24 x 2**20 bytes, not 24 x 10**6 (the widest for 24 MB "
+                     "is the one you chose)")
+        fail(name, case, "the widest n_embd whose weights fit",
+             f"n_embd={width}: {used:,} bytes ({used / 2**20:.2f} MiB)", hint)
+    print(f"✓ {name}: n_embd={width} is the widest that fits ({used / 2**20:.2f} MiB of 24)")
