@@ -528,3 +528,163 @@ def flops_only(cfg, n_new, n_cached, bytes_per_value=4):
 ])
 def test_pass_cost_wrong_answers(wrong, fragments):
     fails_with(ch01.check_pass_cost, wrong, "pass_cost: ", *fragments)
+
+
+# --- exercise 4: predict, then measure ------------------------------------------------------------
+def predict_batched_intensity():
+    return 64 * 284e6 / (495e6 / 2 + 64 * 73.7e6 / 2)
+
+
+def predict_from_the_cost_model():
+    """Also right: composed from pass_cost (one row's arithmetic, the weights once)."""
+    cfg = minikv.GPTConfig.preset("gpt2")
+    weights = pass_cost(cfg, 0, 0, 2)[1]
+    flops, moved = pass_cost(cfg, 1, 1000, 2)
+    return 64 * flops / (weights + 64 * (moved - weights))
+
+
+def predict_rough():
+    """Also right: attention's arithmetic and the embedding rows left out (13% low)."""
+    return 64 * 247e6 / (248e6 + 64 * 37e6)
+
+
+@pytest.mark.parametrize("wrong, fragments", [
+    (lambda: 64.0, ["you multiplied one sequence's decode intensity by 64",
+                    "every sequence reads its own K/V"]),
+    (lambda: 60, ["you multiplied one sequence's decode intensity by 64"]),
+    (lambda: 32.0, ["one sequence's fp32 decode intensity by 64"]),
+    (lambda: 73.5, ["no cache read"]),
+    (lambda: 1.0, ["that is ONE sequence's decode intensity"]),
+    (lambda: 0.5, ["one sequence's decode intensity in fp32"]),
+    (lambda: 3.5, ["the intensity in fp32"]),
+    (lambda: 12.7, ["you counted only the keys"]),
+    (lambda: 20.0, ["the weights once, plus each sequence's cached K/V"]),
+    (lambda: None, ["a positive number"]),
+    (lambda: "7", ["a positive number"]),
+    (lambda: engine_generate(minikv.GPT(minikv.GPTConfig.preset("tiny")), [1], 2).tokens[0],
+     ["called minikv's own"]),
+])
+def test_predict_batched_intensity_wrong_answers(wrong, fragments):
+    fails_with(ch01.check_predict_batched_intensity, wrong, "predict_batched_intensity: ",
+               *fragments)
+
+
+# --- exercise 5: debug the decoder ----------------------------------------------------------------
+class CachedDecoder:  # the notebook's, as shipped
+    def __init__(self, model):
+        self.model = model
+
+    def generate(self, prompt_ids, max_new_tokens):
+        cache = minikv.KVCache.for_model(self.model)
+        idx = torch.tensor([prompt_ids], device=self.model.device)
+        tokens = []
+        with torch.inference_mode():
+            logits = self.model(idx, cache=cache)
+            while True:
+                tokens.append(int(logits[0, -1].argmax()))
+                if len(tokens) == max_new_tokens:
+                    return tokens
+                logits = self.decode_step(logits, cache)
+
+    def decode_step(self, logits, cache):
+        return self.model(logits.argmax(dim=-1), cache=cache)
+
+
+class FixedDecoder(CachedDecoder):
+    def decode_step(self, logits, cache):
+        return self.model(logits[:, -1:].argmax(dim=-1), cache=cache)
+
+
+class FixedDecoderToken(CachedDecoder):  # also right: the picked token as an int, re-wrapped
+    def decode_step(self, logits, cache):
+        return self.model(torch.tensor([[int(logits[0, -1].argmax())]]), cache=cache)
+
+
+class DecoderDropsDims(CachedDecoder):
+    def decode_step(self, logits, cache):
+        return self.model(logits[0, -1].argmax(dim=-1), cache=cache)
+
+
+class DecoderDropsPositionDim(CachedDecoder):
+    def decode_step(self, logits, cache):
+        return self.model(logits[:, -1].argmax(dim=-1), cache=cache)
+
+
+class DecoderFirstPosition(CachedDecoder):
+    def decode_step(self, logits, cache):
+        return self.model(logits[:, :1].argmax(dim=-1), cache=cache)
+
+
+class DecoderNoCache(CachedDecoder):
+    def decode_step(self, logits, cache):
+        return self.model(logits[:, -1:].argmax(dim=-1))
+
+
+class DecoderCallsGenerate(CachedDecoder):
+    def generate(self, prompt_ids, max_new_tokens):
+        return minikv.generate(self.model, prompt_ids, max_new_tokens).tokens
+
+
+@pytest.mark.parametrize("wrong, fragments", [
+    (CachedDecoder, ["as many as the prompt", "EVERY position", "the bug hides"]),
+    (DecoderDropsDims, ["idx of shape (1, 1)", "keep both dimensions"]),
+    (DecoderDropsPositionDim, ["idx of shape (1, 1)", "keep both dimensions"]),
+    (DecoderFirstPosition, ["another position than the last"]),
+    (DecoderNoCache, ["without the cache"]),
+    (DecoderCallsGenerate, ["called minikv's own"]),
+    (FixedDecoder(None), ["pass the class itself"]),
+])
+def test_decoder_wrong_answers(wrong, fragments):
+    fails_with(ch01.check_decoder, wrong, "FixedDecoder: ", *fragments)
+
+
+# --- exercise 6: design: the chunk size ---------------------------------------------------------
+@pytest.mark.parametrize("wrong, fragments", [
+    (lambda: 439, ["the remainder (1000 - 878 = 122)", "crossover of ONE prefill"]),
+    (lambda: 450, ["the remainder (1000 - 900 = 100)"]),
+    (lambda: 600, ["the remainder (1000 - 600 = 400)"]),
+    (lambda: 256, ["A full chunk is already memory-bound"]),
+    (lambda: 12, ["a CPU's crossover"]),
+    (lambda: 1000, ["no chunking at all"]),
+    (lambda: 4096, ["no chunking at all"]),
+    (lambda: 520, ["a smaller chunk also keeps them all so"]),
+    (lambda: 0, ["a positive int"]),
+    (lambda: 500.0, ["a positive int"]),
+])
+def test_choose_chunk_wrong_answers(wrong, fragments):
+    fails_with(ch01.check_choose_chunk, wrong, "choose_chunk: ", *fragments)
+
+
+def test_new_exercises_pass_and_leave_the_random_state_alone(capsys):
+    state = torch.get_rng_state()
+    for right in (predict_batched_intensity, predict_from_the_cost_model, predict_rough):
+        ch01.check_predict_batched_intensity(right)
+    ch01.check_decoder(FixedDecoder)
+    ch01.check_decoder(FixedDecoderToken)
+    ch01.check_choose_chunk(lambda: 500)
+    assert capsys.readouterr().out.count("✓") == 6
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("check", [ch01.check_predict_batched_intensity, ch01.check_choose_chunk])
+def test_new_stubs_raise_not_implemented(check):
+    with pytest.raises(NotImplementedError):
+        check(stub)
+
+
+def test_the_decoder_stub_raises_not_implemented():
+    class Stub(CachedDecoder):
+        def decode_step(self, logits, cache):
+            stub()
+    with pytest.raises(NotImplementedError):
+        ch01.check_decoder(Stub)
+
+
+def test_check_cells_follow_their_exercises():
+    from conftest import solution_check_cells
+    cells = solution_check_cells("01_prefill_decode.ipynb", "ch01")
+    for before, cell, _, passed in cells:
+        assert f" {passed[0]}(" in before and "✓" in str(cell.outputs)
+    assert [called for _, _, called, _ in cells] == [
+        "greedy_decode", "chunked_prefill", "pass_cost", "predict_batched_intensity", "decoder",
+        "choose_chunk"]

@@ -5,7 +5,15 @@
   new token but the last), all into the same cache; the engine's generate may not be called;
 - chunked_prefill: the last logits and the whole cache (every layer's keys and values) against a
   one-pass prefill, with exactly ceil(len / chunk) passes of the right sizes into one cache;
-- pass_cost: against `minikv.bench.pass_cost`, as ints, on many shapes, without calling it.
+- pass_cost: against `minikv.bench.pass_cost`, as ints, on many shapes, without calling it;
+- predict_batched_intensity (predict, then measure): the FLOPs per byte of one bf16 decode pass
+  over 64 sequences of GPT-2 small with 1,000 cached tokens each, against the exact cost model
+  (`bench.pass_cost`, the weights read once for the batch, each sequence's own K/V), within 30%;
+- FixedDecoder (debug): a decoder whose decode pass feeds the argmax of EVERY position, fixed:
+  tokens against `generate`, every pass's shape and cache length logged;
+- choose_chunk (design): the smallest chunk size for which every chunk of a 1,000-token chunked
+  prefill of GPT-2 small is compute-bound on an H100 (bf16, datasheet balance point), against
+  `bench.pass_cost`.
 
 Each usual mistake is recognised (from the passes the model saw, or by computing what the mistake
 would give) and named in the hint.
@@ -22,6 +30,7 @@ from . import (
     as_int,
     cache_state,
     call,
+    call_hinted,
     expect,
     fail,
     forbid,
@@ -435,8 +444,10 @@ def check_pass_cost(pass_cost) -> None:
                 mistakes = {m: _cost(cfg, n_new, n_cached, bpv, m) for m in COST_MISTAKES}
                 flops_hint = next((COST_MISTAKES[m] for m, (f, _) in mistakes.items()
                                    if f == flops and f != expected[0]),
-                                  "2 FLOPs per multiply-add: 12·C² per new token and layer, "
-                                  "V·C for the LM head once, 2·C per (query, key) pair and layer")
+                                  "2 FLOPs per multiply-add, of every matrix product: each "
+                                  "block's weight matrices on every new token, the LM head on "
+                                  "one row, attention's two products for every (query, key) "
+                                  "pair the mask lets through, in every layer")
                 expect(flops == expected[0], name, case + ": the FLOPs", expected[0], flops,
                        flops_hint)
                 bytes_hint = next((COST_MISTAKES[m] for m, (_, b) in mistakes.items()
@@ -448,3 +459,231 @@ def check_pass_cost(pass_cost) -> None:
                        bytes_hint)
                 n_cases += 1
     passed(name, n_cases)
+
+
+# --- exercise 4: predict, then measure: a batched decode step's intensity -----------------------
+
+BATCH, CACHED, BF16 = 64, 1000, 2
+H100_BALANCE = 989e12 / 3.35e12  # NVIDIA H100 SXM datasheet: dense bf16 FLOP/s over HBM3 bytes/s
+
+
+def _batched_decode(cfg: GPTConfig, batch: int, cached: int, bpv: int,
+                    keys_only: bool = False) -> tuple[int, int]:
+    """(FLOPs, bytes) of one decode pass over `batch` sequences of `cached` tokens each, by
+    bench.pass_cost's convention: every row does its own arithmetic (its head row included),
+    the weights are read once for the whole batch, each row reads its own cached K/V (and
+    writes its new ones) and looks up its own embedding rows."""
+    weights = bench.pass_cost(cfg, 0, 0, bpv)[1]  # no token fed: the weights alone
+    flops, moved = bench.pass_cost(cfg, 1, cached, bpv)
+    own = moved - weights  # this row's K/V and embedding rows
+    if keys_only:
+        own -= cfg.n_layer * cfg.n_embd * (cached + 1) * bpv
+    return batch * flops, weights + batch * own
+
+
+@guarded
+def check_predict_batched_intensity(predict_batched_intensity) -> None:
+    """predict_batched_intensity() -> FLOPs per byte of one bf16 decode pass of GPT-2 small over
+    64 sequences with 1,000 cached tokens each, within 30% of the cost model's value."""
+    name = "predict_batched_intensity"
+    with forbid(name, GPT.forward, generate):
+        got = call(name, f"{name}()", predict_batched_intensity)
+    value = got if isinstance(got, (int, float)) and not isinstance(got, bool) else None
+    if isinstance(got, torch.Tensor) and got.numel() == 1 or type(got).__module__ == "numpy":
+        value = float(got)
+    if value is None or not value > 0:
+        fail(name, f"{name}()", "a positive number (FLOPs per byte)", got,
+             "return the intensity you predict, a number such as 12.5")
+    cfg = GPTConfig.preset("gpt2")
+    flops, moved = _batched_decode(cfg, BATCH, CACHED, BF16)
+    want = flops / moved
+    case = (f"one decode pass of GPT-2 small in bf16 over {BATCH} sequences, each with "
+            f"{CACHED:,} tokens cached (cost model: {flops / 1e9:,.1f} GFLOPs, "
+            f"{moved / 1e6:,.0f} MB moved)")
+    if abs(value - want) <= 0.3 * want:
+        print(f"✓ {name}: you predicted {value:.3g}; the cost model gives {want:.2f} FLOPs per "
+              f"byte, far below an H100's balance point ({H100_BALANCE:.0f}): the K/V reads "
+              f"dominate")
+        return
+    weights = bench.pass_cost(cfg, 0, 0, BF16)[1]
+    kv_one = bench.pass_cost(cfg, 1, CACHED, BF16)[1] - weights
+    single = bench.pass_cost(cfg, 1, CACHED, BF16)
+    no_kv = flops / (weights + BATCH * 2 * cfg.n_embd * BF16)
+    fp32 = bench.pass_cost(cfg, 1, CACHED, 4)
+    shared = (f"right for the weights (one read of each serves all {BATCH} rows), wrong for the "
+              f"cache: every sequence reads its own K/V, {kv_one / 1e6:.1f} MB each at "
+              f"{CACHED:,} tokens; {BATCH} of them outweigh the {weights / 1e6:.0f} MB of "
+              f"weights many times over")
+    candidates = [
+        (BATCH * single[0] / single[1], f"you multiplied one sequence's decode intensity by "
+                                        f"{BATCH}: {shared}"),
+        (BATCH * fp32[0] / fp32[1], f"you multiplied one sequence's fp32 decode intensity by "
+                                    f"{BATCH} (this pass is bf16, 2 bytes a value): {shared}"),
+        (no_kv, f"that is the intensity with the weights read once for all {BATCH} rows AND no "
+                f"cache read: every sequence reads its own K/V, {kv_one / 1e6:.1f} MB each at "
+                f"{CACHED:,} tokens, {BATCH} x that is far more than the {weights / 1e6:.0f} MB "
+                f"of weights"),
+        (no_kv / 2, "that is the fp32 intensity with no cache read: bf16 is 2 bytes a value, and "
+                    "every sequence reads its own K/V"),
+        (single[0] / single[1], f"that is ONE sequence's decode intensity: batching does help "
+                                f"(one read of each weight serves all {BATCH} rows), only the "
+                                f"cache reads are not shared"),
+        (fp32[0] / fp32[1],
+         "that is one sequence's decode intensity in fp32: this pass is bf16 (2 bytes a value) "
+         "and batched"),
+        (want / 2, "that is the intensity in fp32 (4 bytes a value): this pass is bf16, 2 bytes"),
+        (_batched_decode(cfg, BATCH, CACHED, BF16, keys_only=True)[0]
+         / _batched_decode(cfg, BATCH, CACHED, BF16, keys_only=True)[1],
+         "you counted only the keys: every cached position holds a key AND a value, per layer"),
+    ]
+    hint = next((h for v, h in candidates if abs(value - v) <= 0.1 * v),
+                f"count the FLOPs of {BATCH} rows (each its own matrix products and attention) "
+                f"against the bytes: the weights once, plus each sequence's cached K/V")
+    fail(name, case, f"{want:.2f} FLOPs per byte (within 30%: {0.7 * want:.2f} to "
+                     f"{1.3 * want:.2f})", f"{value:.4g}", hint)
+
+
+# --- exercise 5: debug a decoder ----------------------------------------------------------------
+
+def _decoder_error_hint(e: Exception) -> str:
+    text = str(e)
+    if "idx must have shape" in text:
+        return ("a decode pass takes idx of shape (1, 1), a batch of one sequence of one token: "
+                "keep both dimensions (logits[:, -1:] keeps them, logits[0, -1] drops them)")
+    if "outside the vocabulary" in text:
+        return ("that token id is past the vocabulary: argmax over the whole (1, T, vocab) tensor "
+                "returns a flat index; take the argmax over the vocabulary (dim=-1)")
+    if "KV cache overflow" in text or "exceeds block_size" in text:
+        return ("the cache filled up: each decode pass appended more than one position. A decode "
+                "pass feeds only the newest token")
+    return "your decoder raised on this input"
+
+
+@guarded
+def check_decoder(FixedDecoder) -> None:
+    """FixedDecoder(model).generate(prompt_ids, max_new_tokens) == generate(..., mode="cached")
+    .tokens, with one (1, P) prefill then (1, 1) passes into one cache."""
+    name = "FixedDecoder"
+    if not isinstance(FixedDecoder, type):
+        fail(name, "FixedDecoder", "a class", type(FixedDecoder).__name__,
+             "pass the class itself: class FixedDecoder(CachedDecoder): ...")
+    target, tok = load_course_model("target", "cpu")
+    tiny = tiny_model(1)
+    cases = [(tiny, [7], 6, "a tiny random model, a 1-token prompt"),
+             (tiny, [5, 9, 11], 12, "a tiny random model"),
+             (tiny_model(4, n_layer=3), [3, 1, 4, 1, 5, 9, 2, 6, 5], 20,
+              "a 3-layer random model"),
+             (target, tok.encode("The color of dog"), 8, "the course target")]
+    for i, (model, prompt, n, label) in enumerate(cases):
+        case = f"{label}: FixedDecoder(model).generate({prompt}, {n})"
+        expected = generate(model, prompt, n, mode="cached").tokens
+        decoder = call(name, f"{label}: FixedDecoder(model)", FixedDecoder, model)
+        with PassCounter(model) as counter, _PassLog(model) as log, forbid(name, generate):
+            got = call_hinted(name, case, _decoder_error_hint, decoder.generate, list(prompt), n)
+        tokens = _token_list(name, case, expected, got)
+        shapes = counter.passes
+        P = len(prompt)
+        passed_short = (" (it passed the 1-token prompt: with one prompt token, the argmax of "
+                        "every position is the argmax of the last, so the bug hides)"
+                        if i > 0 else "")
+        if len(shapes) > 1 and shapes[1] != (1, 1):
+            hint = f"a decode pass feeds only the newest token, idx of shape (1, 1){passed_short}"
+            if shapes[1] == (1, P):
+                hint = (f"the first decode pass fed {P} tokens, as many as the prompt: the "
+                        f"argmax of EVERY position of the previous pass (logits.argmax(-1) has "
+                        f"shape (1, T)). The first new token comes out right, the rest do not, "
+                        f"and the cache grows by {P} a step. A decode pass feeds only the newest "
+                        f"token, shape (1, 1){passed_short}")
+            fail(name, case, f"passes of shapes [(1, {P}), (1, 1), ...]",
+                 f"passes of shapes {shapes[:5]}{' ...' if len(shapes) > 5 else ''}", hint)
+        _check_decode_passes(name, case, prompt, shapes, log.passes)
+        if tokens != expected:
+            hint = "feed the last position's pick, logits[:, -1:].argmax(-1), shape (1, 1)"
+            with torch.no_grad():
+                first = [int(model(torch.tensor([prompt]))[0, 0].argmax())]
+            if len(tokens) > 1 and tokens[1] == generate(model, prompt + first, 1).tokens[0] \
+                    and tokens[1] != expected[1]:
+                hint = ("the decode pass fed the pick of another position than the last (the "
+                        "prefill's first, or an argmax over every position at once): the next "
+                        "token is the argmax at the LAST position, logits[:, -1:]")
+            fail(name, case, expected, tokens, hint)
+        expect(len(shapes) == len(expected), name, case, f"{len(expected)} forward passes",
+               f"{len(shapes)}", "one pass per new token, the last one returned, never fed")
+    passed(name, len(cases))
+
+
+# --- exercise 6: design: a chunk size for chunked prefill ---------------------------------------
+
+CHUNK_PROMPT = 1000
+
+
+def _chunk_intensities(cfg: GPTConfig, chunk: int) -> list[tuple[int, int, float]]:
+    """(tokens, cached before it, FLOPs per byte in bf16) of every pass of a chunked prefill of
+    CHUNK_PROMPT tokens, chunks of `chunk` (the last may be shorter)."""
+    rows, done = [], 0
+    while done < CHUNK_PROMPT:
+        n = min(chunk, CHUNK_PROMPT - done)
+        flops, moved = bench.pass_cost(cfg, n, done, BF16)
+        rows.append((n, done, flops / moved))
+        done += n
+    return rows
+
+
+@guarded
+def check_choose_chunk(choose_chunk) -> None:
+    """choose_chunk() -> the smallest chunk size for which every pass of a chunked prefill of a
+    1,000-token prompt on GPT-2 small (bf16) reaches an H100's balance point, by
+    bench.pass_cost."""
+    name = "choose_chunk"
+    got = call(name, "choose_chunk()", choose_chunk)
+    chunk = as_int(got)
+    case = (f"chunked prefill of a {CHUNK_PROMPT:,}-token prompt, GPT-2 small, bf16, on an H100 "
+            f"(balance point {H100_BALANCE:.0f} FLOPs per byte)")
+    if chunk is None or chunk < 1:
+        fail(name, case, "a chunk size, a positive int", got, "return the chunk size you choose")
+    cfg = GPTConfig.preset("gpt2")
+    valid = [c for c in range(1, CHUNK_PROMPT + 1)
+             if min(i for _, _, i in _chunk_intensities(cfg, c)) >= H100_BALANCE]
+    best = valid[0]
+    rows = _chunk_intensities(cfg, min(chunk, CHUNK_PROMPT))
+    slow = [(k, n, done, i) for k, (n, done, i) in enumerate(rows) if i < H100_BALANCE]
+    if slow:
+        k, n, done, intensity = slow[0]
+        shown = ", ".join(f"{n} tokens after {done}: {i:.0f}" for n, done, i in rows[:4])
+        hint = (f"chunk {k + 1} ({n} tokens after {done} cached) does {intensity:.0f} FLOPs per "
+                f"byte, under the balance point: that pass waits on memory")
+        if k > 0 and k == len(rows) - 1:
+            hint += (f". It is the last chunk, the remainder ({CHUNK_PROMPT} - {done} = {n}): "
+                     f"every chunk counts, the shortest one too")
+            if chunk == _crossover(cfg):
+                hint += (f". {chunk} is the crossover of ONE prefill from an empty cache "
+                         f"(chapter section 5); cut {CHUNK_PROMPT} tokens into chunks of it and "
+                         f"the remainder is far shorter")
+        elif k == 0:
+            hint += (". A full chunk is already memory-bound: in bf16 a pass of T tokens does "
+                     "well under T FLOPs per byte (the LM head runs on one row)")
+            if chunk in (11, 12, 18):
+                hint += "; that is a CPU's crossover (chapter section 5), not an H100's"
+        fail(name, case, f"every pass at {H100_BALANCE:.0f} FLOPs per byte or more",
+             f"chunk={chunk}: {shown}{' ...' if len(rows) > 4 else ''}", hint)
+    if chunk >= CHUNK_PROMPT:
+        fail(name, case, "a chunk that splits the prompt", f"chunk={chunk}: one pass",
+             "one pass over the whole prompt is compute-bound, but it is no chunking at all: it "
+             "holds up every other request's decode step for the whole prefill. A smaller chunk "
+             "keeps every pass compute-bound too")
+    if chunk != best:
+        fail(name, case, "the smallest chunk that keeps every pass compute-bound",
+             f"chunk={chunk}: " + ", ".join(f"{n} tokens after {done}: {i:.0f}"
+                                            for n, done, i in rows),
+             "every pass is compute-bound, but a smaller chunk also keeps them all so, and "
+             "holds up the other requests for less: what limits the chunk is the shortest pass")
+    print(f"✓ {name}: chunks of {chunk}: " + ", ".join(
+        f"{n} tokens after {done} cached do {i:.0f} FLOPs per byte" for n, done, i in rows)
+        + f"; none smaller keeps every pass at {H100_BALANCE:.0f} or more")
+
+
+def _crossover(cfg: GPTConfig) -> int:
+    """The chapter's H100 crossover: the shortest prefill from an empty cache that is
+    compute-bound in bf16."""
+    return next(T for T in range(1, CHUNK_PROMPT + 1)
+                if _chunk_intensities(cfg, T)[0][2] >= H100_BALANCE)
