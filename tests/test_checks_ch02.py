@@ -705,5 +705,197 @@ def test_check_cells_are_two_lines_after_their_exercise():
     cells = solution_check_cells("02_kv_cache_guide.ipynb", "ch02")
     for before, _, _, passed in cells:
         assert f" {passed[0]}(" in before
-    assert [called for _, _, called, _ in cells] == ["cache_bytes", "kv_work", "cached_attention",
-                                                     "my_kv_cache"]
+    assert [called for _, _, called, _ in cells] == [
+        "cache_bytes", "kv_work", "cached_attention", "my_kv_cache", "predict_attention_pairs",
+        "fixed_cache", "choose_kv_heads"]
+
+
+# --- exercise 5: predict, then measure: attention pairs -------------------------------------------
+@pytest.mark.parametrize("wrong, fragment", [
+    (lambda: (25, 7), "these are the K/V vectors computed"),
+    (lambda: (80, 7), "that is the cached decoder's K/V count"),
+    (lambda: (80, 10), "one key per decode step?"),
+    (lambda: (135, 28), "a triangle, not a square"),
+    (lambda: (80, 31), "the prefill's queries are masked too"),
+    (lambda: (116, 28), "N tokens take N passes"),
+    (lambda: (80, 36), "no pass scores its query"),
+    (lambda: (80, 22), "the prefill scores pairs too"),
+    (lambda: (28, 80), "the pair is swapped"),
+    (lambda: (80, 80), "a cached decode step has ONE query"),
+    (lambda: (960, 336), "you summed the layers"),
+    (lambda: (640, 224), "you summed the heads"),
+    (lambda: (80, 30), "count pass by pass"),
+    (lambda: 108, "a pair of ints"),
+    (lambda: (80.0, 28.0), "a pair of ints"),
+    (lambda: minikv.generate(minikv.GPT(minikv.GPTConfig.preset("tiny")), [1], 2).stats,
+     "called minikv's own"),
+])
+def test_predict_attention_pairs_names_the_mistake(wrong, fragment):
+    with pytest.raises(CheckFailed) as failure:
+        ch02.check_predict_attention_pairs(wrong)
+    assert fragment in str(failure.value), str(failure.value)
+
+
+# --- exercise 6: debug a preallocated cache -------------------------------------------------------
+class PreallocatedCache(Cache):  # the notebook's, as shipped
+    def __init__(self, model, max_len):
+        cfg = model.config
+        shape = (1, cfg.kv_heads, max_len, cfg.head_dim)
+        self.keys = [torch.zeros(shape) for _ in range(cfg.n_layer)]
+        self.values = [torch.zeros(shape) for _ in range(cfg.n_layer)]
+        self.length = 0
+
+    def get_seq_length(self, layer_idx=0):
+        return self.length
+
+    def check_fits(self, cfg, batch_size, n_new, device, dtype):
+        if self.length + n_new > self.keys[0].shape[2]:
+            raise ValueError("the cache is full")
+
+    def write(self, key, value, layer_idx):
+        start = self.length
+        end = start + key.shape[2]
+        self.keys[layer_idx][:, :, start:end] = key
+        self.values[layer_idx][:, :, start:end] = value
+        return end
+
+    def update(self, key, value, layer_idx):
+        end = self.length = self.write(key, value, layer_idx)
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+    def crop(self, max_length):
+        self.length = max_length
+
+
+class FixedCache(PreallocatedCache):
+    def update(self, key, value, layer_idx):
+        end = self.write(key, value, layer_idx)
+        if layer_idx == len(self.keys) - 1:
+            self.length = end
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+
+class FixedCachePerLayer(PreallocatedCache):
+    """Also right: a length per layer; the model's positions come from the last layer's."""
+    def __init__(self, model, max_len):
+        super().__init__(model, max_len)
+        self.lengths = [0] * len(self.keys)
+
+    def get_seq_length(self, layer_idx=0):
+        return self.lengths[-1]
+
+    def update(self, key, value, layer_idx):
+        start = self.lengths[layer_idx]
+        end = start + key.shape[2]
+        self.keys[layer_idx][:, :, start:end] = key
+        self.values[layer_idx][:, :, start:end] = value
+        self.lengths[layer_idx] = end
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+    def crop(self, max_length):
+        self.lengths = [max_length] * len(self.keys)
+
+
+class CacheMovesAtLayer0(PreallocatedCache):
+    def update(self, key, value, layer_idx):
+        end = self.write(key, value, layer_idx)
+        if layer_idx == 0:
+            self.length = end
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+
+class CacheNeverMoves(PreallocatedCache):
+    def update(self, key, value, layer_idx):
+        end = self.write(key, value, layer_idx)
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+
+class CacheOffByOneLayer(PreallocatedCache):  # layer_idx == n_layer: never true
+    def update(self, key, value, layer_idx):
+        end = self.write(key, value, layer_idx)
+        if layer_idx == len(self.keys):
+            self.length = end
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+
+class CacheReturnsNewOnly(FixedCache):
+    def update(self, key, value, layer_idx):
+        super().update(key, value, layer_idx)
+        return key, value
+
+
+class CacheOverEngine(PreallocatedCache):  # the engine's KVCache inside
+    def __init__(self, model, max_len):
+        self.inner = minikv.KVCache.for_model(model, max_len=max_len)
+        self.keys = self.inner.keys
+
+    def get_seq_length(self, layer_idx=0):
+        return self.inner.get_seq_length()
+
+    def check_fits(self, *args):
+        pass
+
+    def update(self, key, value, layer_idx):
+        return self.inner.update(key, value, layer_idx)
+
+    def crop(self, max_length):
+        self.inner.crop(max_length)
+
+
+@pytest.mark.parametrize("wrong, fragments", [
+    (PreallocatedCache, ["pass 1 (a prefill of 5 tokens)", "expected: 5", "got:      10",
+                         "the shipped update's behaviour", "the bug hides"]),
+    (CacheMovesAtLayer0, ["moved on after layer 0's update"]),
+    (CacheNeverMoves, ["the length never moves"]),
+    (CacheOffByOneLayer, ["the length never moves"]),
+    (CacheReturnsNewOnly, ["returns all of its live ones"]),
+    (CacheOverEngine, ["called minikv's own"]),
+    (FixedCache(minikv.GPT(minikv.GPTConfig.preset("tiny")), 8), ["the class itself"]),
+])
+def test_fixed_cache_names_the_mistake(wrong, fragments):
+    with pytest.raises(CheckFailed) as failure:
+        ch02.check_fixed_cache(wrong)
+    for fragment in fragments:
+        assert fragment in str(failure.value), str(failure.value)
+
+
+# --- exercise 7: design: K/V heads ----------------------------------------------------------------
+@pytest.mark.parametrize("wrong, fragment", [
+    (lambda: 10, "GPTConfig refuses it"),
+    (lambda: 12, "must divide 32"),
+    (lambda: 16, "you counted only the keys"),
+    (lambda: 32, "plain multi-head attention"),
+    (lambda: 4, "more K/V heads fit too"),
+    (lambda: 1, "more K/V heads fit too"),
+    (lambda: 0, "a positive int"),
+    (lambda: 8.0, "a positive int"),
+])
+def test_choose_kv_heads_names_the_mistake(wrong, fragment):
+    with pytest.raises(CheckFailed) as failure:
+        ch02.check_choose_kv_heads(wrong)
+    assert fragment in str(failure.value), str(failure.value)
+
+
+def test_new_exercises_pass_and_leave_the_random_state_alone(capsys):
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    ch02.check_predict_attention_pairs(lambda: (80, 28))
+    ch02.check_fixed_cache(FixedCache)
+    ch02.check_fixed_cache(FixedCachePerLayer)
+    ch02.check_choose_kv_heads(lambda: 8)
+    assert capsys.readouterr().out.count("✓") == 4
+    assert torch.equal(torch.rand(3), expected)
+
+
+class StubFixedCache(PreallocatedCache):
+    def update(self, key, value, layer_idx):
+        stub()
+
+
+@pytest.mark.parametrize("checker, args", [
+    (ch02.check_predict_attention_pairs, stub), (ch02.check_fixed_cache, StubFixedCache),
+    (ch02.check_choose_kv_heads, stub)])
+def test_new_stubs_raise_not_implemented(checker, args):
+    with pytest.raises(NotImplementedError):
+        checker(args)

@@ -8,6 +8,13 @@ chunk over the filled cache, greedy decode steps, and rollbacks, compared with `
 token and logit for logit, every layer's keys and values included. Every classic mistake is also
 looked for directly on small tensors, so the message can name it. Every checker leaves the caller's
 random state alone and runs in about a second on a busy CPU.
+
+Three exercises make the learner think before typing: predict_attention_pairs (the (query, key)
+pairs attention scores with and without a cache, predicted, then counted pass by pass from the
+shapes that reach the engine's attention), FixedCache (a preallocated cache whose length moves on in
+every layer's update, fixed; driven through prefills, decode steps and rollbacks against
+`generate` and fresh computations) and choose_kv_heads (the most K/V heads an 8B-like model can
+cache for 32 requests of 8,192 tokens in 40 GiB, by `kv_cache_bytes` and `GPTConfig`'s own rule).
 """
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ import math
 import torch
 
 from ...engine import (
+    GPT,
     Cache,
     GPTConfig,
     KVCache,
@@ -26,6 +34,7 @@ from ...engine import (
 )
 from ..checkpoint import load_course_model
 from . import (
+    CheckFailed,
     as_int,
     call_hinted,
     expect,
@@ -128,7 +137,9 @@ def check_cache_bytes(cache_bytes) -> None:
             fail(name, case, want, _what(got), hint)
         if value != want:
             fail(name, case, want, value, _diagnose(wrong, _bytes_mistakes())
-                 or "layers x 2 (K and V) x batch x cached heads x seq_len x head_dim x bytes")
+                 or "count what the cache holds: in every layer, for every sequence of the batch "
+                    "and every cached position, a key and a value per cached head, each "
+                    "head_dim numbers of bytes_per_value bytes")
     # and what a real cache holds: a tiny model's fp32 cache after 37 positions
     model = tiny_model(0)
     cache = KVCache.for_model(model, max_len=64)
@@ -670,3 +681,286 @@ def check_my_kv_cache(MyKVCache, cached_attention) -> None:
               f"to plug both in")
         raise
     passed(name, 12 + len(models) + 1)
+
+
+# --- exercise 5: predict, then measure: attention's work with and without a cache ----------------
+
+def _attention_pairs(model, prompt: list[int], n: int, mode: str) -> tuple[int, list[int]]:
+    """(query, key) pairs per layer and head that attention scores when `generate` makes n tokens
+    in `mode`: its passes replayed through the model with an attention that counts, from the
+    shapes of q and k it receives, the pairs the causal mask lets through, then runs the
+    engine's kernel."""
+    out = generate(model, prompt, n, mode=mode, trace=True)
+    counted = [0]
+
+    def counting(q, k, v):
+        T, L = q.size(-2), k.size(-2)
+        counted[0] += T * (L - T) + T * (T + 1) // 2  # new query i sees L - T + i + 1 keys
+        return causal_attention(q, k, v)
+    cache = KVCache.for_model(model, max_len=len(prompt) + n) if mode == "cached" else None
+    with torch.no_grad():
+        for event in out.trace:
+            model(torch.tensor([list(event.input_ids)]), cache=cache, attention=counting)
+    return counted[0] // model.config.n_layer, out.tokens
+
+
+def _pairs_mistakes(P: int, N: int, heads: int, layers: int) -> list[tuple[tuple, str]]:
+    """((naive or None, cached or None), hint) of the usual wrong predictions for a P-token prompt
+    and N new tokens (None: any value)."""
+    tri = [P + i for i in range(N)]  # the sequence length at each naive pass
+    naive = sum(t * (t + 1) // 2 for t in tri)
+    cached = P * (P + 1) // 2 + sum(range(P + 1, P + N))
+    return [
+        ((naive * layers, cached * layers), "per layer AND per head: you summed the layers"),
+        ((naive * heads, cached * heads), "per layer AND per head: you summed the heads"),
+        ((naive * layers * heads, cached * layers * heads),
+         "per layer and per head: you summed layers and heads"),
+        ((N * P + N * (N - 1) // 2, P + N - 1),
+         "these are the K/V vectors computed (section 1), not attention's work: a cached decode "
+         "step computes one K/V, but its query still scores every cached key"),
+        ((None, P + N - 1), "that is the cached decoder's K/V count: its decode step computes "
+                            "one K/V, but its one query scores EVERY key in the cache"),
+        ((None, P * (P + 1) // 2 + N - 1), "one key per decode step? The new query scores every "
+                                           "cached key and its own: the whole row"),
+        ((sum(t * t for t in tri), None), "the causal mask: query i sees keys 0..i, a triangle, "
+                                          "not a square"),
+        ((None, P * P + sum(range(P + 1, P + N))), "the prefill's queries are masked too: "
+                                                   "query i of the prompt sees keys 0..i, a "
+                                                   "triangle, not a square"),
+        ((naive + (P + N) * (P + N + 1) // 2, None),
+         "the last new token is returned, never fed: N tokens take N passes"),
+        ((None, cached + P + N), "the last new token is returned, never fed: no pass scores its "
+                                 "query"),
+        ((None, sum(range(P + 1, P + N))), "the prefill scores pairs too: its P queries over "
+                                           "the P prompt keys, under the mask"),
+        ((cached, naive), "the pair is swapped: return (naive, cached)"),
+        ((naive, naive), "the cache spares the naive decoder's recomputation of the earlier "
+                         "queries too: a cached decode step has ONE query, not the whole "
+                         "sequence's"),
+    ]
+
+
+@guarded
+def check_predict_attention_pairs(predict_attention_pairs) -> None:
+    """predict_attention_pairs() -> (naive, cached): the (query, key) pairs per layer and head
+    that attention scores in the seed's run ("Once upon a", 5 new tokens), without and with a
+    cache, counted in the engine's passes."""
+    name = "predict_attention_pairs"
+    with forbid(name, GPT.forward, generate):
+        got = _call(name, f"{name}()", predict_attention_pairs)
+    pair = int_list(got)
+    if pair is None or len(pair) != 2:
+        fail(name, f"{name}()", "a pair of ints (naive, cached)", _what(got),
+             "return the two counts you predict, as ints: return naive, cached")
+    target, tok = load_course_model("target", "cpu")
+    prompt, n = tok.encode("Once upon a"), 5
+    naive, naive_tokens = _attention_pairs(target, prompt, n, "naive")
+    cached, cached_tokens = _attention_pairs(target, prompt, n, "cached")
+    if naive_tokens != cached_tokens:
+        raise RuntimeError("naive and cached decoding disagree on the seed's run: not the "
+                           "learner's fault")
+    want = (naive, cached)
+    if tuple(pair) == want:
+        print(f"✓ {name}: as counted, {naive} (query, key) pairs without a cache and {cached} "
+              f"with one, per layer and head: the cache makes K/V work linear, not attention's")
+        return
+    cfg = target.config
+    hint = next((h for (a, b), h in _pairs_mistakes(len(prompt), n, cfg.n_head, cfg.n_layer)
+                 if (a is None or a == pair[0]) and (b is None or b == pair[1])
+                 and not (a in (None, naive) and b in (None, cached))),
+                "count pass by pass: each pass's new queries, each scoring the keys the causal "
+                "mask lets it see (cached ones included)")
+    fail(name, "generate(target, tok.encode('Once upon a'), 5) without and with a cache, "
+               "(query, key) pairs per layer and head, counted in every pass",
+         want, tuple(pair), hint)
+
+
+# --- exercise 6: debug a preallocated cache -----------------------------------------------------
+
+class _Prealloc(Cache):
+    """The notebook's PreallocatedCache, with its length moving on at `when`: "last" (right:
+    after the last layer's update), "every" (as shipped: every layer's), "first" (after layer
+    0's) or "never"."""
+
+    def __init__(self, model, max_len, when="last"):
+        cfg = model.config
+        shape = (1, cfg.kv_heads, max_len, cfg.head_dim)
+        self.keys = [torch.zeros(shape) for _ in range(cfg.n_layer)]
+        self.values = [torch.zeros(shape) for _ in range(cfg.n_layer)]
+        self.length, self.when = 0, when
+
+    def get_seq_length(self, layer_idx=0):
+        return self.length
+
+    def check_fits(self, cfg, batch_size, n_new, device, dtype):
+        if self.length + n_new > self.keys[0].shape[2]:
+            raise ValueError("the cache is full")
+
+    def update(self, key, value, layer_idx):
+        start = self.length
+        end = start + key.shape[2]
+        self.keys[layer_idx][:, :, start:end] = key
+        self.values[layer_idx][:, :, start:end] = value
+        if {"every": True, "first": layer_idx == 0, "never": False}.get(
+                self.when, layer_idx == len(self.keys) - 1):
+            self.length = end
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+    def crop(self, max_length):
+        self.length = max_length
+
+
+_PREALLOC_HINTS = {
+    "every": ("this is the shipped update's behaviour: the length moves on in EVERY layer's "
+              "update, so after a pass of T tokens the cache says n_layer x T, and layers 1.. "
+              "wrote their keys and values after layer 0's, at slots no query expects (with one "
+              "layer, like the draft, the bug hides). One pass adds T positions to every layer: "
+              "the length may move on only once all layers are written"),
+    "first": ("the length moved on after layer 0's update: layers 1.. then read it as their "
+              "start and write after layer 0's positions. Every layer of a pass writes at the "
+              "same slots: move the length on once the LAST layer is written"),
+    "never": ("the length never moves: every pass writes at slot 0 and its tokens get positions "
+              "from 0 again (seed 003's bug, section 7): move it on once per pass"),
+}
+
+
+def _prealloc_cases(n_new: int):
+    target, _ = load_course_model("target", "cpu")
+    draft, _ = load_course_model("draft", "cpu")
+    return [(draft, "the course draft (1 layer)"), (tiny_model(7), "a tiny random model (2 "
+            "layers)"), (tiny_model(8, n_layer=3, n_head=2, n_embd=48), "a 3-layer random "
+            "model"), (target, "the course target (12 layers)")]
+
+
+def _run_prealloc(model, make, passes, mine: bool = False):
+    """Feed `passes` ((ids, crop_to or None), ...) through the model into the cache `make()`
+    returns: ([(the pass's logits, the length after it), ...], the exception that stopped it or
+    None). With `mine`, the learner's own stubs and check failures go through."""
+    rows = []
+    try:
+        cache = make()
+        with torch.no_grad():
+            for ids, crop_to in passes:
+                if crop_to is not None:
+                    cache.crop(crop_to)
+                logits = model(torch.tensor([ids]), cache=cache)[0]
+                rows.append((logits, cache.get_seq_length()))
+    except (NotImplementedError, CheckFailed):
+        if mine:
+            raise
+        return rows, RuntimeError("stopped")
+    except Exception as e:  # noqa: BLE001 - a crash is a wrong answer, reported below
+        return rows, e
+    return rows, None
+
+
+def _same_run(a, b) -> bool:
+    return len(a) == len(b) and all(as_int(x[1]) == y[1] and _close(x[0], y[0])
+                                    for x, y in zip(a, b))
+
+
+@guarded
+def check_fixed_cache(FixedCache) -> None:
+    """FixedCache(model, max_len): every pass's logits as the engine's (a 5-token prefill, the rest
+    of the prompt as a chunk over it, greedy decode steps, then rollbacks with other tokens), and
+    get_seq_length() after every pass, on a 1-layer, two random and the 12-layer course model."""
+    name = "FixedCache"
+    if not isinstance(FixedCache, type):
+        fail(name, "FixedCache", "a class (class FixedCache(PreallocatedCache): ...)",
+             _what(FixedCache), "pass the class itself, not an instance")
+    n_new = 12
+    n_cases = 0
+    for model, label in _prealloc_cases(n_new):
+        vocab = model.config.vocab_size
+        prompt = _ids(vocab, 9, 37, 11)
+        expected = generate(model, prompt, n_new, mode="cached", return_logits=True)
+        plan = _rollbacks(model, prompt + expected.tokens)
+        # the passes: two prompt chunks, then one token a pass, then the rollbacks' tokens
+        passes = [(prompt[:5], None), (prompt[5:], None)]
+        passes += [([t], None) for t in expected.tokens[:-1]]
+        wants = [None, expected.logits[0]] + list(expected.logits[1:])
+        lengths = [5, len(prompt)] + [len(prompt) + i for i in range(1, n_new)]
+        what = ["a prefill of 5 tokens", f"the other {len(prompt) - 5} prompt tokens over 5 "
+                f"cached"] + [f"decode step {i}" for i in range(1, n_new)]
+        for _, keep, new, _, rows in plan:
+            passes += [(new[:-1], keep), (new[-1:], None)]
+            wants += [rows[-2], rows[-1]]
+            lengths += [keep + len(new) - 1, keep + len(new)]
+            what += [f"crop({keep}), then {len(new) - 1} other tokens", "then one more token"]
+        with forbid(name, *_engine_cache()):
+            got, error = _run_prealloc(model, lambda m=model: FixedCache(m, 64), passes,
+                                       mine=True)
+
+        def like(when: str, rows) -> bool:  # does the run so far match a known bug's?
+            sim = _run_prealloc(model, lambda m=model: _Prealloc(m, 64, when), passes)[0]
+            return _same_run(rows, sim[:len(rows)])
+        for k, ((logits, length), want, want_len) in enumerate(zip(got, wants, lengths)):
+            ok_len = as_int(length) == want_len
+            if ok_len and (want is None or _close(logits[-1], want)):
+                continue
+            case = f"{label}, pass {k + 1} ({what[k]})"
+            hint = next((h for when, h in _PREALLOC_HINTS.items() if like(when, got[:k + 1])),
+                        "")
+            if not ok_len:
+                fail(name, case + ": get_seq_length() after it", want_len, length,
+                     hint or "one pass of T tokens adds T positions, whatever the number of "
+                             "layers; crop(n) leaves n")
+            fail(name, case, "the engine's logits (to 1e-5)", "different logits",
+                 hint or "every layer of a pass writes its keys and values at the same slots, "
+                         "after the live ones, and returns all of its live ones")
+        if error is not None:
+            k = len(got)
+            case = f"{label}, pass {k + 1} ({what[k]})" if k < len(what) else label
+            hint = next((h for when, h in _PREALLOC_HINTS.items() if like(when, got)), "")
+            fail(name, case, "a result", f"{type(error).__name__}: {error}",
+                 hint or "your cache raised on this pass")
+        n_cases += 1
+    passed(name, n_cases)
+
+
+# --- exercise 7: design: how many K/V heads fit --------------------------------------------------
+
+SERVE_SHAPE = dict(vocab_size=32000, block_size=8192, n_layer=32, n_head=32, n_embd=4096)
+SERVE_BATCH, SERVE_LEN, SERVE_BUDGET = 32, 8192, 40 * 2**30
+
+
+@guarded
+def check_choose_kv_heads(choose_kv_heads) -> None:
+    """choose_kv_heads() -> the most K/V heads (a number GPTConfig accepts) whose fp16 cache for 32
+    requests of 8,192 positions fits 40 GiB, by kv_cache_bytes."""
+    name = "choose_kv_heads"
+    got = _call(name, f"{name}()", choose_kv_heads)
+    heads = as_int(got)
+    case = ("an 8B-like model (32 layers, 32 query heads of 128), fp16 cache, 32 requests of "
+            "8,192 positions each, 40 GiB for the cache")
+    if heads is None or heads < 1:
+        fail(name, case, "a number of K/V heads, a positive int", _what(got),
+             "return the n_kv_head you choose")
+
+    def cache(h: int) -> int:
+        cfg = GPTConfig(**SERVE_SHAPE, n_kv_head=h)
+        return kv_cache_bytes(cfg, SERVE_LEN, SERVE_BATCH, torch.float16)
+    try:
+        used = cache(heads)
+    except ValueError as e:
+        fail(name, case, "an n_kv_head that GPTConfig accepts", heads,
+             f"GPTConfig refuses it ({e}): grouped-query attention splits the 32 query heads "
+             f"into equal groups, one per K/V head, so n_kv_head must divide 32")
+    best = max(h for h in range(1, 33) if 32 % h == 0 and cache(h) <= SERVE_BUDGET)
+    gib = used / 2**30
+    if used > SERVE_BUDGET:
+        hint = "over budget: count every layer, both K and V, every request and position"
+        if used // 2 <= SERVE_BUDGET:
+            hint = ("over budget: you counted only the keys (or only the values); the cache holds "
+                    "both")
+        if heads == 32:
+            hint += "; 32 K/V heads is plain multi-head attention, the model's full cache"
+        fail(name, case, f"at most {SERVE_BUDGET // 2**30} GiB", f"n_kv_head={heads}: "
+             f"{gib:g} GiB", hint)
+    if heads != best:
+        fail(name, case, "the most K/V heads whose cache fits", f"n_kv_head={heads}: {gib:g} GiB",
+             "it fits, but more K/V heads fit too, and the more K/V heads, the less the "
+             "query heads must share (chapter 07 measures what sharing costs): choose the most "
+             "that fit")
+    print(f"✓ {name}: {heads} K/V heads, {gib:g} GiB of 40; the next larger choice GPTConfig "
+          f"accepts would not fit")
