@@ -144,6 +144,18 @@ def test_empty_trace_is_refused():
         TraceStepper([])
 
 
+def test_notes_go_before_each_caption_and_must_match_the_trace():
+    """A note per event says where it ran (a fork, the main cache): caption and picture title."""
+    trace = spec_trace()
+    notes = [f"note {i}: " for i in range(len(trace))]
+    stepper = TraceStepper(trace, notes=notes)
+    stepper.go(3)
+    assert f"</code> note 3: {stepper.snapshot.event.kind}" in stepper.caption.value
+    assert stepper.describe(3).startswith("note 3: ")
+    with pytest.raises(ValueError, match="one per event"):
+        TraceStepper(trace, notes=notes[:-1])
+
+
 # --- chapter 06: the block pool stepper -----------------------------------------------------------
 
 def pool_steps():

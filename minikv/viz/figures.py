@@ -144,37 +144,48 @@ def seed_000_coin_flip(target, tok) -> plt.Figure:
     cache = KVCache.for_model(target, max_len=len(full) + 16)
     with torch.inference_mode():
         target(torch.tensor([full[:-1]], device=target.device), cache=cache)
-    asked, fig = [], plt.figure(figsize=(12, 3.8))
-    ax = fig.add_subplot()
+    asked = []
     for i in range(len(question.steps) + 1):
         cut = len(tok.encode(question.prefix(i)))
         branch = cache.fork()
         branch.crop(cut)  # the prefix up to person i, reused as is
         suffix = tok.encode(question.question(i))[cut:]
         out = generate(target, suffix, 3, eos_id=tok.eot_token, cache=branch)
-        asked.append((cut, tok.decode(out.tokens), question.states[i]))
-    for p, t in enumerate(full):  # the question: prompt tokens, cached
+        asked.append((cut, suffix, tok.decode(out.tokens), question.states[i]))
+    statement = len(tok.encode(question.prefix(len(question.steps))))
+    fig = plt.figure(figsize=(13, 2.2 + 1.05 * len(asked)))
+    ax = fig.add_subplot()
+    for p, t in enumerate(full[:statement]):  # the main cache: the statement, computed once
         ax.add_patch(plt.Rectangle((p, 0), 0.95, 0.8, facecolor=COLORS["prompt"],
                                    edgecolor="#777777", lw=0.5))
-        ax.text(p + 0.47, 0.4, tok.decode([t]), ha="center", va="center", fontsize=7)
-    for i, (cut, answer, truth) in enumerate(asked):
+        ax.text(p + 0.47, 0.4, tok.decode([t]).strip(), ha="center", va="center", fontsize=7)
+    ax.text(-0.4, 0.4, "main cache", ha="right", va="center", fontsize=8)
+    for i, (cut, suffix, answer, truth) in enumerate(asked):
         # S_i, the true state, marks the slot where person i's clause ends: not a token
-        ax.add_patch(plt.Rectangle((cut - 1, -1.3), 0.95, 0.8, facecolor="white",
-                                   edgecolor="#333333"))
-        ax.text(cut - 0.53, -0.9, f"S{i}", ha="center", va="center", fontsize=8)
-        ok = answer.strip().startswith(truth)
-        # Z_i, the answer the model generated on the fork, marked right or wrong
-        ax.add_patch(plt.Rectangle((cut - 1.9, 1.2), 2.8, 0.9, facecolor=COLORS["generated"],
+        ax.text(cut - 0.53, 1.15, f"S{i}={truth}", ha="center", va="center", fontsize=7,
+                bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "#333333"})
+        # the fork: its own copy of the question's suffix on top of the cut, then Z_i
+        y = -1.25 * (i + 1)
+        ax.plot([cut - 0.02, cut - 0.02], [0, y + 0.8], color="#777777", lw=0.8, ls=":")
+        ax.text(cut - 0.3, y + 0.4, f"fork {i}", ha="right", va="center", fontsize=7)
+        for k, t in enumerate(suffix):
+            ax.add_patch(plt.Rectangle((cut + k, y), 0.95, 0.8, facecolor=COLORS["prompt"],
+                                       edgecolor="#777777", lw=0.5, ls="--"))
+            ax.text(cut + k + 0.47, y + 0.4, tok.decode([t]).strip(), ha="center",
+                    va="center", fontsize=7)
+        word = answer.strip().split(".")[0].split("<")[0]  # the answer word, not what follows
+        ok = word == truth
+        x = cut + len(suffix)
+        ax.add_patch(plt.Rectangle((x, y), 3.2, 0.8, facecolor=COLORS["generated"],
                                    edgecolor="#777777"))
-        ax.text(cut - 0.5, 1.65, f"Z{i}: {answer.strip()[:14]!r} {'✓' if ok else '✗'}\n"
-                f"(true: {truth})", ha="center", va="center", fontsize=7)
-        ax.annotate("", (cut - 0.5, 1.2), (cut - 0.5, 0.85),
-                    arrowprops={"arrowstyle": "<-", "color": "#777777"})
-    ax.set_xlim(-1, len(full) + 1)
-    ax.set_ylim(-1.6, 2.4)
+        ax.text(x + 1.6, y + 0.4, f"Z{i} = {word!r} {'✓' if ok else '✗'}", ha="center",
+                va="center", fontsize=8)
+    ax.set_xlim(-6, max(cut + len(suffix) for cut, suffix, _, _ in asked) + 4)
+    ax.set_ylim(-1.25 * len(asked) - 0.3, 1.6)
     ax.axis("off")
-    ax.set_title("Seed 000: the cache at the end of each step (S_i) is forked and asked the state "
-                 "(Z_i), without recomputing the prefix", fontsize=10, loc="left")
+    ax.set_title("Seed 000: the main cache is cut after each step (S_i, the true state there); "
+                 "each fork gets its own copy of the question (dashed) and answers Z_i, "
+                 "without recomputing the prefix", fontsize=10, loc="left")
     fig.tight_layout()
     return fig
 

@@ -96,9 +96,15 @@ class TraceStepper(Stepper):
     """Step through a trace: each step shows what the event did to the tokens and the KV cache."""
 
     def __init__(self, trace: list[TraceEvent], decode=None, title: str = "",
-                 bytes_per_slot: int | None = None, device: torch.device | None = None):
+                 bytes_per_slot: int | None = None, device: torch.device | None = None,
+                 notes: list[str] | None = None):
+        """`notes`, one per event, go before each step's caption: where the event ran when the
+        trace alone cannot say (chapter 03's "fork after person 1: ")."""
         if not trace:
             raise ValueError("empty trace: generate with trace=True to record one")
+        if notes is not None and len(notes) != len(trace):
+            raise ValueError(f"notes: one per event of the trace ({len(trace)}), got {len(notes)}")
+        self.notes = list(notes) if notes is not None else [""] * len(trace)
         self.snapshots = replay(trace)
         self.decode, self.bytes_per_slot = decode, bytes_per_slot
         info = device_line(device) if device is not None else ""
@@ -111,6 +117,7 @@ class TraceStepper(Stepper):
 
     def draw(self, index: int):
         return draw_step(self.snapshots[index], self.decode, self.bytes_per_slot,
+                         title=self.describe(index),
                          legend=states_shown(self.snapshots))  # one legend for every step
 
     def info(self, index: int) -> str:
@@ -119,7 +126,7 @@ class TraceStepper(Stepper):
             f" · draft cache: {snap.draft_cache_len} positions" if snap.has_draft else "")
 
     def describe(self, index: int) -> str:
-        return caption(self.snapshots[index], self.decode)
+        return self.notes[index] + caption(self.snapshots[index], self.decode)
 
 
 class CompareStepper(widgets.VBox):
