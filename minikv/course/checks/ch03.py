@@ -8,6 +8,15 @@ tokens. So the checkers keep working when the course models are retrained or the
 change. Cases run on the shipped models (loaded on the CPU) and on small random models
 (`tiny_model`), whose answers are far from the truth, so a function that returns the truth instead
 of the model's answers is caught.
+
+Exercise 1 reads the cuts from the prompt's text alone (the chapter computes them from
+`question.prefix(i)`); exercise 2 asks every question on the one cache given, rolled back after
+each answer, with fork() and new caches refused (the chapter forks). Three exercises make the
+learner think before typing: predict_differing_slots (how many (layer, position) slots hold other
+K/V when only the start state differs, then counted on two caches), FixedForkCache (a fork() that
+shares its source's buffers, fixed: prefix caching with requests taking turns) and
+choose_fork_plan (a document cache's max_len and how many requests fit on forks in 48 MiB,
+measured on real caches).
 """
 from __future__ import annotations
 
@@ -19,7 +28,18 @@ from ...engine import GPT, KVCache, KVCounter, generate
 from ..checkpoint import load_course_model
 from ..corpus import CoinFlip, coin_flip_eval
 from ..tokenizer import load_tokenizer
-from . import CheckFailed, PassCounter, call, fail, int_list, passed, tiny_model
+from . import (
+    CheckFailed,
+    PassCounter,
+    as_int,
+    call,
+    call_hinted,
+    fail,
+    forbid,
+    int_list,
+    passed,
+    tiny_model,
+)
 
 NEAR_TIE = 1e-3  # top-two logits closer than this: either token is accepted (kernels' rounding)
 
@@ -76,18 +96,21 @@ def _questions() -> list[CoinFlip]:
 # --- exercise 1: where the states live ----------------------------------------------------------
 
 def check_clause_cuts(clause_cuts) -> None:
-    """clause_cuts(tok, question) -> [len(tok.encode(question.prefix(i))) for i = 0..n]: the
-    cache's length after the start sentence and after each person's clause."""
+    """clause_cuts(tok, prompt) -> the cache's length after the start sentence and after each
+    person's clause, found in the prompt's text: [len(tok.encode(question.prefix(i))) for i =
+    0..n]."""
     name = "clause_cuts"
     tok = load_tokenizer()
     cases = _questions()
+    cases.insert(3, CoinFlip("tails", (("Emma Blackman", True), ("Mr. Papas", False),
+                                       ("Bo", True))))
     for q in cases:
         n = len(q.steps)
         case = f"{q.prompt()!r} ({n} {'person' if n == 1 else 'people'})"
         # the property the cuts are for (checked by _promise): the prompt's first cut tokens
         # are exactly the tokens of prefix(i), so a cache cut there is prefix(i)'s cache
         statement, want, suffix = _promise(tok, q)
-        got = call(name, case, clause_cuts, tok, q)
+        got = call(name, case, clause_cuts, tok, q.prompt())
         cuts = int_list(got)
         if cuts is None:
             fail(name, case, want, _show(got),
@@ -98,7 +121,6 @@ def check_clause_cuts(clause_cuts) -> None:
         words = [len(q.prefix(i).split()) for i in range(n + 1)]
         chars = [len(q.prefix(i)) for i in range(n + 1)]
         question = [len(tok.encode(q.question(i))) for i in range(n + 1)]
-        cot = [len(tok.encode(q.prefix(i, cot=True))) for i in range(n + 1)]
         clauses = [(f"{who} flips" if flips else f"{who} doesn't flip") for who, flips in q.steps]
         apart = [len(tok.encode(q.prefix(0)))]
         for clause in clauses:  # each clause's own tokens, without the ". " / ", then " between
@@ -114,18 +136,23 @@ def check_clause_cuts(clause_cuts) -> None:
                                     "token; the cache's length after it is one more"),
             ([c + 1 for c in want], "off by one: you counted the token after the clause (the ',' "
                                     "or '.'), which belongs to what comes next"),
-            (question, "these are the lengths of the whole questions, suffix \". What's the "
-                       "state? A:\" included: the fork point is before the suffix, "
-                       "len(tok.encode(question.prefix(i)))"),
-            (cot, "these are cuts of the chain-of-thought form (prefix(i, cot=True)); the "
-                  "question is asked in the plain form"),
+            (question, "these are the lengths of whole questions, the suffix \". What's the "
+                       "state? A:\" included: the cut is before the suffix"),
             (apart, "you added up each clause's own tokens but not the separators between "
                     "clauses ('.', ', then')"),
         ]
         hint = next((h for wrong, h in hints if cuts == wrong and wrong != want),
-                    "the cut after person i is the number of tokens of question.prefix(i)")
+                    "the cut after person i is the cache's length once the prompt's tokens up to "
+                    "the end of that clause are in it")
+        dotted = [who for who, _ in q.steps if "." in who]
+        if dotted and hint.startswith("the cut after"):
+            hint = (f"a name can contain a '.' ({dotted[0]!r}): a clause ends at ', then ' or at "
+                    f"the question's '. What's the state?', not at every '.'")
         if len(cuts) != n + 1 and cuts not in (want[1:], want[:-1]):
             hint = f"one cut per step: i = 0 (the start sentence) up to n = {n}, so {n + 1} ints"
+            if dotted and len(cuts) > n + 1:
+                hint += (f"; a name can contain a '.' ({dotted[0]!r}), and it ends no clause: a "
+                         f"clause ends at ', then ' or at the question's '. What's the state?'")
         if cuts != want:
             bad = next((i for i, (c, w) in enumerate(zip(cuts, want)) if c != w), None)
             if bad is not None and 0 <= cuts[bad] <= len(statement) + len(suffix):
@@ -137,7 +164,7 @@ def check_clause_cuts(clause_cuts) -> None:
     passed(name, len(cases))
 
 
-# --- exercise 2: intermediate answers Z_i, on forks of one cache --------------------------------
+# --- exercise 2: intermediate answers Z_i, on one cache, rolled back ----------------------------
 
 def _from_scratch(model: GPT, ids: list[int]) -> torch.Tensor:
     """The last position's logits for `ids`, fed whole into a model without a cache."""
@@ -179,10 +206,42 @@ def _cases_for_answers():
     return tok, cases
 
 
+_NO_COPY = ("every question is asked on the ONE cache you are given: no fork() (it copies the "
+            "whole prefix, every layer, as chapter 03 measures) and no second cache. Feed the "
+            "question into the cache itself, read the answer, then roll the cache back to the "
+            "cut (crop) before the next clause")
+
+
+def _asked(name, case, model, tok, q, cache, statement, intermediate_answers):
+    """Run the learner's function with no fork and no new cache allowed, naming an overflow."""
+    cot = tok.encode(q.prefix(len(q.steps), cot=True))
+
+    def overflow(e: Exception) -> str:
+        if "KV cache overflow" not in str(e):
+            return "your function raised on this input"
+        length = cache.get_seq_length()
+        if cot != statement and 0 < length and _holds(model, cache, cot[:length]):
+            return ("that is the chain-of-thought statement (prefix(i, cot=True), \"..., so "
+                    "it's tails\"): fill the cache with the plain form")
+        return ("the cache is full: it has room for the statement and ONE question at a time "
+                "(its suffix and up to two answer tokens). After reading an answer, roll the "
+                "cache back (crop) to the cut before the next clause: the question must not stay "
+                "in it")
+    try:
+        with forbid(name, KVCache.fork, KVCache.__init__):
+            return call_hinted(name, case, overflow, intermediate_answers, model, tok, q, cache)
+    except CheckFailed as e:
+        if "called minikv's own" not in str(e):
+            raise
+        raise CheckFailed(f"{name}: wrong for {case}\n  your function called "
+                          f"{str(e).split('own ')[1].split(';')[0]}\n  hint: {_NO_COPY}") from None
+
+
 def check_intermediate_answers(intermediate_answers) -> None:
     """intermediate_answers(model, tok, question, cache) -> the model's greedy answer after each
-    person i = 0..n, asked on forks of `cache`, which the function fills with the statement
-    clause by clause and leaves holding exactly the statement."""
+    person i = 0..n, all asked on the one cache given, without a fork or a second cache: the
+    function fills it with the statement clause by clause, asks after each clause and rolls it
+    back, and leaves it holding exactly the statement."""
     name = "intermediate_answers"
     tok, cases = _cases_for_answers()
     with torch.random.fork_rng(devices=[]), torch.no_grad():
@@ -194,10 +253,11 @@ def check_intermediate_answers(intermediate_answers) -> None:
             accepted = [[tok.decode([t]).strip() for t in _accepted(
                 _from_scratch(model, statement[:cut] + suffix))] for cut in cuts]
             want = [a[0] for a in accepted]
-            room = min(model.config.block_size, len(statement) + (n + 1) * (len(suffix) + 3))
+            # room for the statement and one question at a time (two answer tokens fed back)
+            room = min(model.config.block_size, len(statement) + len(suffix) + 2)
             cache = KVCache.for_model(model, max_len=room)
             with KVCounter(model) as counter:
-                got = call(name, case, intermediate_answers, model, tok, q, cache)
+                got = _asked(name, case, model, tok, q, cache, statement, intermediate_answers)
             _check_answer_shape(name, case, q, want, got)
             cot = tok.encode(q.prefix(n, cot=True))
             _check_kv_work(name, case, model, counter.count, statement, cot, cuts, suffix, cache)
@@ -235,7 +295,7 @@ def _holds(model: GPT, cache: KVCache, ids: list[int], extra: int = 0) -> bool:
 def _check_kv_work(name, case, model, count, statement, cot, cuts, suffix, cache) -> None:
     n_asks, s = len(cuts), len(suffix)
     least = len(statement) + n_asks * s
-    most = least + 2 * n_asks  # up to two answer tokens fed back per fork (generate(..., 3))
+    most = least + 2 * n_asks  # up to two answer tokens fed back per question
     where = case + " (K/V vectors your function computed, per layer)"
     if least <= count <= most:
         return
@@ -251,24 +311,24 @@ def _check_kv_work(name, case, model, count, statement, cot, cuts, suffix, cache
                 if count >= recomputed else "")
              + f": this is recomputing the prefix for every question. Compute each clause's "
                f"K/V once into `cache` ({len(statement)} in all), then per question only the "
-               f"{s} suffix tokens, on cache.fork()")
+               f"{s} suffix tokens, fed into the same cache and rolled back after the answer")
     fail(name, where, f"{least} to {most}", count,
-         f"too little K/V work: every clause ({len(statement)} tokens) and, on each of the "
-         f"{n_asks} forks, the {s} suffix tokens must go through the model once"
+         f"too little K/V work: every clause ({len(statement)} tokens) and, for each of the "
+         f"{n_asks} questions, the {s} suffix tokens must go through the model once"
          + (" (the cache you were given is empty: fill it)" if cache.get_seq_length() == 0
             else ""))
 
 
 def _check_main_cache(name, case, model, cache, statement, cot, cuts, suffix) -> None:
     """The cache the function was given holds the statement, every layer, keys and values, and
-    nothing else: the questions went into forks."""
+    nothing else: every question was rolled back."""
     S, s, length = len(statement), len(suffix), cache.get_seq_length()
     where = case + " (the cache you were given, after your function returned)"
     want = f"{S} positions: the statement's K/V in every layer"
     if length == 0:
         fail(name, where, want, "an empty cache",
              "fill the cache you are given (the `cache` argument) with the statement, clause by "
-             "clause, and ask each question on cache.fork()")
+             "clause, asking each question in it and rolling it back after the answer")
     if cot != statement and _holds(model, cache, cot):
         fail(name, where, want, f"{length} positions",
              "that is the chain-of-thought statement (prefix(i, cot=True), \"..., so it's "
@@ -282,15 +342,20 @@ def _check_main_cache(name, case, model, cache, statement, cot, cuts, suffix) ->
              "starts at ids[done]")
     if any(_holds(model, cache, statement[:c] + suffix, extra=2) for c in cuts[:-1]):
         fail(name, where, want, f"{length} positions",
-             "the cache was cropped back to a cut and the question fed into it: crop only moves "
-             "the length back, so the clauses after the cut are lost (and overwritten) and "
-             "nothing restores them. Ask on cache.fork() and leave the cache whole")
+             "the whole statement went in first, then the cache was cropped back to each cut "
+             "and asked there: crop only moves the length back, so the clauses after the cut "
+             "are lost (overwritten by the question) and nothing restores them. Ask as you go: "
+             "a clause, its question, crop back to the cut, the next clause")
     asked = length - S  # the suffix (and up to two answer tokens) once per question?
     if any(asked == len(cuts) * (s + j) for j in range(3)):
         fail(name, where, want, f"{length} positions = {S} + {len(cuts)} x {asked // len(cuts)}",
-             f"the question's suffix went into the cache itself, {len(cuts)} times: you forgot "
-             f"to fork. Ask on cache.fork(), a copy, so the cache holds only the statement and "
-             f"the next clause follows the last one, not a question")
+             f"the question's suffix stayed in the cache, {len(cuts)} times: after reading an "
+             f"answer, roll the cache back (crop) to the cut, so the next clause follows the "
+             f"last one, not a question")
+    if abs(length - S) in (1, len(cuts)):  # one position off, at one question or at each
+        fail(name, where, want, f"{length} positions",
+             "the roll-back is off by one: after a question, crop to the cut itself, the "
+             "cache's length before the suffix went in")
     if length != S:
         fail(name, where, want, f"{length} positions",
              "the cache must hold exactly the statement's tokens, prefix(n), once")
@@ -309,17 +374,17 @@ def _check_main_cache(name, case, model, cache, statement, cot, cuts, suffix) ->
              "do it (don't pass positions)")
     fail(name, where, want, f"different K/V from position {bad} on (in some layer, key or value)",
          "the right length, but the K/V at these positions are not the statement's: something "
-         "was written over them (feeding the question after crop(cut) overwrites the clauses "
-         "after the cut; crop only moves the length back), or they were computed from other "
-         "tokens. Ask on cache.fork(), and feed each clause once, in order")
+         "was written over them (a question fed after crop(cut) overwrites the slots after the "
+         "cut; crop only moves the length back), or they were computed from other tokens. Feed "
+         "each clause once, in order, and crop back to the cut after each question")
 
 
 def _check_answers(name, case, q, want, accepted, got) -> None:
     if all(g in a for g, a in zip(got, accepted)):
         return
-    hint = ("fork the cache cut after person i, feed the question's suffix into the fork, and "
-            "decode the greedy token after 'A:' (the argmax of the LAST position's logits), "
-            "stripped of its leading space")
+    hint = ("with the cache cut after person i, feed the question's suffix into it and decode "
+            "the greedy token after 'A:' (the argmax of the LAST position's logits), stripped "
+            "of its leading space")
     if got == q.states and want != q.states:
         hint = ("these are the true states S_i (question.states), not the model's answers Z_i: "
                 "ask the model")
@@ -514,5 +579,283 @@ def _check_continuations(name, case, model, want, refs, tokens, prefix, suffixes
             fail(name, f"{case}, suffix {k}", want[k], got, hint)
 
 
+# --- exercise 4: predict, then measure: which slots the start state reaches ---------------------
+
+SLOT_DIFFERS = 1e-3  # identical inputs give identical K/V (0.0); a real difference is far above
+
+
+def _statement_cache(model: GPT, tok, start: str) -> tuple[KVCache, list[int]]:
+    q = CoinFlip(start, (("Alice", True), ("Bob", True)))
+    ids = tok.encode(q.prefix(2))
+    cache = _prefilled(model, ids, len(ids))
+    return cache, ids
+
+
+def check_predict_differing_slots(predict_differing_slots) -> None:
+    """predict_differing_slots() -> how many (layer, position) slots of the target's cache hold
+    different keys or values for "A coin's state is heads. Alice flips, then Bob flips" and the
+    same statement starting from tails, counted on the two caches."""
+    name = "predict_differing_slots"
+    with torch.random.fork_rng(devices=[]):
+        try:
+            with forbid(name, GPT.forward, generate):
+                got = call(name, f"{name}()", predict_differing_slots)
+        except CheckFailed as e:
+            if "called minikv's own" not in str(e):
+                raise
+            raise CheckFailed(f"{name}: your prediction ran the model: a prediction is committed "
+                              f"BEFORE the measurement; reason from chapter section 4") from None
+        value = as_int(got)
+        if value is None:
+            fail(name, f"{name}()", "an int (a number of slots)", _show(got),
+                 "return the number of (layer, position) slots you predict, an int")
+        target, tok = load_course_model("target", "cpu")
+        with torch.no_grad():
+            (a, ids), (b, other) = (_statement_cache(target, tok, s) for s in ("heads", "tails"))
+    L, T = target.config.n_layer, len(ids)
+    differ = torch.zeros(L, T, dtype=torch.bool)
+    for layer in range(L):
+        for x, y in ((a.keys[layer], b.keys[layer]), (a.values[layer], b.values[layer])):
+            differ[layer] |= ((x[0, :, :T] - y[0, :, :T]).abs().amax(dim=(0, 2)) > SLOT_DIFFERS)
+    want = int(differ.sum())
+    start = next(p for p, (s, t) in enumerate(zip(ids, other)) if s != t)
+    after = T - start  # the start-state token's slot and every slot after it
+    case = (f"the target's caches of {tok.decode(ids)!r} and of the same with 'tails': "
+            f"{L} layers x {T} positions, the start state at position {start}")
+    if value == want:
+        print(f"✓ {name}: as counted, {want} of the {L * T} slots differ: in layer 0 only the "
+              f"start-state token's own, from layer 1 up every slot from it on, before it none")
+        return
+    mistakes = {
+        L * after: "layer 0's K/V at a position are computed from that token and its position "
+                   "alone (no attention has happened yet): in layer 0, only the start-state "
+                   "token's own slot differs",
+        L: "one slot per layer? From layer 1 up, every slot after the start state has attended to "
+           "it (its K/V come from the previous layer's output, which mixes the earlier slots)",
+        after: "that is one layer's worth: from layer 1 up, each layer's K/V are made from the "
+               "previous layer's output, which has attended to the start state",
+        L * T: "the slots before the start-state token never see it: the causal mask lets a "
+               "position attend only to itself and the positions before it, so a prefix's K/V "
+               "do not depend on what follows (which is why a cache can be cut and forked)",
+        (L - 1) * after: "layer 0's own slot for the start-state token differs too: a different "
+                         "token, a different embedding",
+        1 + (L - 1) * (after - 1): "from layer 1 up, the start-state token's own slot differs "
+                                   "too",
+        0: "the two statements differ in one token: its K/V, and what attends to it, differ",
+    }
+    fail(name, case, want, value,
+         mistakes.get(value, "layer 0 sees only each slot's own token; every later layer, every "
+                             "slot from the start state on; no slot before it"))
+
+
+# --- exercise 5: debug a fork that shares its buffers -------------------------------------------
+
+def _fork_cases():
+    target, tok = load_course_model("target", "cpu")
+    rng = random.Random(34)
+    a = tiny_model(4)
+    vocab = a.config.vocab_size
+
+    def ids(k):
+        return [rng.randrange(vocab) for _ in range(k)]
+    coin = tok.encode("A coin's state is heads. Alice flips, then Bob doesn't flip")
+    return [
+        (a, "a random model, requests one after the other", ids(10), [ids(3), ids(5)], 6, False),
+        (a, "a random model, requests taking turns", ids(10), [ids(3), ids(5), ids(2)], 6, True),
+        (target, "the course target, two questions taking turns", coin,
+         [tok.encode(". What's the state? A:"), tok.encode(", then Carol flips. What's the state? "
+                                                           "A:")], 3, True),
+    ]
+
+
+def _serve(model, cache_cls, prefix, suffixes, n_new, turns: bool, seen: dict):
+    """Prefix caching with `cache_cls`'s fork(): prefill the prefix, fork one cache per request,
+    then decode each request greedily on its own fork, one request after the other or taking
+    turns (one pass per request in each round, as a server's batch does). Returns (the source
+    cache, the forks, the tokens per request); the forks are made through the learner's fork.
+    `seen` gets the source and the forks as they are made, for a diagnosis if this raises."""
+    room = len(prefix) + max(len(s) for s in suffixes) + n_new
+    source = cache_cls.for_model(model, max_len=room)
+    model(torch.tensor([prefix]), cache=source)
+    forks, tokens = [], [[] for _ in suffixes]
+    seen.update(source=source, forks=forks)
+    feeds = [list(s) for s in suffixes]
+
+    def step(k):
+        logits = model(torch.tensor([feeds[k]]), cache=forks[k])[0, -1]
+        tokens[k].append(int(logits.argmax()))
+        feeds[k] = tokens[k][-1:]
+    if turns:
+        forks += [source.fork() for _ in suffixes]
+        for _ in range(n_new):
+            for k in range(len(suffixes)):
+                step(k)
+    else:
+        for k in range(len(suffixes)):
+            forks.append(source.fork())
+            for _ in range(n_new):
+                step(k)
+    return source, forks, tokens
+
+
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _fork_error_hint(seen: dict):
+    """The hint for a crash while serving: what the forks made so far share or lack, or else
+    the overflow of a fork without room."""
+    def hint(e: Exception) -> str:
+        if seen.get("forks"):
+            diagnosis = _fork_diagnosis(seen["source"], seen["forks"])
+            if diagnosis:
+                return diagnosis
+        if "KV cache overflow" in str(e):
+            return ("the fork has no room: it holds only the live positions, so the request's "
+                    "tokens cannot be appended. A fork keeps the source's capacity (max_len): "
+                    "copy whole buffers")
+        return "your cache raised on this input"
+    return hint
+
+
+def _fork_diagnosis(source, forks) -> str:
+    """Name what the forks share with their source (or lack), from their tensors."""
+    twin = forks[0]
+    if twin is source:
+        return "fork() returned the cache itself: every request then writes into the same cache"
+    if not isinstance(getattr(twin, "keys", None), list):
+        return "the fork must be a cache like its source (a KVCache with keys and values)"
+    if twin.max_len < source.max_len:
+        return ""  # copied, but too small: the overflow says so
+    keys = any(_shares(x, y) for x, y in zip(twin.keys, source.keys))
+    values = any(_shares(x, y) for x, y in zip(twin.values, source.values))
+    if twin.keys is source.keys:
+        return ("the fork shares its source's lists of buffers: every fork writes its suffix "
+                "into the same tensors, at the same slots after the prefix. One request alone "
+                "never notices; requests taking turns overwrite each other's keys and values")
+    if keys and values:
+        return ("the fork has new lists, but of the same tensors: the buffers themselves must be "
+                "copied (clone them), or the requests overwrite each other's keys and values")
+    if keys or values:
+        return (f"the fork copies the {'values' if keys else 'keys'} but shares the "
+                f"{'keys' if keys else 'values'}: copy both")
+    if twin.get_seq_length() != source.get_seq_length():
+        return "the fork must hold the source's live positions: copy its length too"
+    return ""
+
+
+def check_fork(FixedForkCache) -> None:
+    """FixedForkCache(minikv.KVCache) with its own fork(): prefix caching with requests decoded
+    one after the other and taking turns, every continuation as generating prefix + suffix from
+    scratch, the source cache untouched; the engine's KVCache.fork is not called."""
+    name = "FixedForkCache"
+    if not (isinstance(FixedForkCache, type) and issubclass(FixedForkCache, KVCache)):
+        fail(name, "FixedForkCache", "a subclass of the notebook's ForkableCache",
+             _show(FixedForkCache), "pass the class itself: class FixedForkCache(ForkableCache)")
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        for model, label, prefix, suffixes, n_new, turns in _fork_cases():
+            case = f"{label}: prefix {len(prefix)} tokens, suffixes {suffixes}, n_new={n_new}"
+            want = [generate(model, prefix + s, n_new, return_logits=True) for s in suffixes]
+            seen: dict = {}
+            with forbid(name, KVCache.fork):
+                source, forks, tokens = call_hinted(name, case, _fork_error_hint(seen), _serve,
+                                                    model, FixedForkCache, prefix, suffixes,
+                                                    n_new, turns, seen)
+            for k, (ref, got) in enumerate(zip(want, tokens)):
+                bad = next((t for t, (a, b) in enumerate(zip(ref.tokens, got)) if a != b), None)
+                if bad is None or got[bad] in _accepted(ref.logits[bad]):
+                    continue
+                hint = _fork_diagnosis(source, forks) or (
+                    "each request must continue on a copy of the prefix's keys and values that "
+                    "nothing else writes into")
+                if turns:
+                    hint = ("each request is right when decoded alone, wrong when the requests "
+                            "take turns: the forks are not independent. " + hint)
+                fail(name, f"{case}, request {k}", ref.tokens, got, hint)
+            if source.get_seq_length() != len(prefix) or _first_difference(
+                    source, _prefilled(model, prefix, len(prefix)), len(prefix)) is not None:
+                fail(name, case + " (the source cache afterwards)",
+                     f"the prefix's {len(prefix)} positions, as prefilled", "changed",
+                     _fork_diagnosis(source, forks) or "a fork must leave its source alone")
+    passed(name, len(_fork_cases()))
+
+
+# --- exercise 6: design: requests served at once on forks, in a memory budget --------------------
+
+DOC, QUESTION, ANSWER, FORK_BUDGET = 100, 11, 20, 48 * 2**20
+
+
+def check_choose_fork_plan(choose_fork_plan) -> None:
+    """choose_fork_plan() -> (max_len of the document's cache, requests served at once): the
+    smallest max_len with which a request's fork holds its question and answer, and the most
+    requests whose forks, with the document's cache, fit 48 MiB; measured on real caches of the
+    target."""
+    name = "choose_fork_plan"
+    got = call(name, f"{name}()", choose_fork_plan)
+    pair = int_list(got)
+    case = (f"a {DOC}-token document's cache on the course target (float32), requests of a "
+            f"{QUESTION}-token question and a {ANSWER}-token answer, each on its own fork, "
+            f"{FORK_BUDGET // 2**20} MiB for all caches alive at once")
+    if pair is None or len(pair) != 2 or min(pair) < 1:
+        fail(name, case, "a pair of positive ints (max_len, requests)", _show(got),
+             "return the document cache's max_len and the number of requests at once")
+    max_len, requests = pair
+    target, _ = load_course_model("target", "cpu")
+    need = DOC + QUESTION + ANSWER - 1  # the last answer token is never fed
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        fits, fork = False, None
+        if max_len <= target.config.block_size:
+            try:  # the document prefilled, then one request on a fork of its cache
+                document = KVCache.for_model(target, max_len=max_len)
+                target(torch.arange(DOC)[None] % target.config.vocab_size, cache=document)
+                fork = document.fork()
+                generate(target, list(range(3, 3 + QUESTION)), ANSWER, cache=fork)
+                fits = True
+            except ValueError:
+                pass
+    if max_len > target.config.block_size:
+        fail(name, case, f"a max_len the target accepts (at most {target.config.block_size})",
+             max_len, "the target has 256 positions: a cache cannot be longer")
+    if not fits:
+        hint = ("a request overflows its fork: a fork has the max_len of the cache it copies, so "
+                "the document's cache needs room for the document, the question and the answer")
+        if max_len < DOC:
+            hint = "the document itself does not fit in a cache of that size"
+        if max_len == DOC + QUESTION:
+            hint += " (the answer's tokens go into the fork too, all but the last)"
+        fail(name, case, "a max_len with which a request fits in its fork",
+             f"max_len={max_len}: the fork overflows", hint)
+    per_cache = fork.allocated_nbytes  # every cache alive: the document's and each fork
+    alive = requests + 1
+    used = alive * per_cache
+    if used > FORK_BUDGET:
+        hint = ("over budget: every fork allocates a whole cache of max_len positions, and the "
+                "document's own cache stays alive too")
+        if requests * per_cache <= FORK_BUDGET:
+            hint = ("over budget: you left out the document's own cache: it stays alive, and "
+                    "every fork is a copy of it")
+        elif requests * per_cache // 2 <= FORK_BUDGET:
+            hint = "over budget: the target's cache is float32, 4 bytes a number"
+        fail(name, case, f"at most {FORK_BUDGET:,} bytes",
+             f"{alive} caches of {per_cache:,} bytes = {used:,}", hint)
+    if max_len != need:
+        fail(name, case, "the smallest max_len that fits a request",
+             f"max_len={max_len} ({per_cache:,} bytes per cache)",
+             "a request fits, but in fewer positions too, and every cache alive pays for each "
+             "position: the answer's last token is never fed" if max_len == need + 1 else
+             "a request fits, but in fewer positions too, and every cache alive pays for each "
+             "position")
+    best = FORK_BUDGET // per_cache - 1
+    if requests != best:
+        hint = "it fits, but more requests fit too"
+        if requests == 48 * 10**6 // per_cache - 1:
+            hint += ": 48 MiB is 48 x 2**20 bytes, not 48 x 10**6"
+        fail(name, case, "the most requests that fit", f"{requests} requests: {used:,} bytes",
+             hint)
+    print(f"✓ {name}: max_len {max_len}, {requests} requests: {alive} caches of {per_cache:,} "
+          f"bytes, {used / 2**20:.2f} MiB of {FORK_BUDGET // 2**20}")
+
+
 __all__ = ["check_clause_cuts", "check_intermediate_answers", "check_shared_prefix_answers",
+           "check_predict_differing_slots", "check_fork", "check_choose_fork_plan",
            "CheckFailed"]
