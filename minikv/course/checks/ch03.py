@@ -36,6 +36,7 @@ from . import (
     call_hinted,
     fail,
     forbid,
+    guarded,
     int_list,
     passed,
     tiny_model,
@@ -591,6 +592,7 @@ def _statement_cache(model: GPT, tok, start: str) -> tuple[KVCache, list[int]]:
     return cache, ids
 
 
+@guarded
 def check_predict_differing_slots(predict_differing_slots) -> None:
     """predict_differing_slots() -> how many (layer, position) slots of the target's cache hold
     different keys or values for "A coin's state is heads. Alice flips, then Bob flips" and the
@@ -744,6 +746,7 @@ def _fork_diagnosis(source, forks) -> str:
     return ""
 
 
+@guarded
 def check_fork(FixedForkCache) -> None:
     """FixedForkCache(minikv.KVCache) with its own fork(): prefix caching with requests decoded
     one after the other and taking turns, every continuation as generating prefix + suffix from
@@ -785,6 +788,7 @@ def check_fork(FixedForkCache) -> None:
 DOC, QUESTION, ANSWER, FORK_BUDGET = 100, 11, 20, 48 * 2**20
 
 
+@guarded
 def check_choose_fork_plan(choose_fork_plan) -> None:
     """choose_fork_plan() -> (max_len of the document's cache, requests served at once): the
     smallest max_len with which a request's fork holds its question and answer, and the most
