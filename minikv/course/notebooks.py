@@ -1,6 +1,7 @@
 """Course tooling: exercises are generated from solutions, never edited by hand.
 
-    python -m minikv exercises           # rewrite exercises/ (and the classroom workflow)
+    python -m minikv exercises           # rewrite exercises/ (each chapter's exercise list, and
+                                         # the classroom workflow)
     python -m minikv exercises --check   # exit 1 if either is out of date
     python -m minikv run notebooks/01_prefill_decode.ipynb ...   # execute, save with outputs
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 import nbformat
@@ -158,9 +160,45 @@ jobs:
 """
 
 
+HEADING = re.compile(r"^## Exercise (\d+)\s*[·:]\s*(.+)$", re.MULTILINE)
+
+
+def exercise_list(stem: str, solution: nbformat.NotebookNode) -> str:
+    """The chapter's "Exercises" cell, generated from its solutions notebook, so a chapter can
+    never describe an exercise it does not have (or leave one out): each exercise's heading and
+    the function its check cell grades, in order."""
+    titles = [m.group(2).strip() for cell in solution.cells if cell.cell_type == "markdown"
+              for m in HEADING.finditer(cell.source)]
+    names = list(exercise_names(solution).values())
+    if len(titles) != len(names):
+        raise ValueError(f"solutions/{stem}.ipynb: {len(titles)} '## Exercise N: title' "
+                         f"headings but {len(names)} check cells; give each exercise both")
+    items = "\n".join(f"{i}. {title[0].upper() + title[1:]} (`{name}`)"
+                      for i, (title, name) in enumerate(zip(titles, names), 1))
+    lead = (f"[`exercises/{stem}.ipynb`](../exercises/{stem}.ipynb) has {len(names)} exercises, "
+            f"each graded by what your code computes (`python -m minikv grade "
+            f"exercises/{stem}.ipynb`); `solutions/` has them solved:")
+    return f"## Exercises\n\n{textwrap.fill(lead, 100)}\n\n{items}"
+
+
+def chapter_with_exercise_list(chapter: nbformat.NotebookNode, text: str
+                               ) -> nbformat.NotebookNode:
+    """The chapter with its "Exercises" cell (metadata minikv: "exercises") set to `text`: put
+    before the closing map cell when the chapter has none yet."""
+    chapter = nbformat.from_dict(chapter)
+    cells = [c for c in chapter.cells if c.metadata.get("minikv") == "exercises"]
+    if cells:
+        cells[0].source = text
+    else:
+        cell = nbformat.v4.new_markdown_cell(text, metadata={"minikv": "exercises"})
+        close = [i for i, c in enumerate(chapter.cells) if c.metadata.get("minikv") == "map-close"]
+        chapter.cells.insert(close[0] if close else len(chapter.cells), cell)
+    return chapter
+
+
 def write_exercises(check: bool = False) -> list[Path]:
-    """Regenerate exercises/ and the classroom workflow; with `check`, only list the files that
-    would change."""
+    """Regenerate exercises/, each chapter's "Exercises" cell and the classroom workflow; with
+    `check`, only list the files that would change."""
     stale, solutions = [], {}
     for solution_path, exercise_path in exercise_pairs():
         solution = nbformat.read(solution_path, as_version=4)
@@ -170,6 +208,15 @@ def write_exercises(check: bool = False) -> list[Path]:
             stale.append(exercise_path)
             if not check:
                 write_atomically(exercise_path, text)
+        chapter_path = ROOT / "notebooks" / solution_path.name
+        if chapter_path.exists():
+            chapter = nbformat.read(chapter_path, as_version=4)
+            listed = chapter_with_exercise_list(chapter, exercise_list(solution_path.stem,
+                                                                       solution))
+            if listed != chapter:
+                stale.append(chapter_path)
+                if not check:
+                    write_atomically(chapter_path, nbformat.writes(listed) + "\n")
     workflow = classroom_workflow(solutions)
     if not CLASSROOM.exists() or CLASSROOM.read_text() != workflow:
         stale.append(CLASSROOM)

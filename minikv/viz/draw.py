@@ -77,11 +77,11 @@ def _label(ax, x, y, token: int, decode, gid: str, renderer, fontsize: float = 8
 
 def _strip_fontsize(ax, tokens: list[int], decode, renderer) -> float:
     """One font size for a whole strip, so no token looks smaller than its neighbours: the
-    largest (8 to 6 points) at which all but the longest tenth of the tokens fit their boxes."""
+    largest (8 to 6 points) at which every token fits its box; a token that does not fit even at
+    6 points is shortened."""
     box = ax.transData.transform([(0, 0), (0.92, 0)])
     width = (box[1, 0] - box[0, 0]) - 2
-    texts = sorted(((decode([t]) if decode else str(t)).strip() or "␣" for t in tokens), key=len)
-    texts = texts[:max(1, len(texts) - len(texts) // 10)]  # the longest tenth may be shortened
+    texts = [(decode([t]) if decode else str(t)).strip() or "␣" for t in tokens]
     probe = ax.text(0, 0, "")
 
     def fits(size: float) -> bool:
@@ -166,7 +166,7 @@ def draw_step(snap: Snapshot, decode=None, bytes_per_slot: int | None = None,
         handles = [Patch(facecolor=COLORS[state], hatch=HATCH.get(state), edgecolor="#777777",
                          label=label) for label, state in LEGEND if state in shown]
         handles.append(Patch(facecolor="white", edgecolor="black", linewidth=2.0,
-                             label="bold: computed in this step"))
+                             label="bold: computed or produced in this step"))
         ax.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.0), ncol=7,
                   fontsize=6.5, frameon=False, handlelength=1.5, columnspacing=1.0)
     return ax.figure
