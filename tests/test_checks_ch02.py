@@ -713,6 +713,7 @@ def test_check_cells_are_two_lines_after_their_exercise():
 # --- exercise 5: predict, then measure: attention pairs -------------------------------------------
 @pytest.mark.parametrize("wrong, fragment", [
     (lambda: (25, 7), "these are the K/V vectors computed"),
+    (lambda: (35, 15), "the count for a 1-token prompt"),
     (lambda: (80, 7), "that is the cached decoder's K/V count"),
     (lambda: (80, 10), "one key per decode step?"),
     (lambda: (135, 28), "a triangle, not a square"),

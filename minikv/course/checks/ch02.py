@@ -711,6 +711,9 @@ def _pairs_mistakes(P: int, N: int, heads: int, layers: int) -> list[tuple[tuple
     naive = sum(t * (t + 1) // 2 for t in tri)
     cached = P * (P + 1) // 2 + sum(range(P + 1, P + N))
     return [
+        ((N * (N + 1) * (N + 2) // 6, N * (N + 1) // 2),
+         "that is the count for a 1-token prompt (section 5's): here the prompt has P tokens, "
+         "all fed in the first pass, and the sequence is P + i tokens long at pass i"),
         ((naive * layers, cached * layers), "per layer AND per head: you summed the layers"),
         ((naive * heads, cached * heads), "per layer AND per head: you summed the heads"),
         ((naive * layers * heads, cached * layers * heads),
