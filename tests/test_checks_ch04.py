@@ -307,48 +307,66 @@ def test_round_cases_are_sound():
 
 # --- exercise 2: the residual ---------------------------------------------------------------------
 
-def residual(p, q):
+def residual(p, q, a):
+    r = (p - q * a).clamp(min=0)
+    return r / r.sum()
+
+
+def residual_chapter_line(p, q, a):  # section 5's residual, whatever the rule
     r = (p - q).clamp(min=0)
     return r / r.sum()
 
 
-def residual_not_normalised(p, q):
-    return (p - q).clamp(min=0)
+def residual_not_normalised(p, q, a):
+    return (p - q * a).clamp(min=0)
 
 
-def residual_abs(p, q):
+def residual_abs(p, q, a):
     r = (p - q).abs()
     return r / r.sum()
 
 
-def residual_is_p(p, q):
+def residual_is_p(p, q, a):
     return p
 
 
-def residual_reversed(p, q):
+def residual_reversed(p, q, a):
     r = (q - p).clamp(min=0)
     return r / r.sum()
 
 
-def residual_in_place(p, q):
-    p.sub_(q).clamp_(min=0)
-    return p / p.sum()
-
-
-def residual_numpy(p, q):
-    r = np.maximum(p.numpy() - q.numpy(), 0)
+def residual_p_times_refusal(p, q, a):
+    r = p * (1 - a)
     return r / r.sum()
 
 
-def residual_list(p, q):
-    return residual(p, q).tolist()
+def residual_refused_drafts(p, q, a):
+    r = q * (1 - a)
+    return r / r.sum()
+
+
+def residual_in_place(p, q, a):
+    p.sub_(q * a).clamp_(min=0)
+    return p / p.sum()
+
+
+def residual_numpy(p, q, a):
+    r = np.maximum(p.numpy() - q.numpy() * a.numpy(), 0)
+    return r / r.sum()
+
+
+def residual_list(p, q, a):
+    return residual(p, q, a).tolist()
 
 
 RESIDUAL_WRONG = [
+    (residual_chapter_line, r"norm\(max\(0, p - q\)\) whatever a is"),
     (residual_not_normalised, "forget to normalise"),
     (residual_abs, r"\|p - q\|"),
     (residual_is_p, "resample from p itself"),
     (residual_reversed, r"max\(0, q - p\)"),
+    (residual_p_times_refusal, r"p\(x\)\(1 - a\(x\)\)"),
+    (residual_refused_drafts, r"q\(x\)\(1 - a\(x\)\)"),
     (residual_in_place, "in-place operations"),
     (residual_numpy, "not a numpy.ndarray"),
     (residual_list, "not a list"),
@@ -372,6 +390,19 @@ def test_speculative_step_keeps_p_only_with_the_right_residual():
     assert torch.allclose(ch04.speculative_sample_distribution(p, q, residual), p, atol=1e-12)
     assert not torch.allclose(ch04.speculative_sample_distribution(p, q, residual_abs), p,
                               atol=1e-3)
+    half = ch04.chapter_acceptance(p, q) / 2
+    assert torch.allclose(ch04.speculative_sample_distribution(p, q, residual, half), p,
+                          atol=1e-12)
+    assert not torch.allclose(
+        ch04.speculative_sample_distribution(p, q, residual_chapter_line, half), p, atol=1e-3)
+
+
+def test_the_chapter_rule_gives_the_engines_residual():
+    from minikv.engine.verify import residual_distribution
+    for s in range(5):
+        p, q = ch04._distributions(s)
+        assert torch.allclose(residual(p, q, ch04.chapter_acceptance(p, q)),
+                              residual_distribution(p, q), atol=1e-12)
 
 
 # --- exercise 3: α from a trace -------------------------------------------------------------------
@@ -380,50 +411,107 @@ def _verifies(trace):
     return [e for e in trace if e.kind == "verify"]
 
 
-def alpha_from_trace(trace):
-    accepted = rejections = 0
+def alpha_from_trace(trace, index=None):
+    accepted = judged = 0
     for e in _verifies(trace):
-        accepted += len(e.accepted)
-        rejections += len(e.rejected) > 0
-    return accepted / (accepted + rejections) if accepted + rejections else 0.0
+        n_ok, refused = len(e.accepted), len(e.rejected) > 0
+        if index is None:
+            accepted += n_ok
+            judged += n_ok + refused
+        elif n_ok > index:
+            accepted += 1
+            judged += 1
+        elif n_ok == index and refused:
+            judged += 1
+    return accepted / judged if judged else None
 
 
+def _pooled(wrong):
+    """A wrong pooled estimator, with the right per-index one."""
+    def alpha(trace, index=None):
+        return wrong(trace) if index is None else alpha_from_trace(trace, index)
+    alpha.__name__ = wrong.__name__
+    return alpha
+
+
+@_pooled
 def alpha_accepted_over_proposed(trace):
     accepted = sum(len(e.accepted) for e in _verifies(trace))
     proposed = sum(len(e.input_ids) for e in _verifies(trace))
-    return accepted / proposed if proposed else 0.0
+    return accepted / proposed if proposed else None
 
 
+@_pooled
 def alpha_counts_never_judged(trace):
     accepted = sum(len(e.accepted) for e in _verifies(trace))
     rejected = sum(len(e.rejected) for e in _verifies(trace))
-    return accepted / (accepted + rejected) if accepted + rejected else 0.0
+    return accepted / (accepted + rejected) if accepted + rejected else None
 
 
+@_pooled
 def alpha_every_round_a_rejection(trace):
     accepted = sum(len(e.accepted) for e in _verifies(trace))
     rounds = len(_verifies(trace))
-    return accepted / (accepted + rounds) if rounds else 0.0
+    return accepted / (accepted + rounds) if rounds else None
 
 
+@_pooled
 def alpha_mean_of_rounds(trace):
     rates = [len(e.accepted) / len(e.input_ids) for e in _verifies(trace) if e.input_ids]
-    return sum(rates) / len(rates) if rates else 0.0
+    return sum(rates) / len(rates) if rates else None
 
 
+@_pooled
 def alpha_counts_target_token(trace):
     committed = sum(len(e.input_ids) for e in trace if e.kind == "commit")
     rejections = sum(bool(e.rejected) for e in _verifies(trace))
-    return committed / (committed + rejections) if committed else 0.0
+    return committed / (committed + rejections) if committed else None
 
 
-def alpha_divides_by_zero(trace):
-    accepted = sum(len(e.accepted) for e in _verifies(trace))
-    return accepted / (accepted + sum(bool(e.rejected) for e in _verifies(trace)))
+def alpha_zero_when_nothing_judged(trace, index=None):  # the old convention
+    value = alpha_from_trace(trace, index)
+    return 0.0 if value is None else value
 
 
-def alpha_as_tensor(trace):
-    return torch.tensor(alpha_from_trace(trace))
+def alpha_nan_when_nothing_judged(trace, index=None):
+    value = alpha_from_trace(trace, index)
+    return float("nan") if value is None else value
+
+
+def alpha_divides_by_zero(trace, index=None):
+    if index is None:
+        accepted = sum(len(e.accepted) for e in _verifies(trace))
+        return accepted / (accepted + sum(bool(e.rejected) for e in _verifies(trace)))
+    return alpha_from_trace(trace, index)
+
+
+def alpha_as_tensor(trace, index=None):
+    value = alpha_from_trace(trace, index)
+    return None if value is None else torch.tensor(value)
+
+
+def alpha_index_counts_unjudged(trace, index=None):  # proposal i judged in every round that made it
+    if index is None:
+        return alpha_from_trace(trace)
+    rounds = [e for e in _verifies(trace) if len(e.input_ids) > index]
+    ok = sum(len(e.accepted) > index for e in rounds)
+    return ok / len(rounds) if rounds else None
+
+
+def alpha_index_over_every_round(trace, index=None):
+    if index is None:
+        return alpha_from_trace(trace)
+    rounds = _verifies(trace)
+    ok = sum(len(e.accepted) > index for e in rounds)
+    return ok / len(rounds) if rounds and ok else alpha_from_trace(trace, index)
+
+
+def alpha_index_pooled(trace, index=None):  # ignores index
+    return alpha_from_trace(trace)
+
+
+def alpha_index_from_one(trace, index=None):  # index=1 taken as the first proposal
+    return alpha_from_trace(trace, None if index is None else max(index - 1, 0))
 
 
 ALPHA_WRONG = [
@@ -432,8 +520,14 @@ ALPHA_WRONG = [
     (alpha_every_round_a_rejection, "every round counts as a rejection"),
     (alpha_mean_of_rounds, "average each round's rate"),
     (alpha_counts_target_token, "count the target's own token as an accepted proposal"),
-    (alpha_divides_by_zero, "return 0.0 then"),
+    (alpha_zero_when_nothing_judged, r"return None \(n/a\), not a number"),
+    (alpha_nan_when_nothing_judged, r"return None \(n/a\), not a number"),
+    (alpha_divides_by_zero, "return None"),
     (alpha_as_tensor, "return a Python float, not a torch.Tensor"),
+    (alpha_index_counts_unjudged, "never judged"),
+    (alpha_index_over_every_round, "divide by every round"),
+    (alpha_index_pooled, "pooled over every proposal"),
+    (alpha_index_from_one, "index counts from 0"),
 ]
 
 
@@ -450,9 +544,13 @@ def test_alpha_wrong_answer(wrong, fragment):
 
 def test_alpha_cases_include_the_edges():
     with torch.inference_mode():
-        alphas = {label: out.stats.alpha for label, out in ch04._alpha_cases()}
-    assert 1.0 in alphas.values() and 0.0 in alphas.values()
-    assert sum(0.3 < a < 0.97 for a in alphas.values()) >= 6
+        runs = list(ch04._alpha_cases())
+    alphas = {label: out.stats.alpha for label, out in runs}
+    assert 1.0 in alphas.values() and None in alphas.values()
+    assert sum(a is not None and 0.3 < a < 0.97 for a in alphas.values()) >= 6
+    # per index: α is not the same at every index of a round, and some index was never judged
+    per_index = [ch04.reference_alpha(out.trace, i) for _, out in runs for i in range(3)]
+    assert None in per_index and len({round(a, 3) for a in per_index if a is not None}) > 5
 
 
 # --- exercise 4: choose γ -------------------------------------------------------------------------
@@ -547,10 +645,282 @@ def test_gamma_cases_have_a_clear_winner_or_an_exact_tie():
     assert {1, 16} <= answers and len(answers) >= 6
 
 
+# --- exercise 5 (predict, then measure): a draft that is never wrong ------------------------------
+
+def predict_perfect_draft():
+    P, N, gamma = 4, 30, 4
+    left, rounds = N - 1, []
+    while left:
+        g = min(gamma, left - 1)
+        rounds.append(g)
+        left -= g + 1
+    return {"target_passes": 1 + len(rounds), "draft_passes": sum(rounds),
+            "target_kv": P + sum(g + 1 for g in rounds),
+            "draft_kv": P + 1 + rounds[0] - 1 + sum(g + 1 for g in rounds[1:])}
+
+
+def _predicting(**changes):
+    def predict():
+        return {**predict_perfect_draft(), **changes}
+    predict.__name__ = "predict_" + "_".join(f"{k}_{v}" for k, v in changes.items())
+    return predict
+
+
+PREDICT_WRONG = [
+    (_predicting(target_passes=6), "the prefill is a target pass too"),
+    (_predicting(target_passes=9), "commits γ \\+ 1"),
+    (_predicting(target_passes=30), "target-only decoding"),
+    (_predicting(draft_passes=24), "the last round proposes only what the budget leaves"),
+    (_predicting(draft_passes=29), "the bonus tokens come from the target"),
+    (_predicting(target_kv=34), "never fed to the target"),
+    (_predicting(target_kv=29), "you forgot the prompt"),
+    (_predicting(target_kv=27), "γ \\+ 1 rows, not γ"),
+    (_predicting(draft_kv=23), "one row per draft pass"),
+    (_predicting(draft_kv=27), "you caught the draft up once"),
+    (_predicting(draft_kv=33), "ends TWO behind"),
+    (_predicting(draft_kv=7.5), "a count is a whole number"),
+    (lambda: [7, 23, 33, 32], "as a dict"),
+    (lambda: None, "did you forget to return it"),
+    (lambda: {"passes": 7}, "as a dict"),
+    (lambda: {"target_passes": minikv.speculative_generate(
+        *[minikv.load_course_model("target", "cpu")[0]] * 2, [1, 2, 3, 4], 30,
+        gamma=4).stats.target_passes, "draft_passes": 23, "target_kv": 33, "draft_kv": 32},
+     "a prediction is made before the measurement"),
+]
+
+
+def test_predict_solution_passes(capsys):
+    ch04.check_predict_perfect_draft(predict_perfect_draft)
+    out = capsys.readouterr().out
+    assert "✓ predict_perfect_draft: all 4 cases pass" in out
+    assert "measured: 7 target and 23 draft passes, 33 and 32 K/V vectors" in out
+
+
+@pytest.mark.parametrize("wrong, fragment", PREDICT_WRONG,
+                         ids=[getattr(w, "__name__", str(i)) for i, (w, _) in
+                              enumerate(PREDICT_WRONG)])
+def test_predict_wrong_answer(wrong, fragment):
+    with pytest.raises(CheckFailed, match=fragment):
+        ch04.check_predict_perfect_draft(wrong)
+
+
+def test_the_perfect_draft_run_accepts_everything_and_is_the_targets_own():
+    P, out, measured = ch04.perfect_draft_run()
+    assert out.stats.rejected == 0 and out.stats.alpha == 1.0
+    target, tok = minikv.load_course_model("target", "cpu")
+    alone = minikv.generate(target, tok.encode(ch04.PERFECT_PROMPT), ch04.PERFECT_NEW,
+                            return_logits=True)
+    assert out.tokens == alone.tokens
+    top2 = alone.logits.topk(2, dim=-1).values  # no near-tie another CPU could flip
+    assert float((top2[:, 0] - top2[:, 1]).min()) > 1e-3
+    assert measured["target_kv"] == P + ch04.PERFECT_NEW - 1  # nothing thrown away at α = 1
+
+
+# --- exercise 6 (debug): one round of speculative sampling ----------------------------------------
+
+def accept_sampled(p, q, proposals, generator):
+    u = torch.rand(len(proposals), generator=generator)
+    for i, x in enumerate(proposals):
+        if u[i] * q[i, x] >= p[i, x]:
+            residual = (p[i] - q[i]).clamp(min=0)
+            return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    n = len(proposals)
+    return n, int(torch.multinomial(p[n], 1, generator=generator))
+
+
+def accept_draws_differently(p, q, proposals, generator):
+    """Right, with the random numbers drawn one at a time: the distribution is what counts."""
+    for i, x in enumerate(proposals):
+        u = float(torch.rand(1, generator=generator))
+        if u >= min(1.0, float(p[i, x] / q[i, x])):
+            residual = (p[i] - q[i]).clamp(min=0)
+            return i, int(torch.multinomial(residual, 1, generator=generator))
+    return len(proposals), int(torch.multinomial(p[len(proposals)], 1, generator=generator))
+
+
+def accept_patched_for_empty(p, q, proposals, generator):  # only the crash fixed
+    i = 0
+    u = torch.rand(len(proposals), generator=generator)
+    for i, x in enumerate(proposals):
+        if u[i] * q[i, x] >= p[i, x]:
+            residual = (p[i] - q[i]).clamp(min=0)
+            return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    return len(proposals), int(torch.multinomial(p[i], 1, generator=generator))
+
+
+def accept_bonus_from_draft(p, q, proposals, generator):
+    n = len(proposals)
+    out = accept_sampled(p, q, proposals, generator)
+    if out[0] == n and n:
+        return n, int(torch.multinomial(q[n - 1], 1, generator=generator))
+    return out
+
+
+def accept_resamples_from_p(p, q, proposals, generator):
+    u = torch.rand(len(proposals), generator=generator)
+    for i, x in enumerate(proposals):
+        if u[i] * q[i, x] >= p[i, x]:
+            return i, int(torch.multinomial(p[i], 1, generator=generator))
+    return len(proposals), int(torch.multinomial(p[len(proposals)], 1, generator=generator))
+
+
+def accept_inverted_ratio(p, q, proposals, generator):
+    u = torch.rand(len(proposals), generator=generator)
+    for i, x in enumerate(proposals):
+        if u[i] * p[i, x] >= q[i, x]:
+            residual = (p[i] - q[i]).clamp(min=0)
+            return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    return len(proposals), int(torch.multinomial(p[len(proposals)], 1, generator=generator))
+
+
+def accept_everything(p, q, proposals, generator):
+    n = len(proposals)
+    return n, int(torch.multinomial(p[n], 1, generator=generator))
+
+
+def accept_abs_residual(p, q, proposals, generator):
+    u = torch.rand(len(proposals), generator=generator)
+    for i, x in enumerate(proposals):
+        if u[i] * q[i, x] >= p[i, x]:
+            return i, int(torch.multinomial((p[i] - q[i]).abs(), 1, generator=generator))
+    return len(proposals), int(torch.multinomial(p[len(proposals)], 1, generator=generator))
+
+
+def accept_in_place(p, q, proposals, generator):
+    p /= p.sum(-1, keepdim=True)  # "normalise the rows first", in place
+    p[:, 0] += 0.01
+    return accept_sampled(p, q, proposals, generator)
+
+
+def accept_returns_tensors(p, q, proposals, generator):
+    k, y = accept_sampled(p, q, proposals, generator)
+    return torch.tensor(k), torch.tensor([y], dtype=torch.float32)
+
+
+SAMPLED_WRONG = [
+    (ch04.accept_sampled_buggy, "accept_sampled_buggy unchanged"),
+    (accept_patched_for_empty, "LAST PROPOSAL's position"),
+    (accept_bonus_from_draft, "the bonus token follows the draft's distribution"),
+    (accept_resamples_from_p, "not from p"),
+    (accept_inverted_ratio, "refused most"),
+    (accept_everything, "every proposal is accepted"),
+    (accept_abs_residual, r"not \|p - q\|"),
+    (accept_in_place, "no in-place operations"),
+    (accept_returns_tensors, "two ints"),
+]
+
+
+def test_accept_sampled_solution_passes(capsys):
+    ch04.check_accept_sampled(accept_sampled)
+    assert capsys.readouterr().out.startswith("✓ accept_sampled: all ")
+
+
+def test_accept_sampled_is_judged_by_distribution_not_draw_order():
+    ch04.check_accept_sampled(accept_draws_differently)
+
+
+@pytest.mark.parametrize("wrong, fragment", SAMPLED_WRONG,
+                         ids=[w.__name__ for w, _ in SAMPLED_WRONG])
+def test_accept_sampled_wrong_answer(wrong, fragment):
+    with pytest.raises(CheckFailed, match=fragment):
+        ch04.check_accept_sampled(wrong)
+
+
+def test_the_closed_form_is_the_engines_rule():
+    """The solution draws the same random numbers as the engine's accept_by_rejection_sampling,
+    so their outcomes agree trial for trial; and the closed form sums to 1 for every rule."""
+    from minikv.engine.verify import accept_by_rejection_sampling
+    sp = minikv.SamplingParams(temperature=1.0)
+    for _, p, q, proposals in ch04._sampled_cases():
+        logits = p.clamp(min=1e-30).log()  # softmax(log p) = p
+        for t in range(200):
+            mine = accept_sampled(p, q, proposals, torch.Generator().manual_seed(t))
+            verdict = accept_by_rejection_sampling(
+                logits, proposals, q if len(proposals) else None, sp,
+                torch.Generator().manual_seed(t))
+            assert mine == (verdict.accepted, verdict.token)
+        for rule, _ in [(ch04.RIGHT_RULE, None)] + ch04.SAMPLED_MISTAKES:
+            assert math.isclose(float(ch04.outcome_distribution(p, q, proposals, rule).sum()),
+                                1.0, rel_tol=1e-6)
+
+
+# --- exercise 7 (design): γ for a batch -----------------------------------------------------------
+
+def choose_gamma(alpha, c, batch, balance):
+    plain = max(1, batch / balance)
+    best, best_rate = 0, 1.0
+    for gamma in range(1, 17):
+        tokens = gamma + 1 if alpha == 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+        rate = tokens * plain / (gamma * c + max(1, batch * (gamma + 1) / balance))
+        if rate > best_rate:
+            best, best_rate = gamma, rate
+    return best
+
+
+def choose_single_request(alpha, c, batch, balance):
+    return best_gamma(alpha, c, 16)
+
+
+def choose_never_zero(alpha, c, batch, balance):
+    return max(1, choose_gamma(alpha, c, batch, balance))
+
+
+def choose_exponent_gamma(alpha, c, batch, balance):
+    plain = max(1, batch / balance)
+    values = [1.0] + [(g + 1 if alpha == 1 else (1 - alpha ** g) / (1 - alpha)) * plain
+                      / (g * c + max(1, batch * (g + 1) / balance)) for g in range(1, 17)]
+    return values.index(max(values))
+
+
+def choose_free_draft(alpha, c, batch, balance):
+    return choose_gamma(alpha, 0.0, batch, balance)
+
+
+def choose_ties_to_speculation(alpha, c, batch, balance):
+    plain = max(1, batch / balance)
+    values = [1.0] + [(g + 1 if alpha == 1 else (1 - alpha ** (g + 1)) / (1 - alpha)) * plain
+                      / (g * c + max(1, batch * (g + 1) / balance)) for g in range(1, 17)]
+    return max(g for g, v in enumerate(values) if v == max(values))
+
+
+def choose_as_float(alpha, c, batch, balance):
+    return float(choose_gamma(alpha, c, batch, balance))
+
+
+DESIGN_WRONG = [
+    (choose_single_request, "for ONE request"),
+    (choose_never_zero, "return 0"),
+    (choose_exponent_gamma, r"the exponent is γ \+ 1"),
+    (choose_free_draft, "ignores the draft's passes"),
+    (choose_ties_to_speculation, "a tie: take the smaller γ"),
+    (choose_as_float, "return γ as an int"),
+]
+
+
+def test_choose_gamma_solution_passes(capsys):
+    ch04.check_choose_gamma(choose_gamma)
+    assert "✓ choose_gamma: all " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, fragment", DESIGN_WRONG, ids=[w.__name__ for w, _ in DESIGN_WRONG])
+def test_choose_gamma_wrong_answer(wrong, fragment):
+    with pytest.raises(CheckFailed, match=fragment):
+        ch04.check_choose_gamma(wrong)
+
+
+def test_design_cases_span_the_choices():
+    answers = [ch04.reference_choose_gamma(*case) for case in ch04.DESIGN_CASES]
+    assert 0 in answers and 1 in answers and max(answers) >= 7
+    # one request is the chapter's formula
+    assert ch04.reference_choose_gamma(0.9, 0.05, 1, 64) == ch04.reference_best_gamma(0.9, 0.05, 16)
+
+
 # --- all exercises --------------------------------------------------------------------------------
 
 CHECKS = [(ch04.check_speculative_round, speculative_round), (ch04.check_residual, residual),
-          (ch04.check_alpha_from_trace, alpha_from_trace), (ch04.check_best_gamma, best_gamma)]
+          (ch04.check_alpha_from_trace, alpha_from_trace), (ch04.check_best_gamma, best_gamma),
+          (ch04.check_predict_perfect_draft, predict_perfect_draft),
+          (ch04.check_accept_sampled, accept_sampled), (ch04.check_choose_gamma, choose_gamma)]
 
 
 @pytest.mark.parametrize("check", [c for c, _ in CHECKS], ids=lambda c: c.__name__)

@@ -6,11 +6,22 @@
   ONE target pass of γ + 1 rows), both caches are checked whole afterwards (length, and every
   layer's keys and values against a fresh computation of the committed tokens), and the output
   against target-only greedy decoding (`minikv.generate`). The engine's own round is forbidden.
-- residual: against `verify.residual_distribution`, then the whole accept-or-resample step in
-  closed form, which must give exactly p.
-- alpha_from_trace: against the engine's `stats.alpha` on real speculative traces (tiny pairs and
-  the course pair, greedy and sampled, a draft that is always right, a trace with no round).
+- residual: the distribution a rejected draw is replaced from, for any acceptance probabilities
+  a(x) (the chapter's min(1, p/q) against `verify.residual_distribution`, and other rules), then
+  the whole accept-or-resample step in closed form, which must give exactly p.
+- alpha_from_trace: α pooled over a trace against the engine's `stats.alpha`, and α of the i-th
+  proposal of a round against the trace's counts, on real speculative traces (tiny pairs and the
+  course pair, greedy and sampled, a draft that is always right, a trace with no round); None
+  (n/a) wherever nothing was judged.
 - best_gamma: against the argmax of the chapter's speed-up formula, as an int.
+- predict_perfect_draft (predict, then measure): four counts of a run whose draft is the target
+  itself, against what the engine counts in that run (stats and trace).
+- accept_sampled (debug): one round of speculative sampling, by the distribution of its outcomes
+  over thousands of seeded trials against the closed form of the rule (and of the buggy version
+  shown in the notebook, which must not be what comes back).
+- choose_gamma (design): γ, or 0 for no speculation, for a batch of requests under the stated
+  cost model (the chapter's formula for the tokens a round commits, ch01's roofline for what a
+  pass costs), against the best choice of that model.
 
 Each usual mistake is recognised by computing what it would give, and named in the hint. All on the
 CPU, in about a second, leaving the caller's random state alone.
@@ -25,6 +36,7 @@ from ...engine import GPT, GPTConfig, KVCache, generate, speculative_generate
 from ...engine.verify import accept_matching, residual_distribution, verify_and_commit
 from ..checkpoint import load_course_model
 from . import (
+    CheckFailed,
     PassCounter,
     as_int,
     cache_state,
@@ -305,118 +317,211 @@ def _normalised(t: torch.Tensor) -> torch.Tensor:
     return t / t.sum()
 
 
-RESIDUAL_MISTAKES = [
-    (lambda p, q: (p - q).clamp(min=0),
-     "this is what you get when you forget to normalise: divide max(0, p - q) by its sum, so "
-     "the residual is a distribution"),
-    (lambda p, q: _normalised((p - q).abs()),
-     "this is what you get with |p - q|: it puts mass where the draft proposed too MUCH "
-     "(q > p), which acceptance already over-serves; keep only where p > q"),
-    (lambda p, q: p.clone(),
-     "this is what you get when you resample from p itself: the tokens the draft proposes "
-     "often are then over-represented (accepted AND resampled)"),
-    (lambda p, q: _normalised((q - p).clamp(min=0)),
-     "this is what you get with max(0, q - p): that is where the draft over-proposes; the "
-     "residual is where the TARGET wants more than the draft gave"),
-    (lambda p, q: q.clone(),
-     "this is what you get when you resample from the draft's q"),
+def chapter_acceptance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """min(1, p(x)/q(x)), section 5's rule (1 where the draft never proposes x: q(x) = 0)."""
+    return torch.where(q > 0, (p / q.clamp(min=1e-300)).clamp(max=1), torch.ones_like(p))
+
+
+def reference_residual(p: torch.Tensor, q: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """What acceptance leaves of p, p(x) - q(x) a(x), as a distribution: the only r with which
+    q a + (1 - Σ q a) r = p."""
+    return _normalised((p - q * a).clamp(min=0))
+
+
+# (label, the acceptance rule): a(x) from p and q. The chapter's rule first, so the usual
+# mistakes of its special case are named as they were; then rules it does not answer.
+ACCEPTANCE_RULES = [
+    ("section 5's rule a = min(1, p/q)", chapter_acceptance),
+    ("a cautious rule that accepts half as often, a = min(1, p/q) / 2",
+     lambda p, q: chapter_acceptance(p, q) / 2),
+    ("a rule that never accepts, a = 0", lambda p, q: torch.zeros_like(p)),
+    ("a stricter rule, a = min(1, p/q) squared", lambda p, q: chapter_acceptance(p, q) ** 2),
 ]
+
+CHAPTER_LINE = ("this is what you get with norm(max(0, p - q)) whatever a is: that is the residual "
+                "of section 5's rule only, a = min(1, p/q). Work out what acceptance delivers to "
+                "each token x under THIS a (drafted with probability q(x), then accepted with "
+                "probability a(x)), and what is left of p(x)")
+
+
+def _residual_mistakes(p, q, a, chapter_rule: bool):
+    """(what a usual wrong residual gives, the mistake), for this p, q and a."""
+    mistakes = [
+        ((p - q * a).clamp(min=0),
+         "this is what you get when you forget to normalise: divide what is left of p by its "
+         "sum, so the residual is a distribution"),
+        (_normalised((p - q).abs()),
+         "this is what you get with |p - q|: it puts mass where the draft proposed too MUCH "
+         "(q > p), which acceptance already over-serves; keep only what p still lacks"),
+        (p.clone(),
+         "this is what you get when you resample from p itself: the tokens the draft proposes "
+         "often are then over-represented (accepted AND resampled)"),
+        (_normalised((q - p).clamp(min=0)),
+         "this is what you get with max(0, q - p): that is where the draft over-proposes; the "
+         "residual is where the TARGET wants more than acceptance gave"),
+        (q.clone(), "this is what you get when you resample from the draft's q"),
+        (_normalised(p * (1 - a)),
+         "this is what you get with p(x)(1 - a(x)): a(x) is the chance of accepting x once the "
+         "DRAFT proposed it, so acceptance delivers q(x)a(x) of x, not p(x)a(x)"),
+        (_normalised(q * (1 - a)),
+         "this is what you get with q(x)(1 - a(x)), where the refused drafts came from: drawing "
+         "there re-proposes the refused tokens instead of filling what p still lacks"),
+    ]
+    if not chapter_rule:
+        mistakes.insert(0, (_normalised((p - q).clamp(min=0)), CHAPTER_LINE))
+    return mistakes
 
 
 def _as_list(t) -> list:
     return [round(x, 4) for x in t.tolist()]
 
 
-def speculative_sample_distribution(p: torch.Tensor, q: torch.Tensor, residual) -> torch.Tensor:
+def speculative_sample_distribution(p: torch.Tensor, q: torch.Tensor, residual,
+                                    a: torch.Tensor | None = None) -> torch.Tensor:
     """The distribution of one speculative step, in closed form: draw x ~ q, accept with
-    min(1, p/q), else draw from residual(p, q). Leviathan et al. prove it equals p, whatever q
-    is."""
-    accept = torch.minimum(torch.ones_like(p), p / q.clamp(min=1e-300)) * (q > 0)
-    rejected_mass = (q * (1 - accept)).sum()
-    return q * accept + rejected_mass * residual(p, q)
+    probability a(x) (section 5's min(1, p/q) by default), else draw from residual(p, q, a).
+    Leviathan et al. prove it equals p, whatever q is, for their rule and their residual."""
+    a = chapter_acceptance(p, q) if a is None else a
+    delivered = q * a
+    return delivered + (1 - delivered.sum()) * residual(p, q, a)
+
+
+def _residual_cases() -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, bool]]:
+    """(label, p, q, a, is it section 5's rule?); the rejection branch has a positive
+    probability in every case (p differs from q)."""
+    pairs = [_distributions(s) for s in range(8)]
+    pairs.append((torch.tensor([0.5, 0.5, 0.0], dtype=torch.float64),
+                  torch.tensor([0.2, 0.6, 0.2], dtype=torch.float64)))
+    pairs.append((torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.tensor([0.4, 0.3, 0.2, 0.1])))
+    cases = []
+    for i, (label, rule) in enumerate(ACCEPTANCE_RULES):
+        chosen = pairs if i == 0 else pairs[2 * i:2 * i + 3] + pairs[-2:]
+        cases += [(label, p, q, rule(p, q).to(p.dtype), i == 0) for p, q in chosen]
+    return cases
 
 
 @guarded
 def check_residual(residual) -> None:
-    """residual(p, q) == norm(max(0, p - q)) for probability vectors p (target) and q (draft), and
-    with it one accept-or-resample step gives exactly p."""
+    """residual(p, q, a) == norm(p - q a): the distribution the rejection branch must draw from
+    when a drafted x is accepted with probability a(x), so that one step gives exactly p; with
+    section 5's a = min(1, p/q) it is the engine's norm(max(0, p - q))."""
     name = "residual"
-    cases = [_distributions(s) for s in range(10)]
-    cases.append((torch.tensor([0.5, 0.5, 0.0], dtype=torch.float64),
-                  torch.tensor([0.2, 0.6, 0.2], dtype=torch.float64)))
-    cases.append((torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.tensor([0.4, 0.3, 0.2, 0.1])))
-    for p, q in cases:
-        case = f"p={_as_list(p)}, q={_as_list(q)}"
-        p_in, q_in = p.clone(), q.clone()
-        got = call(name, case, residual, p_in, q_in)
-        expected = residual_distribution(p, q)
+    cases = _residual_cases()
+    for label, p, q, a, chapter_rule in cases:
+        case = f"{label}: p={_as_list(p)}, q={_as_list(q)}, a={_as_list(a)}"
+        p_in, q_in, a_in = p.clone(), q.clone(), a.clone()
+        got = call(name, case, residual, p_in, q_in, a_in)
+        expected = reference_residual(p, q, a)
+        if chapter_rule:  # the engine's own residual, for the rule it uses
+            assert torch.allclose(expected, residual_distribution(p, q), atol=1e-9), case
         if not isinstance(got, torch.Tensor):
             kind = f"{type(got).__module__}.{type(got).__name__}".replace("builtins.", "")
             fail(name, case, _as_list(expected), got,
                  f"return a torch tensor (a probability vector like p), not a {kind}")
-        if not (torch.equal(p_in, p) and torch.equal(q_in, q)):
-            fail(name, case, "p and q left as they were", "p or q changed",
+        if not (torch.equal(p_in, p) and torch.equal(q_in, q) and torch.equal(a_in, a)):
+            fail(name, case, "p, q and a left as they were", "p, q or a changed",
                  "this is what you get with in-place operations (p.sub_, clamp_, /=): they "
-                 "change the caller's p and q; compute a new tensor")
+                 "change the caller's tensors; compute a new tensor")
         if got.shape != expected.shape or not got.is_floating_point():
             fail(name, case, f"a float tensor of shape {tuple(expected.shape)}",
                  f"a {got.dtype} tensor of shape {tuple(got.shape)}",
                  "one probability per token: the same shape as p")
         if not torch.allclose(got.double(), expected.double(), atol=1e-6):
-            hint = next((h for wrong, h in RESIDUAL_MISTAKES
-                         if torch.allclose(got.double(), wrong(p, q).double(), atol=1e-6)),
-                        "the shortfall of p after acceptance, as a distribution: what p(x) still "
-                        "lacks once acceptance gave min(p(x), q(x)), divided by its sum")
+            hint = "; or ".join(
+                h for wrong, h in _residual_mistakes(p, q, a, chapter_rule)
+                if not torch.allclose(wrong.double(), expected.double(), atol=1e-6)
+                and torch.allclose(got.double(), wrong.double(), atol=1e-6)) or (
+                "what p(x) still lacks once acceptance has delivered its share of x (drafted, "
+                "then accepted), divided by its sum")
             fail(name, case, _as_list(expected), _as_list(got), hint)
-    steps = [_distributions(s) for s in range(20, 30)]
-    for p, q in steps:
-        case = f"one speculative step with p={_as_list(p)}, q={_as_list(q)}"
-        got = call(name, case, speculative_sample_distribution, p, q, residual)
+    steps = [(*_distributions(s), label, rule) for s, (label, rule)
+             in zip(range(20, 28), ACCEPTANCE_RULES * 2)]
+    for p, q, label, rule in steps:
+        a = rule(p, q).to(p.dtype)
+        case = f"one speculative step under {label}, p={_as_list(p)}, q={_as_list(q)}"
+        got = call(name, case, speculative_sample_distribution, p, q, residual, a)
         expect(torch.allclose(got.double(), p, atol=1e-9), name, case, _as_list(p),
-               _as_list(got), "the residual decides where rejected draws go; it must fill "
-               "exactly p's shortfall")
+               _as_list(got), "the residual decides where refused draws go; it must fill "
+               "exactly what acceptance leaves of p")
     passed(name, len(cases) + len(steps))
 
 
 # --- exercise 3: α from a trace -----------------------------------------------------------------
 
-def _verify_counts(trace) -> list[tuple[int, int]]:
-    """(accepted, proposed) of each verification round."""
-    return [(len(e.accepted), len(e.accepted) + len(e.rejected))
+def _rounds(trace) -> list[tuple[int, bool, int]]:
+    """(accepted, ended in a rejection?, proposals) of each verification round."""
+    return [(len(e.accepted), bool(e.rejected), len(e.input_ids))
             for e in trace if e.kind == "verify"]
 
 
-def _alpha_mistakes(trace) -> list[tuple[float, str]]:
-    rounds = _verify_counts(trace)
-    accepted = sum(a for a, _ in rounds)
-    proposed = sum(p for _, p in rounds)
-    rejections = sum(a < p for a, p in rounds)
-    mistakes = []
-    if proposed:
-        mistakes.append((accepted / proposed,
-                         "this is what you get with accepted / proposed: it counts the proposals "
-                         "after a round's first rejection, which the target never judged, as "
-                         "rejected, so it reads α too low (the more so the longer γ); divide by "
-                         "accepted + rejections, a rejection being a round that ended in one"))
-    if rounds:
-        mistakes.append((accepted / max(accepted + len(rounds), 1),
-                         "this is what you get when every round counts as a rejection: a fully "
-                         "accepted round ends in the bonus token, not in a rejection; count only "
-                         "the rounds with a rejected proposal"))
-        mistakes.append((sum(a / p for a, p in rounds if p) / max(sum(p > 0 for _, p in rounds), 1),
-                         "this is what you get when you average each round's rate: pool the "
-                         "counts over the whole trace, accepted / (accepted + rejections)"))
-        mistakes.append(((accepted + len(rounds)) / (accepted + len(rounds) + rejections),
-                         "this is what you get when you count the target's own token as an "
-                         "accepted proposal: only the draft's proposals are judged"))
-        mistakes.append((1 - rejections / len(rounds),
-                         "this is the fraction of rounds without a rejection, not of judged "
-                         "proposals accepted"))
+def reference_alpha(trace, index: int | None = None) -> float | None:
+    """α pooled over the trace (index None), or of the index-th proposal of a round (0: the
+    first): accepted / judged, None when nothing was judged. Proposal i of a round is judged when
+    every proposal before it was accepted, and a round stops at its first rejection."""
+    rounds = _rounds(trace)
+    if index is None:
+        accepted = sum(a for a, _, _ in rounds)
+        judged = accepted + sum(r for _, r, _ in rounds)
+    else:
+        accepted = sum(a > index for a, _, _ in rounds)
+        judged = accepted + sum(a == index and r for a, r, _ in rounds)
+    return accepted / judged if judged else None
+
+
+NOTHING_JUDGED = ("nothing was judged here: return None (n/a), not a number; 0.0 would read as "
+                  "'every proposal was rejected'")
+
+
+def _alpha_mistakes(trace, index: int | None) -> list[tuple[float | None, str]]:
+    rounds = _rounds(trace)
+
+    def ratio(a, b):
+        return a / b if b else None
+    if index is None:
+        accepted = sum(a for a, _, _ in rounds)
+        proposed = sum(n for _, _, n in rounds)
+        rejections = sum(r for _, r, _ in rounds)
+        return [
+            (ratio(accepted, proposed),
+             "this is what you get with accepted / proposed: it counts the proposals after a "
+             "round's first rejection, which the target never judged, as rejected, so it reads "
+             "α too low (the more so the longer γ)"),
+            (ratio(accepted, accepted + len(rounds)),
+             "this is what you get when every round counts as a rejection: a fully accepted "
+             "round ends in the bonus token, not in a rejection"),
+            (ratio(sum(a / n for a, _, n in rounds if n), sum(n > 0 for _, _, n in rounds)),
+             "this is what you get when you average each round's rate: pool the judgements of "
+             "the whole trace"),
+            (ratio(accepted + len(rounds), accepted + len(rounds) + rejections),
+             "this is what you get when you count the target's own token as an accepted "
+             "proposal: only the draft's proposals are judged"),
+            (ratio(len(rounds) - rejections, len(rounds)),
+             "this is the fraction of rounds without a rejection, not of judged proposals "
+             "accepted"),
+        ]
+    ok = sum(a > index for a, _, _ in rounds)
+    mistakes = [
+        (ratio(ok, sum(n > index for _, _, n in rounds)),
+         f"this is what you get when every round that PROPOSED a proposal number {index} counts "
+         f"it as judged: after a rejection earlier in its round it was never judged (a round "
+         f"stops at its first rejection); count it only where every proposal before it was "
+         f"accepted"),
+        (ratio(ok, len(rounds)),
+         "this is what you get when you divide by every round: only the rounds that judged this "
+         "proposal count"),
+        (reference_alpha(trace, None),
+         "this is α pooled over every proposal: index asks about one position in the round"),
+    ]
+    for shift in (1, -1):
+        if index + shift >= 0:
+            mistakes.append((reference_alpha(trace, index + shift),
+                             f"this is the α of proposal {index + shift}: index counts from 0 "
+                             f"(index=0 is the first proposal of a round)"))
     return mistakes
 
 
 def _alpha_cases():
-    """(label, trace, the engine's stats.alpha)."""
+    """(label, the run)."""
     prompt = [3, 17, 200, 41, 9]
     for seed, gamma in ((0, 2), (1, 4), (2, 6)):
         target, draft = tiny_pair(seed)
@@ -446,35 +551,59 @@ def _alpha_cases():
 
 def _alpha_crash_hint(error: Exception) -> str:
     if isinstance(error, ZeroDivisionError):
-        return ("a trace with no verification round judged nothing: return 0.0 then (as "
-                "stats.alpha does), without dividing by zero")
+        return "nothing was judged: return None (n/a) then, without dividing by zero"
     return "your function raised on this input"
+
+
+def _same(got, want) -> bool:
+    if want is None or got is None:
+        return got is want
+    return math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def _check_alpha(name, label, trace, index, alpha_from_trace, want) -> None:
+    case = label + ("" if index is None else f", index={index}")
+    kwargs = {} if index is None else {"index": index}
+    got = call_hinted(name, case, _alpha_crash_hint, alpha_from_trace, list(trace), **kwargs)
+    if want is None:
+        if got is not None:
+            fail(name, case, None, got, NOTHING_JUDGED)
+        return
+    if isinstance(got, bool) or not isinstance(got, (int, float)):
+        kind = f"{type(got).__module__}.{type(got).__name__}".replace("builtins.", "")
+        fail(name, case, want, got, "a proposal was judged here, so α is a number: "
+             "return a Python float" if got is None else
+             f"return a Python float, not a {kind} (float(...))")
+    if not _same(got, want):
+        hints = dict.fromkeys(h for wrong, h in _alpha_mistakes(trace, index)
+                              if wrong is not None and not _same(wrong, want)
+                              and _same(got, wrong))
+        hint = "; or ".join(hints) or (
+            "α = accepted / judged: a proposal is judged when every proposal before it in its "
+            "round was accepted; the first rejection ends the round")
+        fail(name, case, want, got, hint)
 
 
 @one_thread
 @guarded
 def check_alpha_from_trace(alpha_from_trace) -> None:
-    """alpha_from_trace(trace) == the engine's stats.alpha: accepted / (accepted + rejections)
-    over the trace's verify events."""
+    """alpha_from_trace(trace) == the engine's stats.alpha (None when nothing was judged), and
+    alpha_from_trace(trace, index=i) == accepted / judged for the i-th proposal of a round."""
     name = "alpha_from_trace"
     n_cases = 0
     with torch.inference_mode():
-        for label, out in _alpha_cases():
+        runs = list(_alpha_cases())
+        for label, out in runs:  # pooled first: the chapter's estimator, and the engine's
             want = out.stats.alpha
-            got = call_hinted(name, label, _alpha_crash_hint, alpha_from_trace, list(out.trace))
-            if isinstance(got, bool) or not isinstance(got, (int, float)):
-                kind = f"{type(got).__module__}.{type(got).__name__}".replace("builtins.", "")
-                fail(name, label, want, got, f"return a Python float, not a {kind} (float(...))")
-            if not math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-12):
-                hints = dict.fromkeys(h for wrong, h in _alpha_mistakes(out.trace)
-                                      if not math.isclose(wrong, want, rel_tol=1e-9, abs_tol=1e-12)
-                                      and math.isclose(got, wrong, rel_tol=1e-9, abs_tol=1e-12))
-                hint = "; or ".join(hints) or (
-                    "sum len(e.accepted) over the verify events, count the verify events with a "
-                    "rejection (e.rejected not empty), and divide: accepted / (accepted + "
-                    "rejections)")
-                fail(name, label, want, got, hint)
+            assert _same(reference_alpha(out.trace), want), label
+            _check_alpha(name, label, out.trace, None, alpha_from_trace, want)
             n_cases += 1
+        for label, out in runs:
+            longest = max((n for _, _, n in _rounds(out.trace)), default=0)
+            for index in range(longest + 2):  # past the longest round: never judged
+                _check_alpha(name, label, out.trace, index, alpha_from_trace,
+                             reference_alpha(out.trace, index))
+                n_cases += 1
     passed(name, n_cases)
 
 
@@ -560,3 +689,411 @@ def check_best_gamma(best_gamma) -> None:
             fail(name, case, want, value, hint)
     passed(name, len(GAMMA_CASES))
 
+
+
+# --- exercise 5 (predict, then measure): a draft that is never wrong ----------------------------
+
+PERFECT_PROMPT, PERFECT_NEW, PERFECT_GAMMA = "Once upon a time", 30, 4
+PREDICTED = {"target_passes": "target forward passes",
+             "draft_passes": "draft forward passes",
+             "target_kv": "K/V vectors the target computes (per layer)",
+             "draft_kv": "K/V vectors the draft computes (per layer)"}
+
+
+def perfect_draft_run() -> tuple[int, object, dict[str, int]]:
+    """The run the prediction is about, greedy, the course target as its own draft, measured by
+    the engine: (prompt length, the output, {quantity: count})."""
+    target, tok = load_course_model("target", "cpu")
+    ids = tok.encode(PERFECT_PROMPT)
+    with torch.inference_mode():
+        out = speculative_generate(target, target, ids, PERFECT_NEW, gamma=PERFECT_GAMMA,
+                                   trace=True)
+
+    def kv(*kinds):
+        return sum(e.kv_computed for e in out.trace if e.kind in kinds)
+    return len(ids), out, {"target_passes": out.stats.target_passes,
+                           "draft_passes": out.stats.draft_passes,
+                           "target_kv": kv("prefill", "verify"), "draft_kv": kv("draft")}
+
+
+def _prediction_mistakes(P: int, N: int, gamma: int, rounds: int, proposed: int,
+                         draft_passes: int) -> dict[str, list[tuple[int, str]]]:
+    """For each quantity, (a usual wrong prediction, the reasoning that gives it)."""
+    R = rounds
+    return {
+        "target_passes": [
+            (R, "you counted the rounds only: the prefill is a target pass too (it reads the "
+                "prompt and commits the first new token by itself)"),
+            (1 + math.ceil((N - 1) / gamma),
+             "you let a round commit γ tokens: with every proposal accepted it commits γ + 1, "
+             "the target's last row giving a bonus token of its own, for free"),
+            (math.ceil(N / gamma), "you let a round commit γ tokens (it commits γ + 1: the "
+                                   "bonus) and forgot the prefill's pass"),
+            (N, "one target pass per token is target-only decoding: here each round commits "
+                "several"),
+        ],
+        "draft_passes": [
+            (R * gamma, "you gave every round γ proposals: the run stops at max_new_tokens, so "
+                        "the last round proposes only what the budget leaves (the tokens left, "
+                        "less the target's own token)"),
+            (N - 1, "you gave every token after the first a draft pass: the bonus tokens come "
+                    "from the target's verification pass, never from the draft"),
+            (N, "one draft pass per token: the first token comes from the prefill and the "
+                "bonus tokens from the target, so the draft proposes fewer"),
+            ((R + 1) * gamma, "the prefill is the target's alone: the draft proposes only in "
+                              "the rounds"),
+        ],
+        "target_kv": [
+            (P + N, "the last committed token is never fed to the target (it is produced by "
+                    "the last pass and nothing follows it), and the last round verifies fewer "
+                    "rows: P + N counts one K/V too many"),
+            (P + R * (gamma + 1), "you gave the last round γ + 1 rows: it has fewer proposals"),
+            (N - 1, "you forgot the prompt: the prefill computes its K/V, one per prompt token"),
+            (P + proposed, "a verification pass feeds the last committed token AND the "
+                           "proposals: γ + 1 rows, not γ"),
+            ((R + 1) * (gamma + 1), "the prefill feeds the prompt, not γ + 1 rows"),
+        ],
+        "draft_kv": [
+            (draft_passes, "you counted one row per draft pass: a round's first draft pass "
+                           "feeds everything the draft's cache has not seen: the prompt and the "
+                           "first token in round 1, then two tokens after each fully accepted "
+                           "round (its own last proposal, never fed, and the target's bonus)"),
+            (draft_passes - 1 + P + 1, "you caught the draft up once, in round 1: after every "
+                                       "fully accepted round its first pass feeds 2 tokens (its "
+                                       "own last proposal and the target's bonus)"),
+            (P + N - 1, "the draft's cache ends TWO behind the sequence, not one: after the "
+                        "last round it has fed neither its last proposal nor the target's bonus"),
+            (P + N, "the draft never sees the last two committed tokens (its last proposal and "
+                    "the bonus): its cache ends two behind the sequence"),
+        ],
+    }
+
+
+@one_thread
+@guarded
+def check_predict_perfect_draft(predict_perfect_draft) -> None:
+    """predict_perfect_draft() -> {"target_passes", "draft_passes", "target_kv", "draft_kv"}: the
+    counts of speculative_generate(target, target, "Once upon a time", 30, gamma=4), which the
+    engine then measures."""
+    name = "predict_perfect_draft"
+    case = (f"speculative_generate(target, target, tok.encode({PERFECT_PROMPT!r}), "
+            f"{PERFECT_NEW}, gamma={PERFECT_GAMMA}): the target as its own draft, greedy")
+    try:
+        with forbid(name, speculative_generate, generate, verify_and_commit, GPT.forward):
+            got = call(name, case, predict_perfect_draft)
+    except CheckFailed as e:
+        if "called minikv's own" not in str(e):
+            raise
+        raise CheckFailed(f"{name}: your function ran the engine ({str(e).split('own ')[1]}); "
+                          f"a prediction is made before the measurement: reason it out, and "
+                          f"let the check cell measure") from None
+    if not isinstance(got, dict) or set(got) != set(PREDICTED):
+        fail(name, case, f"a dict with the keys {sorted(PREDICTED)}",
+             sorted(got) if isinstance(got, dict) else got,
+             "return your four predictions as a dict, one int per key"
+             + (" (did you forget to return it?)" if got is None else ""))
+    for key, value in got.items():
+        if as_int(value) is None:
+            fail(name, case, f"{key}: an int", f"{key}: {value!r}",
+                 "a count is a whole number: predict it, do not compute a fraction")
+    P, out, measured = perfect_draft_run()
+    assert out.stats.rejected == 0, ("this machine's target disagreed with itself at a near-tie "
+                                     "(chapter 05): the run this prediction is about needs α = 1")
+    mistakes = _prediction_mistakes(P, PERFECT_NEW, PERFECT_GAMMA, out.stats.rounds,
+                                    out.stats.proposed, measured["draft_passes"])
+    wrong = [key for key in PREDICTED if as_int(got[key]) != measured[key]]
+    if wrong:
+        key = wrong[0]
+        you = as_int(got[key])
+        hints = [h for w, h in mistakes[key] if w != measured[key] and w == you]
+        reason = "; or ".join(dict.fromkeys(hints)) or (
+            "reason round by round: what each pass feeds, and what each round commits "
+            "(chapter sections 1 and 2)")
+        others = f" (and {len(wrong) - 1} more of your predictions)" if len(wrong) > 1 else ""
+        fail(name, f"{case}: {PREDICTED[key]}{others}", measured[key], you,
+             f"you predicted {you} {PREDICTED[key]}; the engine counted {measured[key]}: "
+             f"{reason}")
+    print(f"  measured: {measured['target_passes']} target and {measured['draft_passes']} draft "
+          f"passes, {measured['target_kv']} and {measured['draft_kv']} K/V vectors per layer "
+          f"for {PERFECT_NEW} new tokens after a {P}-token prompt")
+    passed(name, len(PREDICTED))
+
+
+# --- exercise 6 (debug): one round of speculative sampling ---------------------------------------
+
+def accept_sampled_buggy(p, q, proposals, generator):
+    """The notebook's broken round, verbatim: the bonus token is drawn from row γ - 1 (the loop
+    variable left over from the loop), not from row γ."""
+    u = torch.rand(len(proposals), generator=generator)
+    for i, x in enumerate(proposals):
+        if u[i] * q[i, x] >= p[i, x]:           # refused: u >= p(x) / q(x)
+            residual = (p[i] - q[i]).clamp(min=0)
+            return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    return len(proposals), int(torch.multinomial(p[i], 1, generator=generator))  # noqa: F821
+
+
+def _rule(accept, residual, bonus):
+    """A way of running one round, as three functions of the rows it reads."""
+    return dict(accept=accept, residual=residual, bonus=bonus)
+
+
+def _chapter_accept(p, q):
+    return min(1.0, p / q) if q > 0 else 1.0
+
+
+def _norm_max(p_row, q_row):
+    return _normalised((p_row - q_row).clamp(min=0))
+
+
+RIGHT_RULE = _rule(_chapter_accept, _norm_max, lambda p, q, g: p[g])
+# (the rule a usual mistake runs, the symptom and the mistake)
+SAMPLED_MISTAKES = [
+    (_rule(_chapter_accept, _norm_max, lambda p, q, g: p[g - 1] if g else p[0]),
+     "symptom: when every proposal is accepted, the token after them follows the distribution "
+     "of the LAST PROPOSAL's position, not of the position after it. The bonus is drawn from "
+     "row γ of p (the target's output after the last proposal); after the loop, i is γ - 1, "
+     "the last proposal's row (and with no proposal at all it is not defined)"),
+    (_rule(_chapter_accept, _norm_max, lambda p, q, g: q[g - 1] if g else p[0]),
+     "symptom: the bonus token follows the draft's distribution: draw it from the target's "
+     "row γ"),
+    (_rule(_chapter_accept, lambda p_row, q_row: p_row, lambda p, q, g: p[g]),
+     "symptom: after a refusal, the tokens the draft likes come out too often: a refused draw "
+     "is replaced from the residual norm(max(0, p - q)), not from p"),
+    (_rule(lambda p, q: min(1.0, q / p) if p > 0 else 1.0, _norm_max, lambda p, q, g: p[g]),
+     "symptom: proposals the target likes MORE than the draft are refused most: the chance "
+     "to accept is min(1, p(x)/q(x)); u * q(x) >= p(x) means u >= p/q, a refusal"),
+    (_rule(lambda p, q: 1.0, _norm_max, lambda p, q, g: p[g]),
+     "symptom: every proposal is accepted: the draft's distribution comes out, not the "
+     "target's; refuse x with probability 1 - min(1, p(x)/q(x))"),
+    (_rule(_chapter_accept, lambda p_row, q_row: _normalised((p_row - q_row).abs()),
+           lambda p, q, g: p[g]),
+     "symptom: a refused draw can be replaced by a token the draft over-proposes: the residual "
+     "is max(0, p - q), not |p - q|"),
+]
+
+
+def outcome_distribution(p: torch.Tensor, q: torch.Tensor, proposals: list[int],
+                         rule: dict) -> torch.Tensor:
+    """Exact probability of every outcome (accepted k, token y) of one round, as a tensor
+    (γ + 1, vocab): k proposals accepted, then y drawn (the residual of row k, or the bonus)."""
+    gamma, vocab = len(proposals), p.size(1)
+    out = torch.zeros(gamma + 1, vocab, dtype=torch.float64)
+    reach = 1.0
+    for i, x in enumerate(proposals):
+        keep = rule["accept"](float(p[i, x]), float(q[i, x]))
+        out[i] = reach * (1 - keep) * rule["residual"](p[i], q[i]).double()
+        reach *= keep
+    out[gamma] = reach * rule["bonus"](p, q, gamma).double()
+    return out
+
+
+def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of Pearson's chi-square test of `counts` against `probs` (cells expected fewer
+    than 5 times pooled into one; an outcome of probability 0 that happened gives 0)."""
+    counts, probs = counts.flatten().double(), probs.flatten().double()
+    n = counts.sum()
+    if bool(((probs <= 1e-12) & (counts > 0)).any()):
+        return 0.0
+    big = probs * n >= 5
+    observed = torch.cat([counts[big], counts[~big].sum().view(1)])
+    expected = torch.cat([probs[big] * n, (probs[~big] * n).sum().view(1)])
+    keep = expected > 0
+    observed, expected = observed[keep], expected[keep]
+    stat = ((observed - expected) ** 2 / expected).sum()
+    df = max(int(keep.sum()) - 1, 1)
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+def _sampled_cases() -> list[tuple[str, torch.Tensor, torch.Tensor, list[int]]]:
+    """(what the case is about, p (γ + 1, vocab), q (γ, vocab), proposals)."""
+    def rows(*r):
+        return torch.tensor(r, dtype=torch.float32)
+    return [
+        ("γ = 2, both proposals always accepted (the bonus decides)",
+         rows([.10, .40, .20, .20, .10], [.30, .10, .10, .40, .10], [.05, .05, .10, .10, .70]),
+         rows([.20, .30, .20, .20, .10], [.25, .25, .20, .20, .10]), [1, 3]),
+        ("γ = 1, the proposal accepted half the time",
+         rows([.10, .20, .30, .40], [.70, .10, .10, .10]), rows([.10, .40, .30, .20]), [1]),
+        ("γ = 3, the second proposal often refused",
+         rows([.30, .30, .20, .20], [.10, .10, .40, .40], [.25, .25, .25, .25],
+              [.60, .20, .10, .10]),
+         rows([.30, .20, .30, .20], [.10, .60, .20, .10], [.20, .30, .20, .30]), [0, 1, 2]),
+        ("γ = 2, a first proposal the target never makes (always refused)",
+         rows([.50, .00, .30, .20], [.10, .20, .30, .40], [.25, .25, .25, .25]),
+         rows([.20, .30, .30, .20], [.25, .25, .25, .25]), [1, 0]),
+        ("no proposal at all (the last round when one token is left)",
+         rows([.10, .60, .20, .10]), torch.zeros(0, 4), []),
+    ]
+
+
+TRIALS = 2400
+
+
+def _outcomes(fn, name, case, p, q, proposals, check_types: bool):
+    """The outcome of TRIALS seeded calls: a list of (k, y), and their counts."""
+    results, counts = [], torch.zeros(len(proposals) + 1, p.size(1))
+    for t in range(TRIALS):
+        g = torch.Generator().manual_seed(1_000 * t + len(proposals))
+        got = (call_hinted(name, case, _sampled_crash_hint, fn, p, q, list(proposals), g)
+               if check_types else _quietly(fn, p, q, list(proposals), g))
+        if check_types:
+            pair = int_list(got) if isinstance(got, (tuple, list)) else None
+            if pair is None or len(pair) != 2:
+                fail(name, case, "(accepted, token): two ints", got,
+                     "return how many proposals are kept and the target's token after them")
+            if not (0 <= pair[0] <= len(proposals) and 0 <= pair[1] < p.size(1)):
+                fail(name, case, f"accepted in 0..{len(proposals)}, a token in "
+                     f"0..{p.size(1) - 1}", tuple(pair), "accepted counts proposals kept")
+            got = pair
+        if got is None:
+            return None, None
+        results.append(tuple(got))
+        counts[got[0], got[1]] += 1
+    return results, counts
+
+
+def _quietly(fn, *args):
+    try:
+        return tuple(fn(*args))
+    except Exception:  # noqa: BLE001 - the buggy round crashes where it has no proposal
+        return None
+
+
+def _sampled_crash_hint(error: Exception) -> str:
+    if isinstance(error, (NameError, UnboundLocalError)):
+        return ("with no proposal the loop never runs, so its variable i is not defined: the "
+                "bonus comes from row len(proposals) of p, which exists even then")
+    return "your function raised on this input"
+
+
+@guarded
+def check_accept_sampled(accept_sampled) -> None:
+    """accept_sampled(p, q, proposals, generator) -> (accepted, token): one round of speculative
+    sampling, whose outcomes over seeded trials follow the closed form of section 5's rule."""
+    name = "accept_sampled"
+    cases = _sampled_cases()
+    same_as_buggy = 0
+    for label, p, q, proposals in cases:
+        case = f"{label}: p rows {[_as_list(r) for r in p]}, q rows " \
+               f"{[_as_list(r) for r in q]}, proposals {proposals}, {TRIALS} seeded trials"
+        p_in, q_in = p.clone(), q.clone()
+        results, counts = _outcomes(accept_sampled, name, case, p_in, q_in, proposals, True)
+        if not (torch.equal(p_in, p) and torch.equal(q_in, q)):
+            fail(name, case, "p and q left as they were", "they changed",
+                 "no in-place operations on p or q: other rounds read them")
+        buggy, _ = _outcomes(accept_sampled_buggy, name, case, p, q, proposals, False)
+        same_as_buggy += buggy is not None and results == buggy
+        want = outcome_distribution(p, q, proposals, RIGHT_RULE)
+        if _chi_square_p(counts, want) < 1e-6:
+            if buggy is not None and results == buggy:
+                hint = ("this is accept_sampled_buggy unchanged, trial for trial: "
+                        + SAMPLED_MISTAKES[0][1])
+            else:
+                fits = [h for rule, h in SAMPLED_MISTAKES
+                        if not torch.allclose(outcome_distribution(p, q, proposals, rule), want,
+                                              atol=1e-9)
+                        and _chi_square_p(counts, outcome_distribution(p, q, proposals,
+                                                                       rule)) > 1e-4]
+                hint = "; or ".join(fits) or (
+                    "accept proposal i with probability min(1, p_i(x)/q_i(x)); at the first "
+                    "refusal draw from norm(max(0, p_i - q_i)); after all γ, the bonus from p_γ")
+            freq = counts.sum(1) / TRIALS
+            fail(name, case, "outcomes distributed as the rule says: accepted 0..γ with "
+                 f"frequencies near {_as_list(want.sum(1))}",
+                 f"accepted 0..γ with frequencies {_as_list(freq)}", hint)
+    if same_as_buggy == len(cases):
+        fail(name, "every case", "a fixed round", "accept_sampled_buggy's outcomes, trial for "
+             "trial", "this is the buggy round unchanged: " + SAMPLED_MISTAKES[0][1])
+    passed(name, len(cases) * TRIALS)
+
+
+# --- exercise 7 (design): γ for a batch -----------------------------------------------------------
+
+def batch_speedup(alpha: float, c: float, batch: int, balance: float, gamma: int) -> float:
+    """Tokens per unit of time with γ proposals per round, over plain batched decoding, when a
+    target pass of n rows costs max(1, n / balance) decode steps and a draft pass c (γ = 0: no
+    speculation, 1)."""
+    if gamma == 0:
+        return 1.0
+    tokens = gamma + 1 if alpha == 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    plain = max(1.0, batch / balance)
+    return tokens * plain / (gamma * c + max(1.0, batch * (gamma + 1) / balance))
+
+
+MAX_GAMMA = 16
+
+
+def reference_choose_gamma(alpha: float, c: float, batch: int, balance: float) -> int:
+    values = [batch_speedup(alpha, c, batch, balance, g) for g in range(MAX_GAMMA + 1)]
+    return values.index(max(values))  # the first maximum: the smaller γ on a tie
+
+
+# (α, c, batch, balance): one request (the chapter's formula), batches below and past the balance
+# point, α = 1, a draft too dear, and an exact tie between speculating and not
+DESIGN_CASES = [(0.9, 0.05, 1, 64), (0.9, 0.05, 16, 64), (0.9, 0.05, 32, 64), (0.9, 0.05, 64, 64),
+                (0.95, 0.02, 8, 64), (0.8, 0.1, 128, 64), (1.0, 0.1, 4, 16), (0.6, 0.3, 1, 64),
+                (0.5, 0.5, 1, 64), (0.97, 0.01, 2, 16), (0.7, 0.02, 24, 32)]
+
+
+def _design_mistakes(alpha, c, batch, balance) -> list[tuple[int, str]]:
+    def best(f, lo=0):
+        values = [f(g) for g in range(lo, MAX_GAMMA + 1)]
+        return lo + values.index(max(values))
+
+    def tokens(g, exponent=1):
+        return g + 1 if alpha == 1 else (1 - alpha ** (g + exponent)) / (1 - alpha)
+    return [
+        (best(lambda g: speedup(alpha, c, g), lo=1),
+         "this is the chapter's formula for ONE request: with a batch, the verification pass "
+         "has batch × (γ + 1) rows, and past the balance point rows are not free any more"),
+        (best(lambda g: batch_speedup(alpha, c, batch, balance, g), lo=1),
+         "speculation does not pay here at any γ: return 0 (plain batched decoding)"),
+        (best(lambda g: 1.0 if g == 0 else tokens(g, 0) * max(1.0, batch / balance) / (
+            g * c + max(1.0, batch * (g + 1) / balance))),
+         "a round of γ proposals commits (1 - α^(γ+1)) / (1 - α) tokens on average: the "
+         "exponent is γ + 1 (the bonus)"),
+        (best(lambda g: 1.0 if g == 0 else tokens(g) * max(1.0, batch / balance) / max(
+            1.0, batch * (g + 1) / balance)),
+         "this ignores the draft's passes: γ of them a round, c each"),
+    ]
+
+
+def _speedups(alpha, c, batch, balance, *gammas) -> str:
+    return ", ".join(f"γ = {g}: {batch_speedup(alpha, c, batch, balance, g):.3f}x"
+                     for g in gammas)
+
+
+@guarded
+def check_choose_gamma(choose_gamma) -> None:
+    """choose_gamma(alpha, c, batch, balance) -> γ in 0..16 with the most tokens per unit of time
+    under the stated cost model (0: do not speculate; the smaller γ on a tie)."""
+    name = "choose_gamma"
+    for alpha, c, batch, balance in DESIGN_CASES:
+        case = f"alpha={alpha}, c={c}, batch={batch}, balance={balance}"
+        want = reference_choose_gamma(alpha, c, batch, balance)
+        got = call_hinted(name, case, _gamma_crash_hint, choose_gamma, alpha, c, batch, balance)
+        value = as_int(got)
+        if value is None or not 0 <= value <= MAX_GAMMA:
+            fail(name, case, want, got, f"return γ as an int from 0 (no speculation) to "
+                 f"{MAX_GAMMA}")
+        if value != want:
+            mine = batch_speedup(alpha, c, batch, balance, value)
+            best = batch_speedup(alpha, c, batch, balance, want)
+            if mine == best:
+                hint = ("a tie: take the smaller γ (speculation that only breaks even is not "
+                        "worth it)")
+            else:
+                hints = dict.fromkeys(h for wrong, h in _design_mistakes(alpha, c, batch, balance)
+                                      if wrong != want and wrong == value)
+                hint = "; or ".join(hints) or (
+                    "price a round: γ draft passes at c, one verification pass of batch × (γ + 1) "
+                    "rows at max(1, rows / balance); it commits the chapter's expected tokens per "
+                    "request, against max(1, batch / balance) for one plain step")
+            rows = batch * (value + 1)
+            fail(name, case, f"γ = {want} ({_speedups(alpha, c, batch, balance, want)})",
+                 f"γ = {value} ({_speedups(alpha, c, batch, balance, value)}; its verification "
+                 f"pass has {rows} rows)", hint)
+    batches = (1, 4, 16, 32, 48, 64, 128)
+    print("  the best γ as the batch grows (α = 0.9, c = 0.05, balance = 64): "
+          + ", ".join(f"{b} → {reference_choose_gamma(0.9, 0.05, b, 64)}" for b in batches))
+    passed(name, len(DESIGN_CASES))
