@@ -128,7 +128,36 @@ def choose_by_the_engine(logits, seed, position, temperature):
     return minikv.SamplingParams(temperature, seed=seed).choose(logits, position)
 
 
+def _mixed(mix, name):
+    def choose_mixed(logits, seed, position, temperature):
+        if temperature == 0:
+            return int(logits.argmax())
+        g = torch.Generator().manual_seed(mix(seed, position))
+        return int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=g))
+    choose_mixed.__name__ = name
+    return choose_mixed
+
+
+choose_seed_times_position = _mixed(lambda s, p: s * p, "choose_seed_times_position")
+choose_seed_xor_position = _mixed(lambda s, p: s ^ p, "choose_seed_xor_position")
+choose_small_multiplier = _mixed(lambda s, p: s * 1_000 + p, "choose_small_multiplier")
+choose_multiplier_10k = _mixed(lambda s, p: s * 100_000 + p, "choose_multiplier_10k")
+choose_hashed_pair = _mixed(lambda s, p: hash((s, p)) % 2**63, "choose_hashed_pair")
+choose_string_pair = _mixed(lambda s, p: int.from_bytes(
+    __import__("hashlib").sha256(f"{s}/{p}".encode()).digest()[:8], "big"), "choose_string_pair")
+
+
+def test_other_good_mixes_are_accepted():
+    """The exercise asks for a mix without collisions, not for the engine's constant."""
+    ch05.check_choose(choose_hashed_pair)
+    ch05.check_choose(choose_string_pair)
+
+
 CHOOSE_WRONG = [
+    (choose_seed_times_position, "seed \\* position"),
+    (choose_seed_xor_position, "symmetric in seed and position"),
+    (choose_small_multiplier, "seed \\* 1,000 \\+ position"),
+    (choose_multiplier_10k, "seed \\* 100,000 \\+ position"),
     (choose_global_rng, "global RNG"),
     (choose_reseeds_global_rng, "torch.manual_seed inside choose"),
     (choose_shared_generator, "a generator shared across calls"),
@@ -226,67 +255,235 @@ SPLIT_SUM_WRONG = [
     (sums_in_place, "in-place operations on x"),
 ]
 
-# --- exercise 3: verifier passes and fast steps ---------------------------------------------------
+# --- exercise 3: the verifier's schedule ----------------------------------------------------------
 
 
 def verify_schedule(max_new_tokens, window):
-    rounds = math.ceil((max_new_tokens - 1) / window)
-    return rounds, max_new_tokens - 1 - rounds
-
-
-def schedule_forgets_prefill(max_new_tokens, window):
-    rounds = math.ceil(max_new_tokens / window)
-    return rounds, max_new_tokens - rounds
-
-
-def schedule_floor(max_new_tokens, window):
-    rounds = (max_new_tokens - 1) // window
-    return rounds, max_new_tokens - 1 - rounds
-
-
-def schedule_fast_counts_all(max_new_tokens, window):
-    rounds = math.ceil((max_new_tokens - 1) / window)
-    return rounds, max_new_tokens - 1
-
-
-def schedule_prefill_is_fast(max_new_tokens, window):
-    rounds = math.ceil((max_new_tokens - 1) / window)
-    return rounds, max_new_tokens - rounds
+    passes, first = [], 0
+    while first < max_new_tokens - 1:
+        k = min(window - 1, max_new_tokens - 2 - first)
+        passes.append((first, k))
+        first += k + 1
+    return passes
 
 
 def schedule_full_windows(max_new_tokens, window):
+    return [(f, window - 1) for f, _ in verify_schedule(max_new_tokens, window)]
+
+
+def schedule_floor(max_new_tokens, window):
+    return [p for p in verify_schedule(max_new_tokens, window) if p[1] == window - 1]
+
+
+def schedule_forgets_prefill(max_new_tokens, window):
+    return verify_schedule(max_new_tokens + 1, window)
+
+
+def schedule_first_proposal(max_new_tokens, window):
+    return [(f + 1, k) for f, k in verify_schedule(max_new_tokens, window)]
+
+
+def schedule_counts_own_token(max_new_tokens, window):
+    return [(f, k + 1) for f, k in verify_schedule(max_new_tokens, window)]
+
+
+def schedule_window_proposals(max_new_tokens, window):
+    return verify_schedule(max_new_tokens, window + 1)
+
+
+def schedule_counts(max_new_tokens, window):  # the old exercise's answer: (rounds, fast steps)
     rounds = math.ceil((max_new_tokens - 1) / window)
-    return rounds, rounds * (window - 1)
+    return rounds, max_new_tokens - 1 - rounds
 
 
 def schedule_floats(max_new_tokens, window):
-    rounds = math.ceil((max_new_tokens - 1) / window)
-    return float(rounds), (max_new_tokens - 1) - rounds + 0.0
+    return [(float(f), float(k)) for f, k in verify_schedule(max_new_tokens, window)]
 
 
 def schedule_numpy(max_new_tokens, window):
-    return np.array(verify_schedule(max_new_tokens, window))
-
-
-def schedule_rounds_only(max_new_tokens, window):
-    return math.ceil((max_new_tokens - 1) / window)
+    return np.array(verify_schedule(max_new_tokens, window))  # a 2-D array is fine
 
 
 SCHEDULE_WRONG = [
+    (schedule_full_windows, "every pass judges window - 1 proposals"),
+    (schedule_floor, "leave out the last, partial window"),
     (schedule_forgets_prefill, "forget the prefill"),
-    (schedule_floor, "round the number of passes down"),
-    (schedule_fast_counts_all, "every token after T₀ counts as a fast step"),
-    (schedule_prefill_is_fast, "T₀ counts as a fast step"),
-    (schedule_full_windows, "every window is full"),
-    (schedule_floats, "both counts are ints"),
-    (schedule_numpy, "not a numpy.ndarray"),
-    (schedule_rounds_only, "not an int"),
+    (schedule_first_proposal, "not the first proposal"),
+    (schedule_counts_own_token, "counts the pass's own token as a proposal"),
+    (schedule_window_proposals, "window proposals per pass"),
+    (schedule_counts, "return the list of passes"),
+    (schedule_floats, "pairs of ints"),
 ]
+
+
+def test_a_numpy_schedule_is_accepted():
+    ch05.check_verify_schedule(schedule_numpy)
+
+
+# --- exercise 4 (predict, then measure): the server's passes --------------------------------------
+
+def predict_server_passes():
+    steps, rounds = 19, 5
+    return {0: steps, 1: steps + rounds, 4: steps - rounds + 4 * rounds}
+
+
+def _predicting(**changes):
+    def predict():
+        return {**predict_server_passes(), **{int(k[1:]): v for k, v in changes.items()}}
+    predict.__name__ = "predict_" + "_".join(f"{k}_{v}" for k, v in changes.items())
+    return predict
+
+
+PREDICT_WRONG = [
+    (_predicting(d0=20), "19 decode steps make the other 19"),
+    (_predicting(d0=76), "count passes, not rows"),
+    (_predicting(d1=19), "verification is not free"),
+    (_predicting(d1=23), "the last window is partial"),
+    (_predicting(d4=39), "no batched pass runs at that step"),
+    (_predicting(d4=24), "one pass per request per window"),
+    (_predicting(d4=34.0), "a whole number"),
+    (lambda: {"0": 19, "1": 24, "4": 34}, r"\{0: \.\.\., 1: \.\.\., 4: \.\.\.\}"),
+    (lambda: None, "did you forget to return it"),
+    (lambda: {0: 19, 1: 24, 4: ch05.server_passes(4)}, "a prediction is made before"),
+]
+
+
+def test_the_measured_passes_are_the_prediction():
+    assert {d: ch05.server_passes(d) for d in range(5)} == {0: 19, 1: 24, 2: 29, 3: 34, 4: 34}
+
+
+# --- exercise 5 (debug): a verifier window --------------------------------------------------------
+
+def verify_window(model, seq, proposals, cache, sampling, start, window):
+    rows = seq[start:] + proposals
+    cache.crop(min(cache.get_seq_length(), start))
+    padded = rows + [0] * (window - len(rows))
+    logits = model(torch.tensor([padded]), cache=cache)[0]
+    cache.crop(start + len(rows))
+    first = len(seq) - 1 - start
+    accepted = 0
+    while accepted < len(proposals):
+        if sampling.choose(logits[first + accepted], len(seq) + accepted) != proposals[accepted]:
+            break
+        accepted += 1
+    token = sampling.choose(logits[first + accepted], len(seq) + accepted)
+    seq.extend(proposals[:accepted] + [token])
+    cache.crop(min(cache.get_seq_length(), len(seq) - 1))
+    return accepted
+
+
+def window_fixes_judging_only(model, seq, proposals, cache, sampling, start, window):
+    """Judges at the right positions, but still draws its own token one position early."""
+    rows = seq[start:] + proposals
+    cache.crop(min(cache.get_seq_length(), start))
+    logits = model(torch.tensor([rows + [0] * (window - len(rows))]), cache=cache)[0]
+    cache.crop(start + len(rows))
+    first, accepted = len(seq) - 1 - start, 0
+    while accepted < len(proposals):
+        if sampling.choose(logits[first + accepted], len(seq) + accepted) != proposals[accepted]:
+            break
+        accepted += 1
+    token = sampling.choose(logits[first + accepted], len(seq) + accepted - 1)
+    seq.extend(proposals[:accepted] + [token])
+    cache.crop(min(cache.get_seq_length(), len(seq) - 1))
+    return accepted
+
+
+def window_without_crop_first(model, seq, proposals, cache, sampling, start, window):
+    """Replays on top of the fast path's K/V: the rows land at the wrong positions."""
+    rows = seq[start:] + proposals
+    logits = model(torch.tensor([rows + [0] * (window - len(rows))]), cache=cache)[0]
+    first, accepted = len(seq) - 1 - start, 0
+    while accepted < len(proposals):
+        if sampling.choose(logits[first + accepted], len(seq) + accepted) != proposals[accepted]:
+            break
+        accepted += 1
+    token = sampling.choose(logits[first + accepted], len(seq) + accepted)
+    seq.extend(proposals[:accepted] + [token])
+    cache.crop(len(seq) - 1)
+    return accepted
+
+
+def window_keeps_padding(model, seq, proposals, cache, sampling, start, window):
+    """Forgets the final rollback: the padding rows' K/V stay in the cache."""
+    rows = seq[start:] + proposals
+    cache.crop(min(cache.get_seq_length(), start))
+    logits = model(torch.tensor([rows + [0] * (window - len(rows))]), cache=cache)[0]
+    first, accepted = len(seq) - 1 - start, 0
+    while accepted < len(proposals):
+        if sampling.choose(logits[first + accepted], len(seq) + accepted) != proposals[accepted]:
+            break
+        accepted += 1
+    seq.extend(proposals[:accepted] + [sampling.choose(logits[first + accepted],
+                                                       len(seq) + accepted)])
+    return accepted
+
+
+def window_by_the_engine(model, seq, proposals, cache, sampling, start, window):
+    return ch05._engine_window(model, seq, proposals, cache, sampling, start, window)
+
+
+WINDOW_WRONG = [
+    (ch05.verify_window_buggy, "verify_window_buggy unchanged"),
+    (window_fixes_judging_only, "the verifier's own token wrong"),
+    (window_without_crop_first, "replay the window's rows in ONE pass"),
+    (window_keeps_padding, "the cache wrong"),
+    (window_by_the_engine, "called minikv's own"),
+]
+
+
+# --- exercise 6 (design): batch-invariant kernels, or verification? -------------------------------
+
+def choose_determinism(n_det, overhead):
+    n, steps, rounds = 8, 19, 5
+    verify = steps + n_det * rounds if n_det < n else steps - rounds + n * rounds
+    return "verify" if verify <= steps * (1 + overhead) else "invariant"
+
+
+def determinism_all_add(n_det, overhead):
+    return "verify" if 19 + 5 * n_det <= 19 * (1 + overhead) else "invariant"
+
+
+def determinism_one_pass_for_all(n_det, overhead):
+    return "verify" if 19 + 5 * (n_det > 0) <= 19 * (1 + overhead) else "invariant"
+
+
+def determinism_verify_free(n_det, overhead):
+    return "verify"
+
+
+def determinism_always_invariant(n_det, overhead):
+    return "invariant"
+
+
+def determinism_overhead_on_share(n_det, overhead):
+    verify = 19 + 5 * n_det if n_det < 8 else 54
+    return "verify" if verify <= 19 * (1 + overhead * n_det / 8) else "invariant"
+
+
+def determinism_bool(n_det, overhead):
+    return choose_determinism(n_det, overhead) == "verify"
+
+
+DETERMINISM_WRONG = [
+    (determinism_all_add, "no batched pass runs at that step"),
+    (determinism_one_pass_for_all, "replayed ALONE"),
+    (determinism_verify_free, "verification is not free"),
+    (determinism_always_invariant, "nothing to verify"),
+    (determinism_overhead_on_share, "on all the traffic"),
+    (determinism_bool, 'return "verify" or "invariant"'),
+]
+
 
 CHECKS = {
     "choose": (ch05.check_choose, choose, CHOOSE_WRONG),
     "invariant_split_sum": (ch05.check_invariant_split_sum, invariant_split_sum, SPLIT_SUM_WRONG),
     "verify_schedule": (ch05.check_verify_schedule, verify_schedule, SCHEDULE_WRONG),
+    "predict_server_passes": (ch05.check_predict_server_passes, predict_server_passes,
+                              PREDICT_WRONG),
+    "verify_window": (ch05.check_verify_window, verify_window, WINDOW_WRONG),
+    "choose_determinism": (ch05.check_choose_determinism, choose_determinism,
+                           DETERMINISM_WRONG),
 }
 
 
@@ -294,7 +491,7 @@ CHECKS = {
 def test_solution_passes(name, capsys):
     checker, solution, _ = CHECKS[name]
     checker(solution)
-    assert capsys.readouterr().out.startswith(f"✓ {name}: all ")
+    assert f"✓ {name}: all " in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name", CHECKS)

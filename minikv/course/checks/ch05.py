@@ -4,11 +4,21 @@ shape).
 - choose: the token a request draws at a position must be a pure function of (logits, seed,
   position, temperature): the same in repeated calls interleaved with other random draws and in
   two simulated batch compositions, never touching the global RNG; different across positions and
-  seeds; the argmax at temperature 0; and distributed as softmax(logits / temperature) over many
-  seeds (a chi-square test with a generous threshold). A Python int.
+  seeds, with no two (seed, position) pairs below one million sharing a stream (symmetric mixes,
+  products, small multipliers); the argmax at temperature 0; and distributed as
+  softmax(logits / temperature) over many seeds (a chi-square test with a generous threshold). A
+  Python int.
 - invariant_split_sum: the same float32 bits for every split count, and the fixed chunked
   schedule's bits.
-- verify_schedule: against the counters of real `serve` runs on a tiny random model, as ints.
+- verify_schedule: the verifier passes of a request with no rollback, (first token replayed,
+  proposals judged) each, against real `serve` traces on a tiny random model.
+- predict_server_passes (predict, then measure): the server's forward passes for 4 requests with
+  0, 1 and 4 of them deterministic, against what serve() runs.
+- verify_window (debug): one verifier window, against the engine's verify_and_commit with
+  accept_matching on the same request (greedy and sampled, full and corrupted proposals): the
+  committed tokens, the count, the cache's length and K/V; the buggy version must not come back.
+- choose_determinism (design): batch-invariant kernels or verification, for n of 8 requests and
+  a given overhead, priced in forward passes, the verifying server's measured with serve().
 
 Each usual mistake is recognised by computing what it would give, and named in the hint. Everything
 runs on the CPU in about a second and leaves the caller's random state alone.
@@ -16,10 +26,12 @@ runs on the CPU in about a second and leaves the caller's random state alone.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 
-from ...engine import GPT, Request, SamplingParams, serve
+from ...engine import GPT, KVCache, Request, SamplingParams, serve
+from ...engine.verify import accept_matching, verify_and_commit
 from . import (
     CheckFailed,
     as_int,
@@ -128,6 +140,42 @@ def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
 
 
+def _collide(pick, flat, pairs) -> bool:
+    """Do the pairs ((seed, position), (seed', position')) all draw the same token? With 16
+    nearly equal logits, 40 independent pairs agree by chance with probability about 16^-40."""
+    return all(pick(flat, *a, 1.0) == pick(flat, *b, 1.0) for a, b in pairs)
+
+
+def _check_collisions(name, pick, flat) -> int:
+    """Mixes that give two different (seed, position) pairs the same generator seed, for seeds
+    and positions below one million: symmetric ones, a product, a small multiplier."""
+    at_zero = [pick(flat, s, 0, 1.0) for s in range(40)]
+    expect(len(set(at_zero)) >= 4, name, "seeds 0..39 at position 0, temperature 1.0, nearly "
+           "equal logits", "different draws for different seeds", at_zero,
+           "this is what you get with seed * position (or any mix where position 0 cancels the "
+           "seed): at position 0 every request then draws the same number")
+    cases = 40
+    pairs = [((s, s + 3 + s % 5), (s + 3 + s % 5, s)) for s in range(40)]
+    cases += 2 * len(pairs)
+    if _collide(pick, flat, pairs):
+        fail(name, "40 pairs: seed s at position p against seed p at position s",
+             "different draws", "the same draws, pair after pair",
+             "this is what you get with a mix that is symmetric in seed and position (seed + "
+             "position, seed * position, seed ^ position): request seed 2 at position 5 then "
+             "draws what request seed 5 draws at position 2")
+    for k in (10, 100, 1_000, 10_000, 100_000):
+        pairs = [((s + 1, 7 * s), (s, 7 * s + k)) for s in range(40)]
+        cases += 2 * len(pairs)
+        if _collide(pick, flat, pairs):
+            fail(name, f"40 pairs: seed s + 1 at position p against seed s at position p + {k:,}",
+                 "different draws", "the same draws, pair after pair",
+                 f"this is what you get with seed * {k:,} + position: request seed 1 at position "
+                 f"p draws what request seed 0 draws at position p + {k:,}, and requests grow "
+                 f"that long; positions below one million must never reach the next seed's "
+                 f"numbers (a multiplier above 1,000,000), or mix the pair another way")
+    return cases
+
+
 DRAWS = 2000
 DIST_LOGITS = torch.tensor([1.0, 0.6, 0.2, 0.0, -0.3, -0.8])
 
@@ -188,9 +236,12 @@ def check_choose(choose) -> None:
                  "at temperature > 0 choose must DRAW from softmax(logits / temperature), not "
                  "take the argmax")
         for s, tokens in by_position.items():
+            varied = len(set(by_position[1])) >= 4
             expect(len(set(tokens)) >= 4, name, f"seed={s}, positions 0..39, temperature 1.0, "
                    f"nearly equal logits", "different draws at different positions",
-                   tokens, "this is what you get when the generator is seeded by the seed alone: "
+                   tokens, "this is what you get with seed * position: request seed 0 then draws "
+                   "the same number at every position" if s == 0 and varied else
+                   "this is what you get when the generator is seeded by the seed alone: "
                    "every position then draws the same random number; seed it from (seed, "
                    "position)")
         expect(len(set(by_seed)) >= 4, name, "seeds 0..39 at position 3, temperature 1.0, nearly "
@@ -205,7 +256,8 @@ def check_choose(choose) -> None:
                    "two different streams", "the same tokens, shifted by one position",
                    "this is what you get with seed + position: request seed 1 at position p draws "
                    "what request seed 0 draws at p + 1; mix them so that different pairs get "
-                   "different seeds, e.g. seed * 1_000_003 + position")
+                   "different generator seeds")
+        n_cases += _check_collisions(name, pick, flat)
         # the draws follow softmax(logits / temperature)
         for temperature in (0.5, 1.0, 2.0):
             counts = torch.zeros(DIST_LOGITS.numel())
@@ -324,63 +376,410 @@ def check_invariant_split_sum(invariant_split_sum) -> None:
     passed(name, n_cases)
 
 
-# --- exercise 3: how many verifier passes and fast steps ------------------------------------------
+# --- exercise 3: the verifier's schedule ----------------------------------------------------------
 
-def _schedule_mistakes(n: int, window: int) -> list[tuple[tuple[int, int], str]]:
-    rounds = math.ceil((n - 1) / window)
+def reference_schedule(n: int, window: int) -> list[tuple[int, int]]:
+    """(first, proposals) of every verifier pass of a request with n new tokens and no rollback:
+    the pass replays new token `first` (T₀ is 0) and judges the proposals after it; its own token
+    comes after them. A pass never proposes past the budget."""
+    passes, first = [], 0
+    while first < n - 1:
+        k = min(window - 1, n - 2 - first)
+        passes.append((first, k))
+        first += k + 1
+    return passes
+
+
+def engine_schedule(out, prompt_len: int) -> list[tuple[int, int]]:
+    """The verifier passes a served request's trace records, as (first, proposals)."""
+    return [(e.cache_len_before - prompt_len, len(e.input_ids))
+            for e in out.trace if e.kind == "verify"]
+
+
+def _schedule_mistakes(n: int, window: int) -> list[tuple[list[tuple[int, int]], str]]:
+    right = reference_schedule(n, window)
+    full = [(f, window - 1) for f, _ in right]
     return [
-        ((math.ceil(n / window), n - math.ceil(n / window)),
-         "this is what you get when you forget the prefill: it gives the first new token T₀ by "
-         "itself, so only max_new_tokens - 1 tokens are left to the windows"),
-        (((n - 1) // window, n - 1 - (n - 1) // window),
-         "this is what you get when you round the number of passes down: a last, partial window "
-         "needs a pass of its own (round up)"),
-        ((rounds, n - 1),
-         "this is what you get when every token after T₀ counts as a fast step: each round's "
-         "own token comes from the verifier, so fast steps + rounds = max_new_tokens - 1"),
-        ((rounds, n - rounds),
-         "this is what you get when the prefill's token T₀ counts as a fast step: fast steps + "
-         "rounds = max_new_tokens - 1 (nothing rejected)"),
-        ((rounds, rounds * (window - 1)),
-         "this is what you get when every window is full: the last may hold fewer proposals, as "
-         "the request stops at max_new_tokens"),
+        (full, "this is what you get when every pass judges window - 1 proposals: the last may "
+               "judge fewer, as the request stops at max_new_tokens (the pass's own token is "
+               "the last one)"),
+        ([p for p in right if p[1] == window - 1],
+         "this is what you get when you leave out the last, partial window: the tokens after the "
+         "last full window still need a verifier pass (round the count up, not down)"),
+        (reference_schedule(n + 1, window),
+         "this is what you get when you forget the prefill: it gives T₀ by itself, so the "
+         "windows cover the other max_new_tokens - 1 tokens only"),
+        ([(f + 1, k) for f, k in right],
+         "`first` is the token the pass replays first: the last committed token (T₀ for the "
+         "first pass), not the first proposal"),
+        ([(f, k + 1) for f, k in right],
+         "this counts the pass's own token as a proposal: a pass of `window` rows replays one "
+         "committed token and judges window - 1 proposals, then adds its own token"),
+        (_windows_of(n, window + 1),
+         "this is what you get with window proposals per pass: a pass has `window` rows, the "
+         "first being the last committed token"),
     ]
+
+
+def _windows_of(n: int, rows: int) -> list[tuple[int, int]]:
+    return reference_schedule(n, rows)
+
+
+def _pairs(value):
+    """`value` as a list of (int, int), else None."""
+    if type(value).__module__ == "numpy" or isinstance(value, torch.Tensor):
+        value = value.tolist() if getattr(value, "ndim", value.dim() if isinstance(
+            value, torch.Tensor) else 0) == 2 else None
+    if not isinstance(value, (list, tuple)):
+        return None
+    out = []
+    for item in value:
+        pair = tuple(as_int(v) for v in item) if isinstance(item, (list, tuple)) else None
+        if pair is None or len(pair) != 2 or None in pair:
+            return None
+        out.append(pair)
+    return out
 
 
 @one_thread
 @guarded
 def check_verify_schedule(verify_schedule) -> None:
-    """verify_schedule(max_new_tokens, window) -> (rounds, fast_steps), ints, against real serve()
-    counters."""
+    """verify_schedule(max_new_tokens, window) -> [(first, proposals), ...]: the verifier passes
+    of a deterministic request with no rollback, against real serve() traces."""
     name = "verify_schedule"
     model = _tiny()
     others = [Request([11, 12, 13], 9, temperature=1.0, seed=1),
               Request([20, 21], 25, temperature=1.0, seed=2)]
-    # (9, 4) first: it tells most of the usual mistakes apart; max_new_tokens = 1 is left out
-    cases = [(9, 4), (30, 4), (2, 4), (4, 4), (5, 4), (6, 4), (10, 4), (13, 4), (10, 1), (7, 2),
+    # (10, 4) first: it tells most of the usual mistakes apart; max_new_tokens = 1 is left out
+    cases = [(10, 4), (9, 4), (30, 4), (2, 4), (4, 4), (5, 4), (6, 4), (13, 4), (10, 1), (7, 2),
              (2, 1), (8, 3), (20, 8), (5, 16), (33, 16)]
+    prompt = [1, 2, 3, 4]
     for n, window in cases:
         with torch.inference_mode():
-            out = serve(model, [Request([1, 2, 3, 4], n, deterministic=True)] + others,
-                        window=window)[0]
-        assert out.stats.rollbacks == 0, ("checker case with a rollback: "
-                                          "the formula only holds without rollbacks")
-        want = (out.stats.rounds, out.stats.fast_steps)
+            out = serve(model, [Request(prompt, n, deterministic=True)] + others,
+                        window=window, trace=True)[0]
+        assert out.stats.rollbacks == 0, "checker case with a rollback: the schedule has none"
+        want = engine_schedule(out, len(prompt))
+        assert want == reference_schedule(n, window), (n, window)
         case = f"max_new_tokens={n}, window={window}"
-        got = call(name, case, verify_schedule, n, window)
-        if not (isinstance(got, (tuple, list)) and len(got) == 2):
-            fail(name, case, want, got, f"return a pair (rounds, fast_steps), not {_a(got)}"
-                 + (f" of {len(got)}" if isinstance(got, (tuple, list)) else ""))
-        values = tuple(as_int(v) for v in got)
-        if None in values:
-            bad = next(v for v, i in zip(got, values) if i is None)
-            fail(name, case, want, got, f"both counts are ints, not {bad!r} ({_kind(bad)}): "
-                 f"use integer arithmetic (//, math.ceil gives an int), no float()")
-        if values != want:
+        with forbid(name, serve):
+            got = call(name, case, verify_schedule, n, window)
+        passes = _pairs(got)
+        if passes is None:
+            counts = isinstance(got, (tuple, list)) and len(got) == 2 and all(
+                as_int(v) is not None for v in got)
+            fail(name, case, want, got,
+                 "return the list of passes, one (first, proposals) pair each, not the counts"
+                 if counts else "return a list of (first, proposals) pairs of ints"
+                 + (" (did you forget to return it?)" if got is None else ""))
+        if passes != want:
             hints = dict.fromkeys(h for wrong, h in _schedule_mistakes(n, window)
-                                  if wrong == values and wrong != want)
-            fail(name, case, want, values, "; or ".join(hints) or
-                 "the prefill gives the first new token for free; each verifier pass commits a "
-                 "whole window (window - 1 fast-path proposals + the verifier's own token), the "
-                 "last pass maybe fewer")
+                                  if wrong == passes and wrong != want)
+            fail(name, case, want, passes, "; or ".join(hints) or
+                 "the prefill gives T₀; each pass replays the last committed token, judges the "
+                 "fast path's proposals after it (window - 1 at most, fewer if the budget ends "
+                 "first) and adds its own token; the next pass starts at that token")
     passed(name, len(cases))
+
+
+# --- exercise 4 (predict, then measure): what verification costs the server -----------------------
+
+SERVER_PROMPTS = [[1, 2, 3, 4, 5], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26], [40, 41]]
+SERVER_NEW, SERVER_WINDOW = 20, 4
+PREDICT_D = (0, 1, 4)
+
+
+def server_passes(n_det: int, prompts=SERVER_PROMPTS, n_new: int = SERVER_NEW,
+                  window: int = SERVER_WINDOW) -> int:
+    """Forward passes the server runs after the prefills (batched fast-path steps and verifier
+    passes) when the first n_det of the requests are deterministic, measured on a tiny model."""
+    requests = [Request(list(p), n_new, deterministic=i < n_det) for i, p in enumerate(prompts)]
+    with torch.inference_mode():
+        outs = serve(_tiny(), requests, window=window, trace=True)
+    assert not any(o.stats.rollbacks for o in outs), "a rollback in a checker run (fp32 greedy)"
+    batched = {e.step for o in outs for e in o.trace if e.kind == "decode"}
+    return len(batched) + sum(e.kind == "verify" for o in outs for e in o.trace)
+
+
+def _passes_mistakes(d: int, n_requests: int) -> list[tuple[int, str]]:
+    steps = SERVER_NEW - 1
+    rounds = math.ceil(steps / SERVER_WINDOW)
+    mistakes = [
+        (SERVER_NEW + d * rounds if d < n_requests else SERVER_NEW - rounds + d * rounds,
+         "the prefill gives every request its first token: 19 decode steps make the other 19"),
+        (n_requests * steps, "one batched pass serves every request at once: count passes, not "
+                             "rows"),
+        (steps, "verification is not free: each verifier pass replays one request alone, a pass "
+                "of its own"),
+        (steps + d * (steps // SERVER_WINDOW),
+         "the last window is partial (19 tokens after T₀ are 4 windows of 4 and one of 3): it "
+         "needs a verifier pass too"),
+        (steps + d * rounds,
+         "when EVERY request is verified at the same step, no batched pass runs at that step: "
+         "the verifier passes replace the batched ones there, instead of adding to them"),
+        (steps + rounds,
+         "the verifier replays each deterministic request ALONE (batch 1, a fixed shape): one "
+         "pass per request per window, not one for all of them"),
+    ]
+    if d == 0:
+        mistakes = mistakes[:3]
+    return mistakes
+
+
+@one_thread
+@guarded
+def check_predict_server_passes(predict_server_passes) -> None:
+    """predict_server_passes() -> {0: ..., 1: ..., 4: ...}: the server's forward passes after the
+    prefills for 4 requests of 20 new tokens, window 4, the first d deterministic; measured."""
+    name = "predict_server_passes"
+    case = (f"{len(SERVER_PROMPTS)} greedy requests of {SERVER_NEW} new tokens served together, "
+            f"window={SERVER_WINDOW}, the first d deterministic")
+    try:
+        with forbid(name, serve, GPT.forward):
+            got = call(name, case, predict_server_passes)
+    except CheckFailed as e:
+        if "called minikv's own" not in str(e):
+            raise
+        raise CheckFailed(f"{name}: your function ran the engine; a prediction is made before "
+                          f"the measurement: reason it out, and let the check cell measure"
+                          ) from None
+    if not isinstance(got, dict) or sorted(got) != list(PREDICT_D):
+        fail(name, case, f"a dict with the keys {list(PREDICT_D)} (d)",
+             sorted(got) if isinstance(got, dict) else got,
+             "return your predictions as {0: ..., 1: ..., 4: ...}, one int per number of "
+             "deterministic requests" + (" (did you forget to return it?)" if got is None else ""))
+    for d in PREDICT_D:
+        if as_int(got[d]) is None:
+            fail(name, f"{case}, d = {d}", "an int", got[d], "a count of passes is a whole number")
+    measured = {d: server_passes(d) for d in PREDICT_D}
+    for d in PREDICT_D:
+        you = as_int(got[d])
+        if you != measured[d]:
+            hints = dict.fromkeys(h for w, h in _passes_mistakes(d, len(SERVER_PROMPTS))
+                                  if w == you and w != measured[d])
+            reason = "; or ".join(hints) or (
+                "step by step: after the prefills, every step runs one batched pass for the "
+                "requests that are not being verified (if any), and one verifier pass for each "
+                "request whose window is full")
+            fail(name, f"{case}, d = {d}", measured[d], you,
+                 f"you predicted {you} passes; the engine ran {measured[d]}: {reason}")
+    print("  measured: " + ", ".join(f"d = {d}: {measured[d]} passes" for d in PREDICT_D)
+          + f" (d = 2: {server_passes(2)}, d = 3: {server_passes(3)})")
+    passed(name, len(PREDICT_D))
+
+
+# --- exercise 5 (debug): a verifier window --------------------------------------------------------
+
+def verify_window_buggy(model, seq, proposals, cache, sampling, start, window):
+    """The notebook's broken verifier, verbatim: the token it draws to judge a position is drawn
+    with the position of the row's INPUT token, one too early (greedy cannot tell)."""
+    rows = seq[start:] + proposals
+    cache.crop(min(cache.get_seq_length(), start))
+    padded = rows + [0] * (window - len(rows))
+    logits = model(torch.tensor([padded], device=model.device), cache=cache)[0]
+    cache.crop(start + len(rows))
+    first = len(seq) - 1 - start               # the row that scores proposals[0]
+    accepted = 0
+    while accepted < len(proposals):
+        mine = sampling.choose(logits[first + accepted], len(seq) + accepted - 1)
+        if mine != proposals[accepted]:
+            break
+        accepted += 1
+    token = sampling.choose(logits[first + accepted], len(seq) + accepted - 1)
+    seq.extend(proposals[:accepted] + [token])
+    cache.crop(min(cache.get_seq_length(), len(seq) - 1))
+    return accepted
+
+
+def _engine_window(model, seq, proposals, cache, sampling, start, window):
+    """The engine's verify-and-commit core on the same inputs (the reference)."""
+    rnd = verify_and_commit(
+        seq, list(proposals), cache,
+        lambda rows, c: model(torch.tensor([rows], device=model.device), cache=c)[0],
+        partial(accept_matching, sampling=sampling, first_position=len(seq)),
+        start=start, rows=window)
+    return rnd.verdict.accepted
+
+
+def _window_case(model, prompt, n_committed, window, sampling, corrupt):
+    """A request mid-decode, as the verifier finds it: the fast path has proposed the rest of the
+    window (the verifier's own draws, so that all are accepted, or with proposal `corrupt`
+    changed) and its cache holds K/V of every token the fast path fed. Returns (seq, proposals,
+    cache, start)."""
+    cache = KVCache.for_model(model, max_len=len(prompt) + n_committed + 2 * window + 2)
+    seq = list(prompt)
+    with torch.inference_mode():
+        logits = model(torch.tensor([seq]), cache=cache)[0, -1]
+        while len(seq) < len(prompt) + n_committed:
+            seq.append(sampling.choose(logits, len(seq)))
+            logits = model(torch.tensor([seq[-1:]]), cache=cache)[0, -1]
+        start = len(prompt) + (len(seq) - 1 - len(prompt)) // window * window
+        cache.crop(start)
+        # the verifier's own draws at the window's positions, one at a time (a row reads the
+        # proposals before it): what a faithful fast path proposes
+        first, proposals = len(seq) - 1 - start, []
+        for i in range(window - (len(seq) - start)):
+            rows = (seq + proposals)[start:]
+            replay = model(torch.tensor([rows + [0] * (window - len(rows))]),
+                           cache=cache.fork())[0]
+            proposals.append(sampling.choose(replay[first + i], len(seq) + i))
+    if corrupt is not None and corrupt < len(proposals):
+        proposals[corrupt] = (proposals[corrupt] + 1) % model.config.vocab_size
+    # the cache as the fast path leaves it: K/V of every token it fed (all but its last proposal)
+    fed = (seq + proposals)[start:len(seq) - 1 + len(proposals)]
+    if fed:
+        with torch.inference_mode():
+            model(torch.tensor([fed]), cache=cache)
+    return seq, proposals, cache, start
+
+
+# (temperature, seed, committed tokens before the window, window, proposal to corrupt or None)
+WINDOW_CASES = [(0.0, 0, 5, 4, None), (0.0, 0, 5, 4, 1), (1.0, 3, 5, 4, None), (1.0, 3, 9, 4, 2),
+                (0.8, 7, 1, 4, None), (1.0, 11, 6, 2, None), (1.0, 5, 8, 8, None),
+                (1.0, 5, 8, 8, 0), (0.0, 0, 3, 8, 5), (1.2, 2, 13, 4, None)]
+
+
+def _window_hint(student: dict, engine: dict, buggy: dict, sampled: bool) -> str:
+    if student == buggy and student != engine:
+        return ("this is verify_window_buggy unchanged: " + WINDOW_SYMPTOM)
+    if student["seq"][:-1] == engine["seq"][:-1] and student["seq"] != engine["seq"]:
+        return ("the proposals judged right, the verifier's own token wrong: draw it the way the "
+                "fast path draws a token at that position")
+    if sampled and student["accepted"] < engine["accepted"]:
+        return WINDOW_SYMPTOM
+    if student["seq"] == engine["seq"]:
+        return ("the right tokens, the cache wrong: afterwards it holds K/V up to the last "
+                "committed token's predecessor (len(seq) - 1 positions), those of the replay "
+                "that were kept")
+    return ("replay the window's rows in ONE pass of `window` rows, judge each proposal against "
+            "the verifier's own choice at its position, commit the accepted prefix and the "
+            "verifier's own token, and crop the cache behind it")
+
+
+WINDOW_SYMPTOM = ("symptom: greedy requests verify fine, sampled ones are rejected at nearly every "
+                  "window, mostly at the first proposal. A sampled token is a seeded draw, and the "
+                  "seed includes the POSITION of the token being drawn: the fast path drew the "
+                  "token at position p with choose(row, p), where p = len(seq) + i for proposal i. "
+                  "The verifier must draw with the same position, not with the position of the "
+                  "row's input token (p - 1): that reuses the previous position's random number, "
+                  "which is why its own token so often repeats the token before it")
+
+
+@one_thread
+@guarded
+def check_verify_window(verify_window) -> None:
+    """verify_window(model, seq, proposals, cache, sampling, start, window) -> accepted: one
+    verifier window, against the engine's verify_and_commit and accept_matching on the same
+    request, cache and proposals: the tokens committed, the count, the cache (length and K/V)."""
+    name = "verify_window"
+    model = _tiny()
+    prompt = [7, 8, 9, 10, 11]
+    same_as_buggy = 0
+    for temperature, seed, n_committed, window, corrupt in WINDOW_CASES:
+        sampling = SamplingParams(temperature, seed=seed)
+        results = {}
+        for who, fn in (("student", verify_window), ("engine", _engine_window),
+                        ("buggy", verify_window_buggy)):
+            seq, proposals, cache, start = _window_case(model, prompt, n_committed, window,
+                                                        sampling, corrupt)
+            case = (f"{'greedy' if temperature == 0 else f'temperature {temperature}, seed {seed}'}"
+                    f", window {window} starting at position {start}, seq of {len(seq)} tokens, "
+                    f"proposals {proposals}")
+            with torch.inference_mode():
+                if who == "student":
+                    with forbid(name, verify_and_commit, accept_matching):
+                        got = call(name, case, fn, model, seq, proposals, cache, sampling, start,
+                                   window)
+                else:
+                    got = fn(model, seq, proposals, cache, sampling, start, window)
+            length = cache.get_seq_length()
+            results[who] = dict(accepted=as_int(got), seq=list(seq), length=length,
+                                kv=[t[:, :, :length].clone() for t in cache.keys + cache.values])
+        student, engine = results["student"], results["engine"]
+        same_as_buggy += student["seq"] == results["buggy"]["seq"]
+        view = {k: v for k, v in student.items() if k != "kv"}
+        want = {k: v for k, v in engine.items() if k != "kv"}
+        if view != want:
+            fail(name, case, f"accepted {want['accepted']}, seq ending "
+                 f"{want['seq'][len(prompt):]}, cache length {want['length']}",
+                 f"accepted {view['accepted']}, seq ending {view['seq'][len(prompt):]}, cache "
+                 f"length {view['length']}",
+                 _window_hint(view, want, {k: v for k, v in results["buggy"].items()
+                                           if k != "kv"}, temperature > 0))
+        if not all(torch.allclose(a, b, atol=1e-5) for a, b in zip(student["kv"], engine["kv"])):
+            fail(name, case, "the cache's K/V equal to the engine's", "different K/V",
+                 "the cache keeps the K/V of the committed positions, as the replay computed "
+                 "them: crop it, never rewrite it")
+    if same_as_buggy == len(WINDOW_CASES):
+        fail(name, "every case", "a fixed verifier", "verify_window_buggy's results",
+             "this is the buggy verifier unchanged: " + WINDOW_SYMPTOM)
+    passed(name, len(WINDOW_CASES))
+
+
+# --- exercise 6 (design): batch-invariant kernels, or verification? -------------------------------
+
+DESIGN_PROMPTS = [[1, 2, 3, 4, 5], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26], [40, 41],
+                  [50, 51, 52, 53], [60], [70, 71, 72, 73, 74, 75], [80, 81, 82]]
+# (deterministic requests of 8, invariant kernels' overhead per pass): nothing to protect, one
+# request, a few, all of them, with overheads on both sides of every crossing
+DESIGN_CASES = [(0, 0.05), (1, 0.05), (1, 0.4), (2, 0.4), (3, 0.4), (3, 0.9), (8, 0.5),
+                (8, 1.9), (7, 1.9), (6, 1.2), (4, 1.2), (2, 0.15)]
+
+
+def _design_costs(n_det: int, overhead: float, verify_passes: int, plain: int) -> dict:
+    return {"verify": float(verify_passes), "invariant": plain * (1 + overhead)}
+
+
+def reference_determinism(n_det: int, overhead: float, verify_passes: int, plain: int) -> str:
+    costs = _design_costs(n_det, overhead, verify_passes, plain)
+    return "verify" if costs["verify"] <= costs["invariant"] else "invariant"
+
+
+def _design_mistakes(n_det, overhead, plain, rounds, n_requests):
+    def pick(verify):
+        return "verify" if verify <= plain * (1 + overhead) else "invariant"
+    nothing = [("invariant", "with no deterministic request there is nothing to verify: the "
+                             "verifying server is the plain one, and invariant kernels would "
+                             "only slow it down")] if n_det == 0 else []
+    return nothing + [
+        (pick(plain + n_det * rounds),
+         "when EVERY request of the batch is verified at the same step, no batched pass runs at "
+         "that step: the verifier passes replace the batched ones there"),
+        (pick(plain + (rounds if n_det else 0)),
+         "each deterministic request is replayed ALONE: one verifier pass per request per window"),
+        (pick(plain), "verification is not free: each verifier pass is a forward pass of its own"),
+        ("verify" if plain + n_det * rounds <= plain * (1 + overhead * n_det / n_requests)
+         else "invariant",
+         "batch-invariant kernels slow every pass, the ordinary requests' share included: the "
+         "overhead is on all the traffic, not only the deterministic requests'"),
+    ]
+
+
+@one_thread
+@guarded
+def check_choose_determinism(choose_determinism) -> None:
+    """choose_determinism(n_det, overhead) -> "verify" or "invariant": the cheaper way to make
+    n_det of 8 requests batch-invariant, in forward passes after the prefills, the verify side
+    measured with serve()."""
+    name = "choose_determinism"
+    plain = server_passes(0, DESIGN_PROMPTS)
+    rounds = math.ceil((SERVER_NEW - 1) / SERVER_WINDOW)
+    measured: dict[int, int] = {}
+    for n_det, overhead in DESIGN_CASES:
+        if n_det not in measured:
+            measured[n_det] = server_passes(n_det, DESIGN_PROMPTS)
+        costs = _design_costs(n_det, overhead, measured[n_det], plain)
+        want = reference_determinism(n_det, overhead, measured[n_det], plain)
+        case = f"n_det={n_det}, overhead={overhead}"
+        got = call(name, case, choose_determinism, n_det, overhead)
+        if got not in ("verify", "invariant"):
+            fail(name, case, want, got, 'return "verify" or "invariant"'
+                 + (" (did you forget to return it?)" if got is None else ""))
+        if got != want:
+            hints = dict.fromkeys(h for w, h in _design_mistakes(
+                n_det, overhead, plain, rounds, len(DESIGN_PROMPTS)) if w == got)
+            fail(name, case, f"{want!r}: verify takes {measured[n_det]} passes, invariant kernels "
+                 f"{plain} passes × {1 + overhead:g} = {costs['invariant']:g}", repr(got),
+                 "; or ".join(hints) or "price both: the server's passes with verification "
+                 "(measured), and the plain server's passes, each slower by the overhead")
+    passed(name, len(DESIGN_CASES))
