@@ -495,6 +495,180 @@ ADMIT_WRONG = [
     (admit_by_the_engine, "called minikv's own minikv.engine.serving._Server.admit"),
 ]
 
+# --- exercise 5 (predict, then measure): blocks in use when requests share a prompt -------------
+
+def predict_peak_blocks():
+    out = {}
+    for prompt, caching in [(10, True), (12, True), (12, False)]:
+        per_request = -(-(prompt + 7 - 1) // 4)
+        shared = (prompt - 1) // 4 if caching else 0
+        out[prompt, caching] = shared + 4 * (per_request - shared)
+    return out
+
+
+def _peak(**changes):
+    keys = {"p10": (10, True), "p12": (12, True), "p12off": (12, False)}
+
+    def predict():
+        return {**predict_peak_blocks(), **{keys[k]: v for k, v in changes.items()}}
+    predict.__name__ = "peak_" + "_".join(f"{k}_{v}" for k, v in changes.items())
+    return predict
+
+
+PEAK_WRONG = [
+    (_peak(p10=14), "never fed"),
+    (_peak(p10=16), "you shared nothing"),
+    (_peak(p10=7), "only FULL blocks are shared"),
+    (_peak(p12=11), "shares one fewer"),
+    (_peak(p12off=14), "nothing is shared"),
+    (_peak(p12off=18), "you rounded down"),
+    (_peak(p10=10.0), "blocks come whole"),
+    (lambda: {10: 10, 12: 14}, "one prediction per"),
+    (lambda: {(10, True): ch06.measure_peak(10, True), (12, True): 14, (12, False): 20},
+     "a prediction is made before the measurement"),
+]
+
+
+def test_peak_blocks_replayed_from_the_log_match_the_pool_steps():
+    for prompt, caching in ch06.PEAK_KEYS:
+        requests = [minikv.Request(list(range(100, 100 + prompt)), 7) for _ in range(4)]
+        outs = minikv.serve(ch06._tiny_model(), requests, block_size=4, prefix_caching=caching,
+                            trace=True)
+        steps = max(sum(r > 0 for r in s.ref) for s in outs.pool_steps)
+        assert ch06.peak_blocks_in_use(outs.pool) == steps == ch06.measure_peak(prompt, caching)
+
+
+# --- exercise 6 (debug): a paged rollback ---------------------------------------------------------
+
+class PagedCacheFixed(ch06.BuggyPagedCache):
+    def crop(self, max_length):
+        t, bs = self.tables[0], self.pool.block_size
+        t.length = max_length
+        while (len(t.blocks) - 1) * bs >= max_length:
+            self.pool.release(t.blocks.pop(), t.owner)
+        del t.hashes[max_length // bs:]
+
+
+class CropKeepsEverything(ch06.BuggyPagedCache):
+    def crop(self, max_length):
+        self.tables[0].length = max_length
+        del self.tables[0].hashes[max_length // self.pool.block_size:]
+
+
+class CropLeaks(ch06.BuggyPagedCache):  # drops the blocks from the table, never gives them back
+    def crop(self, max_length):
+        t, bs = self.tables[0], self.pool.block_size
+        t.length = max_length
+        while (len(t.blocks) - 1) * bs >= max_length:
+            t.blocks.pop()
+        del t.hashes[max_length // bs:]
+
+
+class CropFreesShared(ch06.BuggyPagedCache):  # frees a block whoever else holds it
+    def crop(self, max_length):
+        t, bs = self.tables[0], self.pool.block_size
+        t.length = max_length
+        while (len(t.blocks) - 1) * bs >= max_length:
+            block = t.blocks.pop()
+            self.pool.ref[block] = 0
+            self.pool.free.append(block)
+        del t.hashes[max_length // bs:]
+
+
+class CropKeepsHashes(ch06.BuggyPagedCache):
+    def crop(self, max_length):
+        t, bs = self.tables[0], self.pool.block_size
+        t.length = max_length
+        while (len(t.blocks) - 1) * bs >= max_length:
+            self.pool.release(t.blocks.pop(), t.owner)
+
+
+class CropByTheEngine(ch06.BuggyPagedCache):
+    def crop(self, max_length):
+        PagedCache.crop(self, max_length)
+
+
+class CropNotACache:
+    pass
+
+
+CROP_WRONG = [
+    (ch06.BuggyPagedCache, "BuggyPagedCache's crop unchanged"),
+    (CropKeepsEverything, "give it back"),
+    (CropLeaks, "give blocks back with pool.release"),
+    (CropFreesShared, "is shared"),
+    (CropKeepsHashes, "keep the hashes of the blocks still full"),
+    (CropByTheEngine, "called minikv's own"),
+    (CropNotACache, "a subclass of PagedCache"),
+]
+
+
+def test_the_decoding_check_catches_the_bug_on_its_own():
+    """The rollback decode alone (no unit case) tells the buggy crop from the right one."""
+    ch06._check_crop_in_decoding("crop", PagedCacheFixed)
+    with pytest.raises(CheckFailed, match="the table lost a block it still needed"):
+        ch06._check_crop_in_decoding("crop", ch06.BuggyPagedCache)
+
+
+# --- exercise 7 (design): a block size for a memory budget ----------------------------------------
+
+def choose_block_size(lengths, max_waste):
+    held = sum(lengths)
+    best = 1
+    for bs in (2, 4, 8, 16, 32, 64, 128):
+        if sum(-(-n // bs) for n in lengths) * bs <= (1 + max_waste) * held:
+            best = bs
+    return best
+
+
+def block_size_always_one(lengths, max_waste):
+    return 1
+
+
+def block_size_floor(lengths, max_waste):
+    held = sum(lengths)
+    return max(bs for bs in (1, 2, 4, 8, 16, 32, 64, 128)
+               if sum(n // bs for n in lengths) * bs <= (1 + max_waste) * held)
+
+
+def block_size_against_reserved(lengths, max_waste):
+    held = sum(lengths)
+    return max(bs for bs in (1, 2, 4, 8, 16, 32, 64, 128)
+               if sum(-(-n // bs) for n in lengths) * bs * (1 - max_waste) <= held)
+
+
+def block_size_strict(lengths, max_waste):
+    held = sum(lengths)
+    fits = [bs for bs in (1, 2, 4, 8, 16, 32, 64, 128)
+            if sum(-(-n // bs) for n in lengths) * bs < (1 + max_waste) * held]
+    return max(fits) if fits else 1
+
+
+def block_size_vllm_default(lengths, max_waste):
+    return 16
+
+
+def block_size_as_string(lengths, max_waste):
+    return str(choose_block_size(lengths, max_waste))
+
+
+BLOCK_WRONG = [
+    (block_size_always_one, "the LARGEST block size"),
+    (block_size_floor, "rounded the blocks down"),
+    (block_size_against_reserved, "against the positions HELD"),
+    (block_size_strict, "≤, not <"),
+    (block_size_vllm_default, "vLLM's default"),
+    (block_size_as_string, "as an int"),
+]
+
+
+def test_block_size_answers_depend_on_the_workload():
+    answers = {label: [ch06.reference_block_size(lengths, w) for w in ch06.DESIGN_BUDGETS]
+               for label, lengths in ch06._snapshots()}
+    assert len({tuple(a) for a in answers.values()}) == len(answers)
+    assert all(a == sorted(a) for a in answers.values())  # a larger budget, a larger block
+
+
 # --- all exercises --------------------------------------------------------------------------------
 
 CHECKS = {
@@ -502,14 +676,21 @@ CHECKS = {
     "reserve": (ch06.check_reserve, reserve, RESERVE_WRONG),
     "matching_blocks": (ch06.check_matching_blocks, matching_blocks, MATCHING_WRONG),
     "can_admit": (ch06.check_can_admit, can_admit, ADMIT_WRONG),
+    "predict_peak_blocks": (ch06.check_predict_peak_blocks, predict_peak_blocks, PEAK_WRONG),
+    "crop": (ch06.check_crop, PagedCacheFixed, CROP_WRONG),
+    "choose_block_size": (ch06.check_choose_block_size, choose_block_size, BLOCK_WRONG),
 }
+
+
+class StubCache(ch06.BuggyPagedCache):  # the crop exercise as students receive it
+    crop = stub
 
 
 @pytest.mark.parametrize("name", CHECKS)
 def test_solution_passes(name, capsys):
     checker, solution, _ = CHECKS[name]
     checker(solution)
-    assert capsys.readouterr().out.startswith(f"✓ {name}: all ")
+    assert f"✓ {name}: all " in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("checker, right", [
@@ -527,7 +708,7 @@ def test_other_right_ways_pass(checker, right, capsys):
 @pytest.mark.parametrize("name", CHECKS)
 def test_stub_raises_not_implemented(name):
     with pytest.raises(NotImplementedError):
-        CHECKS[name][0](stub)
+        CHECKS[name][0](StubCache if name == "crop" else stub)
 
 
 @pytest.mark.parametrize("name, wrong, fragment",
@@ -698,6 +879,7 @@ def test_a_replaced_engine_method_is_refused(monkeypatch, cls, method):
 def test_check_cells_are_two_lines_after_their_exercise():
     cells = solution_check_cells("06_many_requests.ipynb", "ch06")
     for before, _, _, passed in cells:
-        assert f"def {passed[0]}(" in before
-    assert [called for _, _, called, _ in cells] == ["gather_keys", "reserve", "matching_blocks",
-                                                     "can_admit"]
+        assert f"def {passed[0]}(" in before or f"class {passed[0]}(" in before
+    assert [called for _, _, called, _ in cells] == [
+        "gather_keys", "reserve", "matching_blocks", "can_admit", "predict_peak_blocks", "crop",
+        "choose_block_size"]

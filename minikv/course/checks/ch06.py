@@ -17,20 +17,31 @@
   the rule's edges (exactly enough free blocks, one short), with shared blocks that running
   requests hold and shared blocks that are free but cached. admit is forbidden.
 
+- predict_peak_blocks (predict, then measure): the most blocks in use when 4 requests share a
+  prompt, with and without prefix caching, against serve() on a tiny model.
+- crop (debug): a paged rollback, against PagedCache.crop on a copy of the same pool (blocks,
+  length, hashes, reference counts, free list), then as the cache of a greedy verify-and-rollback
+  decode against target-only decoding; the buggy class must not come back unchanged.
+- choose_block_size (design): the largest block size within a waste budget for a snapshot of
+  running sequences, measured with the engine's reserve.
+
 Each usual mistake is recognised by what it produces, and named in the hint. Everything runs on the
-CPU in well under a second and leaves the caller's random state alone.
+CPU in about a second and leaves the caller's random state alone.
 """
 from __future__ import annotations
 
 import copy
+import math
 import random
 from collections import deque
+from functools import partial
 
 import torch
 
-from ...engine import GPTConfig, Request
+from ...engine import GPTConfig, Request, SamplingParams, generate, serve
 from ...engine.paged import BlockPool, BlockTable, PagedCache, block_hash
 from ...engine.serving import _Sequence, _Server
+from ...engine.verify import accept_matching, verify_and_commit
 from . import (
     CheckFailed,
     call_hinted,
@@ -38,7 +49,9 @@ from . import (
     forbid,
     guarded,
     int_list,
+    one_thread,
     passed,
+    tiny_model,
 )
 
 
@@ -770,5 +783,373 @@ def check_can_admit(can_admit) -> None:
     fail(name, described[bad], wanted[bad], answers[bad], hint)
 
 
+
+
+# --- exercise 5 (predict, then measure): blocks in use when samples share a prompt ----------------
+
+PEAK_SAMPLES, PEAK_NEW, PEAK_BLOCK = 4, 7, 4
+PEAK_KEYS = [(10, True), (12, True), (12, False)]  # (prompt tokens, prefix caching)
+
+
+def peak_blocks_in_use(pool: BlockPool) -> int:
+    """The most blocks held at once (reference count above 0), replayed from the pool's log."""
+    ref: dict[int, int] = {}
+    peak = 0
+    for _, what, block, _ in pool.log:
+        if what == "allocate":
+            ref[block] = 1
+        elif what == "share":
+            ref[block] = ref.get(block, 0) + 1
+        elif what in ("free", "unshare"):
+            ref[block] -= 1
+        else:
+            continue
+        peak = max(peak, sum(v > 0 for v in ref.values()))
+    return peak
+
+
+def measure_peak(prompt_len: int, prefix_caching: bool) -> int:
+    """PEAK_SAMPLES requests with the same prompt, served together in blocks of PEAK_BLOCK, on a
+    tiny random model (no request stops early, so the blocks do not depend on its tokens)."""
+    prompt = list(range(100, 100 + prompt_len))
+    requests = [Request(list(prompt), PEAK_NEW) for _ in range(PEAK_SAMPLES)]
+    with torch.inference_mode():
+        outs = serve(_tiny_model(), requests, block_size=PEAK_BLOCK, prefix_caching=prefix_caching)
+    return peak_blocks_in_use(outs.pool)
+
+
+_MODELS: dict = {}
+
+
+def _tiny_model():
+    if "tiny" not in _MODELS:
+        _MODELS["tiny"] = tiny_model(0)
+    return _MODELS["tiny"]
+
+
+def _peak_mistakes(prompt_len: int, prefix_caching: bool) -> list[tuple[int, str]]:
+    n, bs = PEAK_SAMPLES, PEAK_BLOCK
+    held = prompt_len + PEAK_NEW - 1
+    own = _ceil(held, bs)
+    full = prompt_len // bs
+    shared = (prompt_len - 1) // bs if prefix_caching else 0
+    out = [
+        (n * _ceil(prompt_len + PEAK_NEW, bs) - (n - 1) * shared,
+         "you gave the last new token K/V: it is produced by the last pass and never fed, so a "
+         "request holds prompt + new - 1 positions"),
+        (n * own, "you shared nothing: with prefix caching the samples after the first reuse the "
+                  "prompt's full blocks (one copy, reference count 4)" if prefix_caching else
+                  "right count per request, wrong total"),
+        (n * _ceil(held, bs) - (n - 1) * _ceil(prompt_len, bs),
+         "you shared the prompt's partly filled last block too: only FULL blocks are shared (a "
+         "partly filled one is written by every sample, so each needs its own)"),
+        (n * own - (n - 1) * full,
+         "you shared every full block of the prompt: a prompt that ends on a block boundary "
+         "shares one fewer, since at least one prompt token is left to compute (its logits give "
+         "the first new token)"),
+        (n * held // bs, "you rounded down: a partly filled block is a whole block"),
+    ]
+    if not prefix_caching:
+        out.append((n * own - (n - 1) * ((prompt_len - 1) // bs),
+                    "without prefix caching nothing is shared: every request computes and holds "
+                    "its own prompt blocks"))
+    return out
+
+
+@one_thread
+@guarded
+def check_predict_peak_blocks(predict_peak_blocks) -> None:
+    """predict_peak_blocks() -> {(prompt tokens, prefix caching): the most blocks in use at once}
+    for 4 requests with the same prompt, 7 new tokens each, blocks of 4; measured with serve()."""
+    name = "predict_peak_blocks"
+    case = (f"{PEAK_SAMPLES} requests with the same prompt, {PEAK_NEW} new tokens each, arriving "
+            f"together, blocks of {PEAK_BLOCK}, a large pool")
+    try:
+        with forbid(name, serve, PagedCache.reserve, BlockPool.allocate):
+            got = call_hinted(name, case, lambda e: "your function raised", predict_peak_blocks)
+    except CheckFailed as e:
+        if "called minikv's own" not in str(e):
+            raise
+        raise CheckFailed(f"{name}: your function ran the engine; a prediction is made before "
+                          f"the measurement: reason it out, and let the check cell measure"
+                          ) from None
+    if not isinstance(got, dict) or sorted(got) != sorted(PEAK_KEYS):
+        fail(name, case, f"a dict with the keys {PEAK_KEYS}",
+             sorted(got) if isinstance(got, dict) else got,
+             "one prediction per (prompt tokens, prefix caching) pair, as ints"
+             + (" (did you forget to return it?)" if got is None else ""))
+    for key in PEAK_KEYS:
+        if _int(got[key]) is None:
+            fail(name, f"{case}: {key}", "an int", got[key], "blocks come whole: an int")
+    measured = {key: measure_peak(*key) for key in PEAK_KEYS}
+    for key in PEAK_KEYS:
+        you = _int(got[key])
+        if you != measured[key]:
+            hints = dict.fromkeys(h for w, h in _peak_mistakes(*key)
+                                  if w == you and w != measured[key])
+            reason = "; or ".join(hints) or (
+                "per request: the positions it holds at the end (prompt + new tokens - 1), in "
+                "blocks of 4; then which of those blocks the requests hold together")
+            prompt_len, caching = key
+            fail(name, f"{case}: a {prompt_len}-token prompt, prefix caching "
+                 f"{'on' if caching else 'off'}", measured[key], you,
+                 f"you predicted {you} blocks; the engine used {measured[key]} at most: {reason}")
+    print("  measured: " + "; ".join(
+        f"{p}-token prompt, prefix caching {'on' if c else 'off'}: {measured[p, c]} blocks"
+        for p, c in PEAK_KEYS))
+    passed(name, len(PEAK_KEYS))
+
+
+def _int(value):
+    if isinstance(value, bool):
+        return None
+    return value if isinstance(value, int) else None
+
+
+# --- exercise 6 (debug): giving blocks back on a rollback ----------------------------------------
+
+class BuggyPagedCache(PagedCache):
+    """The notebook's broken rollback, verbatim: it gives back the block that still holds the
+    sequence's last positions whenever the new length is not a multiple of block_size."""
+
+    def crop(self, max_length):
+        t, bs = self.tables[0], self.pool.block_size
+        t.length = max_length
+        while len(t.blocks) * bs > max_length:        # a block past the end goes back
+            self.pool.release(t.blocks.pop(), t.owner)
+        del t.hashes[max_length // bs:]
+
+
+# (what the case is about, block_size, this table (blocks, length), the others' blocks, new
+# length, blocks holding a hash)
+CROP_CASES = [
+    ("a rollback to the middle of a block", 4, ([3, 0, 5], 11), [], 6, []),
+    ("a rollback to a block boundary", 4, ([3, 0, 5], 11), [], 8, []),
+    ("a rollback that keeps every block", 4, ([2, 6], 8), [], 7, []),
+    ("a rollback to one position", 4, ([1, 4, 2], 12), [], 1, []),
+    ("a rollback past a block another sequence shares (reference count 2)", 4,
+     ([0, 1, 2, 3], 14), [[0, 1, 2, 5]], 5, []),
+    ("a rollback in blocks of 16, through a reserved block past the end", 16,
+     ([4, 1, 7], 33), [], 20, []),
+    ("a rollback that forgets a full block's hash", 4, ([3, 0, 5], 12), [], 6, [3, 0]),
+    ("blocks of 1 position", 1, ([5, 2, 7, 1], 4), [], 2, []),
+]
+
+
+def crop_pool(case):
+    """The case's pool (just the books), the tables of the others, and this table."""
+    _, bs, (blocks, length), others, _, hashed = case
+    used = set(blocks) | {b for o in others for b in o}
+    num_blocks = max(used) + 3
+    pool = BlockPool(_config(1, 1, 1), num_blocks, bs)
+    tables = [BlockTable(i + 1, list(o), len(o) * bs) for i, o in enumerate(others)]
+    mine = BlockTable(0, list(blocks), length,
+                      hashes=[_hash_of(b) for b in blocks[:length // bs] if b in hashed])
+    pool.ref = [sum(b in t.blocks for t in tables + [mine]) for b in range(num_blocks)]
+    pool.free = deque(b for b in range(num_blocks) if pool.ref[b] == 0)
+    return pool, tables, mine
+
+
+CROP_SYMPTOM = ("symptom: a rollback to a length that is not a multiple of block_size gives back "
+                "the block that still holds the sequence's last positions; the next pass writes "
+                "into a fresh block and reads garbage where those positions were (and the block "
+                "given back may already be another request's). A block goes back only when it "
+                "lies wholly past the new length: while its FIRST position is at or past it")
+
+
+def _crop_hint(got: BlockTable, want: BlockTable, pool, want_pool, blocks0) -> str:
+    if len(got.blocks) < len(want.blocks):
+        return CROP_SYMPTOM
+    if len(got.blocks) > len(want.blocks):
+        return ("a block that lies wholly past the new length holds nothing of the sequence any "
+                "more: give it back (pool.release), or it is lost to every other request")
+    if got.length != want.length:
+        return "the table's length is the new length"
+    if got.hashes != want.hashes:
+        return ("a full block the rollback cuts into (or drops) is no longer a full prompt block: "
+                "keep the hashes of the blocks still full, max_length // block_size of them")
+    return "give back the blocks past the end with pool.release(block, owner), last first"
+
+
+@guarded
+def check_crop(cache_class) -> None:
+    """cache_class(pool, [table]).crop(n): a paged rollback, against the engine's PagedCache.crop
+    on a copy of the same pool (table, reference counts, free list), then as the cache of a
+    verify-and-rollback decode on a tiny model, against target-only greedy decoding."""
+    name = "crop"
+    if not (isinstance(cache_class, type) and issubclass(cache_class, PagedCache)):
+        fail(name, "the class", "a subclass of PagedCache (of BuggyPagedCache)", cache_class,
+             "pass the class itself, with its crop method fixed")
+    same_as_buggy = 0
+    for case in CROP_CASES:
+        label, bs, (blocks0, length), others, n, _ = case
+        where = f"{label}: block_size={bs}, table.blocks={blocks0}, length {length} → {n}"
+        pool, tables, mine = crop_pool(case)
+        want_pool, want = copy.deepcopy(pool), copy.deepcopy(mine)
+        PagedCache(want_pool, [want]).crop(n)
+        buggy_pool, buggy = copy.deepcopy(pool), copy.deepcopy(mine)
+        BuggyPagedCache(buggy_pool, [buggy]).crop(n)
+        with forbid(name, PagedCache.crop):
+            call_hinted(name, where, lambda e: "your crop raised on this input",
+                        lambda: cache_class(pool, [mine]).crop(n))
+        state = (mine.blocks, mine.length, mine.hashes, pool.ref, list(pool.free))
+        wanted = (want.blocks, want.length, want.hashes, want_pool.ref, list(want_pool.free))
+        same_as_buggy += state == (buggy.blocks, buggy.length, buggy.hashes, buggy_pool.ref,
+                                   list(buggy_pool.free))
+        if state[:3] != wanted[:3]:
+            hint = _crop_hint(mine, want, pool, want_pool, blocks0)
+            if state[:3] == (buggy.blocks, buggy.length, buggy.hashes):
+                hint = "this is BuggyPagedCache's crop unchanged: " + CROP_SYMPTOM
+            fail(name, where, f"table.blocks={want.blocks}, length {want.length}, hashes "
+                 f"{len(want.hashes)}", f"table.blocks={mine.blocks}, length {mine.length}, "
+                 f"hashes {len(mine.hashes)}", hint)
+        if state[3:] != wanted[3:]:
+            freed = [b for b in blocks0 if b not in mine.blocks]
+            shared = [b for b in freed if want_pool.ref[b] > 0]
+            hint = ("block {b} is shared (another sequence holds it too): giving it back drops "
+                    "ONE reference; it is free only when nobody holds it. pool.release does "
+                    "both".format(b=shared[0]) if shared and pool.ref[shared[0]] == 0 else
+                    "give blocks back with pool.release(block, owner): it lowers the reference "
+                    "count and puts the block on the free list when nobody holds it")
+            fail(name, where, f"pool.ref={want_pool.ref}, pool.free={list(want_pool.free)}",
+                 f"pool.ref={pool.ref}, pool.free={list(pool.free)}", hint)
+    if same_as_buggy == len(CROP_CASES):
+        fail(name, "every case", "a fixed crop", "BuggyPagedCache's results",
+             "this is the buggy crop unchanged: " + CROP_SYMPTOM)
+    _check_crop_in_decoding(name, cache_class)
+    passed(name, len(CROP_CASES) + 1)
+
+
+def _check_crop_in_decoding(name, cache_class) -> None:
+    """Greedy decoding on a paged cache of the student's class, with wrong proposals verified and
+    rolled back at lengths of every remainder: the output must be target-only greedy decoding."""
+    model = _tiny_model()
+    prompt, n_new, bs = [3, 17, 200, 41, 9, 77, 5], 24, 4
+    pool = BlockPool(model.config, 40, bs)
+    table = BlockTable(0)
+    seq = list(prompt)
+
+    def verifier(rows, cache):
+        cache.reserve(len(rows))
+        return model(torch.tensor([rows]), cache=cache)[0]
+    case = "greedy decoding on a paged cache with your crop, every round rolled back"
+    try:
+        with torch.inference_mode():
+            cache = cache_class(pool, [table])
+            cache.reserve(len(prompt))
+            seq.append(int(model(torch.tensor([prompt]), cache=cache)[0, -1].argmax()))
+            step = 0
+            while len(seq) - len(prompt) < n_new:
+                # proposals unrelated to the text, so they are refused and the cache rolls back
+                # behind a different remainder of the block size every round
+                k = 1 + step % 3
+                proposals = [(seq[-1] * 7 + i + step) % model.config.vocab_size
+                             for i in range(k)]
+                verify_and_commit(seq, proposals, cache, verifier,
+                                  partial(accept_matching, sampling=SamplingParams(),
+                                          first_position=len(seq)))
+                step += 1
+    except (NotImplementedError, CheckFailed):
+        raise
+    except Exception as e:  # noqa: BLE001 - a crash after a rollback is this exercise's symptom
+        fail(name, case, "decoding to the end", f"{type(e).__name__}: {e} after "
+             f"{len(seq) - len(prompt)} new tokens", "the table lost a block it still needed "
+             "and the next pass found no slot for a position: " + CROP_SYMPTOM)
+    new = seq[len(prompt):len(prompt) + n_new]
+    alone = generate(model, prompt, n_new).tokens
+    if new != alone:
+        at = next(i for i, (a, b) in enumerate(zip(new, alone)) if a != b)
+        fail(name, case, f"target-only greedy: {alone}", new,
+             f"the text goes wrong at new token {at}: " + CROP_SYMPTOM)
+
+
+# --- exercise 7 (design): a block size for a memory budget ----------------------------------------
+
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def blocks_taken(lengths: list[int], block_size: int) -> int:
+    """Blocks the engine's PagedCache.reserve takes for sequences of these lengths, one table
+    each, in one pool."""
+    need = sum(_ceil(n, block_size) for n in lengths)
+    pool = BlockPool(_config(1, 1, 1), max(need, 1), block_size)
+    tables = [BlockTable(i) for i in range(len(lengths))]
+    for t, n in zip(tables, lengths):
+        PagedCache(pool, [t]).reserve(n)
+    return pool.num_blocks - pool.n_free
+
+
+def reference_block_size(lengths: list[int], max_waste: float) -> int:
+    held = sum(lengths)
+    fits = [bs for bs in BLOCK_SIZES
+            if blocks_taken(lengths, bs) * bs <= (1 + max_waste) * held]
+    return max(fits)
+
+
+def _snapshots() -> list[tuple[str, list[int]]]:
+    """(what the snapshot is, the positions each running sequence holds)."""
+    g = random.Random(6)
+    chat = [g.randint(5, 40) for _ in range(64)]
+    mixed = [g.randint(6, 80) + int(math.exp(g.uniform(math.log(4), math.log(127))))
+             for _ in range(48)]
+    documents = [g.randint(900, 2000) for _ in range(4)]
+    return [("48 sequences of a mixed workload (prompts of 6-80 tokens, outputs of 4-127)", mixed),
+            ("64 short chat turns of 5-40 tokens", chat),
+            ("4 long documents of 900-2000 tokens", documents),
+            ("sequences whose lengths are all multiples of 64", [64, 192, 320, 128])]
+
+
+DESIGN_BUDGETS = (0.0, 0.05, 0.1, 0.25)
+
+
+def _block_mistakes(lengths, max_waste) -> list[tuple[int, str]]:
+    held = sum(lengths)
+
+    def largest(ok):
+        fits = [bs for bs in BLOCK_SIZES if ok(bs)]
+        return max(fits) if fits else 1
+    return [
+        (1, "block size 1 never wastes a position (it is always within the budget), but a block "
+            "per position is the slowest for the attention kernel, which reads a block at a "
+            "time: the goal is the LARGEST block size within the budget"),
+        (largest(lambda bs: sum(n // bs for n in lengths) * bs <= (1 + max_waste) * held),
+         "you rounded the blocks down: a sequence's partly filled last block is a whole block"),
+        (largest(lambda bs: blocks_taken(lengths, bs) * bs * (1 - max_waste) <= held),
+         "the waste is measured against the positions HELD: reserved ≤ (1 + max_waste) × held"),
+        (largest(lambda bs: blocks_taken(lengths, bs) * bs < (1 + max_waste) * held),
+         "exactly on the budget is within it: ≤, not <"),
+        (16, "16 is vLLM's default, not this workload's answer: measure the waste at each size"),
+    ]
+
+
+@guarded
+def check_choose_block_size(choose_block_size) -> None:
+    """choose_block_size(lengths, max_waste) -> the largest block size of BLOCK_SIZES whose blocks
+    (as PagedCache.reserve takes them) hold at most (1 + max_waste) × the positions held."""
+    name = "choose_block_size"
+    n_cases = 0
+    for label, lengths in _snapshots():
+        held = sum(lengths)
+        for max_waste in DESIGN_BUDGETS:
+            case = f"{label}, max_waste={max_waste}"
+            want = reference_block_size(lengths, max_waste)
+            got = call_hinted(name, case, lambda e: "your function raised on this input",
+                              choose_block_size, list(lengths), max_waste)
+            if _int(got) is None or got not in BLOCK_SIZES:
+                fail(name, case, want, got, f"return one of {BLOCK_SIZES}, as an int")
+            if got != want:
+                hints = dict.fromkeys(h for w, h in _block_mistakes(lengths, max_waste)
+                                      if w == got and w != want)
+                mine = blocks_taken(lengths, got) * got
+                best = blocks_taken(lengths, want) * want
+                fail(name, case, f"{want} ({best:,} positions reserved for {held:,} held, "
+                     f"{100 * (best / held - 1):.1f}% waste)",
+                     f"{got} ({mine:,} positions reserved, {100 * (mine / held - 1):.1f}% waste)",
+                     "; or ".join(hints) or "for each block size: the blocks every sequence "
+                     "needs, times the block size, against the positions held")
+            n_cases += 1
+    passed(name, n_cases)
+
+
 __all__ = ["check_gather_keys", "check_reserve", "check_matching_blocks", "check_can_admit",
-           "CheckFailed"]
+           "check_predict_peak_blocks", "check_crop", "check_choose_block_size", "CheckFailed"]
