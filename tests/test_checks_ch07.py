@@ -192,9 +192,9 @@ def quantize_with(x, bits, n=None, dim=-1, signed=False, rounding=torch.round, c
     return codes.to(dtype), scales
 
 
-def quantize_block(x, bits):
+def quantize_block(x, bits, per="token"):
     qmax = 2 ** (bits - 1) - 1
-    amax = x.abs().amax(dim=-1, keepdim=True)
+    amax = x.abs().amax(dim=-1 if per == "token" else -2, keepdim=True)
     scales = amax.clamp(min=torch.finfo(x.dtype).tiny) / qmax
     codes = torch.round(x / scales).clamp(-qmax, qmax).to(torch.int8)
     return codes, scales
@@ -204,19 +204,20 @@ def dequantize_block(codes, scales):
     return codes.to(scales.dtype) * scales
 
 
-def quantize_where_zero(x, bits):
+def quantize_where_zero(x, bits, per="token"):
     """Also right: a zero vector given the scale 1 (any positive scale codes it as zeros), codes
     as int64, no clamp (with the right scale x / scale never passes ±qmax)."""
     qmax = 2 ** (bits - 1) - 1
-    amax = x.abs().amax(dim=-1, keepdim=True)
+    amax = x.abs().amax(dim=-1 if per == "token" else -2, keepdim=True)
     scales = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
     return torch.round(x / scales).long(), scales
 
 
-def quantize_by_multiplying(x, bits):
+def quantize_by_multiplying(x, bits, per="token"):
     """Also right: x * (qmax / max|x|) instead of x / scale (a code may differ at a tie)."""
     qmax = 2 ** (bits - 1) - 1
-    amax = x.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(x.dtype).tiny)
+    amax = x.abs().amax(dim=-1 if per == "token" else -2, keepdim=True).clamp(
+        min=torch.finfo(x.dtype).tiny)
     return torch.round(x * (qmax / amax)).to(torch.int16), amax / qmax
 
 
@@ -340,6 +341,37 @@ QUANT_WRONG = [
     (quantize_block, dequantize_int, "dequantized values are real numbers"),
 ]
 
+def quantize_ignores_per(x, bits, per="token"):  # per-token scales whatever is asked
+    return quantize_block(x, bits)
+
+
+def quantize_channel_no_keepdim(x, bits, per="token"):
+    codes, scales = quantize_block(x, bits, per)
+    return codes, scales.squeeze(-2) if per == "channel" else scales
+
+
+def quantize_channel_zero_scale(x, bits, per="token"):
+    if per == "token":
+        return quantize_block(x, bits)
+    qmax = 2 ** (bits - 1) - 1
+    scales = x.abs().amax(dim=-2, keepdim=True) / qmax
+    return torch.round(x / scales).clamp(-qmax, qmax).to(torch.int8), scales
+
+
+def quantize_channel_off_by_one(x, bits, per="token"):
+    if per == "token":
+        return quantize_block(x, bits)
+    return quantize_with(x, bits, dim=-2, n=lambda b: 2 ** (b - 1))
+
+
+CHANNEL_WRONG = [
+    (quantize_ignores_per, dequantize_block, "per-TOKEN scales"),
+    (quantize_channel_no_keepdim, dequantize_block, "one scale per channel and head"),
+    (quantize_channel_zero_scale, dequantize_block, "a channel that is all zeros"),
+    (quantize_channel_off_by_one, dequantize_block, "off by one level"),
+]
+
+
 # --- exercise 3: held_positions -------------------------------------------------------------------
 
 
@@ -437,6 +469,159 @@ WINDOW_WRONG = [
     (held_by_the_engine, "called minikv's own minikv.engine.window.feed"),
 ]
 
+# --- exercise 4 (predict, then measure): bytes ----------------------------------------------------
+
+def predict_bytes():
+    return {"gqa2_int4": 12 * 2 * 2 * (12 + 4) * 50, "mqa_window": 12 * 2 * 1 * 24 * 4 * 20}
+
+
+def _bytes(**changes):
+    def predict():
+        return {**predict_bytes(), **changes}
+    predict.__name__ = "bytes_" + "_".join(f"{k}_{v}" for k, v in changes.items())
+    return predict
+
+
+BYTES_WRONG = [
+    (_bytes(gqa2_int4=28_800), "you forgot the scales"),
+    (_bytes(gqa2_int4=67_200), "half a byte"),
+    (_bytes(gqa2_int4=153_600), "2 K/V heads, not the 8 query heads"),
+    (_bytes(gqa2_int4=19_200), "K and V"),
+    (_bytes(gqa2_int4=230_400), "the fp32 cache"),
+    (_bytes(mqa_window=115_200), "not all 50"),
+    (_bytes(mqa_window=48_384), "sinks \\+ window = 20 positions"),
+    (_bytes(mqa_window=36_864), "the 4 sinks stay too"),
+    (_bytes(mqa_window=368_640), "ONE K/V head"),
+    (_bytes(mqa_window=23_040), "it is not quantized"),
+    (_bytes(mqa_window=46_080.0), "an int"),
+    (lambda: (38_400, 46_080), "a dict with the keys"),
+    (lambda: {"gqa2_int4": ch07.measure_bytes()["gqa2_int4"], "mqa_window": 46_080},
+     "a prediction is made before the measurement"),
+]
+
+
+# --- exercise 5 (debug): a sink-and-window cache --------------------------------------------------
+
+class WindowCacheFixed(ch07.BuggyWindowCache):
+    def __init__(self, model, sinks, window):
+        super().__init__(model, sinks, window)
+        self.seen = 0
+
+    def get_seq_length(self, layer_idx=0):
+        return self.seen
+
+    def update(self, key, value, layer_idx):
+        out = super().update(key, value, layer_idx)
+        if layer_idx == self.n_layer - 1:
+            self.seen += key.shape[2]
+        return out
+
+
+class WindowCacheLastPlusOne(ch07.BuggyWindowCache):
+    """Takes the last held slot's position + 1: right, the positions are true ones."""
+
+    def get_seq_length(self, layer_idx=0):
+        return self.positions[-1] + 1 if self.positions else 0
+
+
+class WindowCacheCountsSlotsOnce(ch07.BuggyWindowCache):  # counts per layer, not per pass
+    def __init__(self, model, sinks, window):
+        super().__init__(model, sinks, window)
+        self.seen = 0
+
+    def get_seq_length(self, layer_idx=0):
+        return self.seen
+
+    def update(self, key, value, layer_idx):
+        self.seen += key.shape[2]
+        return super().update(key, value, layer_idx)
+
+
+class WindowCacheNoEviction(ch07.BuggyWindowCache):
+    def __init__(self, model, sinks, window):
+        super().__init__(model, sinks, window)
+        self.sinks, self.window = 0, 10_000
+
+
+class WindowCacheWrongFirstPasses(WindowCacheFixed):
+    def update(self, key, value, layer_idx):
+        k, v = super().update(key, value, layer_idx)
+        return k, v * 0.5
+
+
+class WindowCacheByTheEngine(minikv.SinkWindowCache):
+    def __init__(self, model, sinks, window):
+        cfg = model.config
+        super().__init__(cfg.n_layer, cfg.kv_heads, cfg.head_dim, sinks, window,
+                         block_size=cfg.block_size)
+
+
+WINDOW_CACHE_WRONG = [
+    (ch07.BuggyWindowCache, "BuggyWindowCache unchanged"),
+    (WindowCacheCountsSlotsOnce, "once per LAYER"),
+    (WindowCacheNoEviction, "the first `sinks` and the last"),
+    (WindowCacheWrongFirstPasses, "wrong before anything is evicted"),
+    (WindowCacheByTheEngine, "called minikv's own"),
+    (ch07.SinkWindowCache.__init__, "a Cache subclass"),
+]
+
+
+def test_window_cache_other_fix_passes():
+    ch07.check_window_cache(WindowCacheLastPlusOne)
+
+
+# --- exercise 6 (design): sinks and window under a budget -----------------------------------------
+
+def choose_window(budget_bytes):  # a few sinks (StreamingLLM's 4), the rest a window
+    slots = budget_bytes // (12 * 2 * 8 * 24 * 4)
+    sinks = min(4, slots // 4)
+    return sinks, slots - sinks
+
+
+def window_no_sinks(budget_bytes):
+    return 0, budget_bytes // 18_432
+
+
+def window_many_sinks(budget_bytes):
+    slots = budget_bytes // 18_432
+    return slots // 2, slots - slots // 2
+
+
+def window_over_budget(budget_bytes):
+    slots = budget_bytes // 18_432
+    return 4, slots - 3  # "the newest token is held on top of sinks + window"
+
+
+def window_leaves_room(budget_bytes):
+    slots = budget_bytes // 18_432
+    return 4, slots - 6
+
+
+def window_counts_half(budget_bytes):  # keys only: 9,216 bytes a position
+    slots = budget_bytes // 9_216
+    return 4, slots - 4
+
+
+def window_as_dict(budget_bytes):
+    return {"sinks": 4, "window": budget_bytes // 18_432 - 4}
+
+
+CHOOSE_WINDOW_WRONG = [
+    (window_no_sinks, "no sinks"),
+    (window_many_sinks, "too many sinks"),
+    (window_over_budget, "sinks \\+ window positions after every pass"),
+    (window_leaves_room, "memory wasted"),
+    (window_counts_half, "12 layers × K and V"),
+    (window_as_dict, "return the pair"),
+]
+
+
+def test_design_losses_rank_a_few_sinks_first():
+    """The landscape the design checker relies on: no sinks is clearly worst, a few is best."""
+    losses = {s: ch07.window_loss(s, 16 - s) for s in (0, 4, 8)}
+    assert losses[0] > 1.05 * losses[4] and losses[8] > losses[4]
+
+
 # --- all exercises --------------------------------------------------------------------------------
 
 CHECKS = {
@@ -444,10 +629,17 @@ CHECKS = {
     "quantize_block and dequantize_block": (ch07.check_quantize,
                                             (quantize_block, dequantize_block)),
     "held_positions": (ch07.check_held_positions, (held_positions,)),
+    "predict_bytes": (ch07.check_predict_bytes, (predict_bytes,)),
+    "window_cache": (ch07.check_window_cache, (WindowCacheFixed,)),
+    "choose_window": (ch07.check_choose_window, (choose_window,)),
 }
 WRONG = ([("gqa_attention", (w,), f) for w, f in GQA_WRONG]
-         + [("quantize_block and dequantize_block", (q, d), f) for q, d, f in QUANT_WRONG]
-         + [("held_positions", (w,), f) for w, f in WINDOW_WRONG])
+         + [("quantize_block and dequantize_block", (q, d), f)
+            for q, d, f in QUANT_WRONG + CHANNEL_WRONG]
+         + [("held_positions", (w,), f) for w, f in WINDOW_WRONG]
+         + [("predict_bytes", (w,), f) for w, f in BYTES_WRONG]
+         + [("window_cache", (w,), f) for w, f in WINDOW_CACHE_WRONG]
+         + [("choose_window", (w,), f) for w, f in CHOOSE_WINDOW_WRONG])
 
 
 def _id(value):
@@ -460,7 +652,7 @@ def _id(value):
 def test_solution_passes(name, capsys):
     checker, solution = CHECKS[name]
     checker(*solution)
-    assert capsys.readouterr().out.startswith(f"✓ {name}: all ")
+    assert f"✓ {name}: all " in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("checker, right", [
@@ -476,11 +668,15 @@ def test_other_right_ways_pass(checker, right, capsys):
     assert capsys.readouterr().out.startswith("✓ ")
 
 
+class StubWindowCache(ch07.BuggyWindowCache):  # the debug exercise as students receive it
+    get_seq_length = stub
+
+
 @pytest.mark.parametrize("name", CHECKS)
 def test_stub_raises_not_implemented(name):
     checker, solution = CHECKS[name]
     with pytest.raises(NotImplementedError):
-        checker(*[stub] * len(solution))
+        checker(*([StubWindowCache] if name == "window_cache" else [stub] * len(solution)))
     if len(solution) == 2:  # a stubbed dequantize_block after a written quantize_block
         with pytest.raises(NotImplementedError):
             checker(solution[0], stub)
@@ -625,6 +821,8 @@ def test_a_replaced_engine_function_is_refused(monkeypatch):
 def test_check_cells_follow_their_exercise():
     cells = solution_check_cells("07_shrinking_the_cache.ipynb", "ch07")
     for before, cell, _, passed in cells:
-        assert all(f"def {name}(" in before for name in passed)
+        assert all(f"def {name}(" in before or f"class {name}(" in before for name in passed)
         assert "✓" in str(cell.outputs)
-    assert [called for _, _, called, _ in cells] == ["gqa_attention", "quantize", "held_positions"]
+    assert [called for _, _, called, _ in cells] == [
+        "gqa_attention", "quantize", "held_positions", "predict_bytes", "window_cache",
+        "choose_window"]

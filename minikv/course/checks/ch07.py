@@ -5,17 +5,25 @@ sliding window with attention sinks).
   kernel (causal_attention: PyTorch's SDPA with enable_gqa) on random tensors, n_kv_head from
   n_head down to 1, then plugged into the course models target-gqa2 and target-mqa, logit for
   logit. The engine's attention functions and F.scaled_dot_product_attention are forbidden.
-- quantize_block / dequantize_block: per-token symmetric quantization, against the engine's
+- quantize_block / dequantize_block: symmetric quantization per token, against the engine's
   quantize and dequantize, 8 and 4 bits, on the course target's real keys and values and on
-  blocks with an all-zero position and positions of very different sizes: the same scales, codes
-  in [-qmax, qmax] that round x / scale, and a reconstruction within half a scale of x. The
-  engine's quantize and dequantize are forbidden.
+  blocks with an all-zero position and positions of very different sizes; and per channel
+  (KIVI's keys), against the engine's on the transposed block: the same scales, codes in
+  [-qmax, qmax] that round x / scale, and a reconstruction within half a scale of x. The engine's
+  quantize and dequantize are forbidden.
 - held_positions: the absolute positions a SinkWindowCache holds after each pass, against a real
   one fed a text one token per pass, for many (sinks, window), sinks = 0 and window = 1 included,
   from the first position on (before anything is evicted). SinkWindowCache.update is forbidden.
+- predict_bytes (predict, then measure): the bytes of two caches that combine savings (GQA-2 with
+  an int4 cache, MQA with sinks and a window), against their nbytes after 50 tokens.
+- window_cache (debug): a sink-and-window cache whose new tokens took the number of slots held as
+  their position; the fixed class fed a text one token per pass against the engine's
+  SinkWindowCache, logits and positions at every step; the buggy class must not come back.
+- choose_window (design): sinks and window for a byte budget, against the held-out loss of every
+  split of the positions the budget buys (within 2% of the best), and the bytes it holds.
 
 Each usual mistake is recognised by computing what it would give, and named in the hint. Every
-checker runs on the CPU in a second or two and leaves the caller's random state alone.
+checker runs on the CPU in a few seconds and leaves the caller's random state alone.
 """
 from __future__ import annotations
 
@@ -26,11 +34,12 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from ...engine import KVCache, causal_attention
+from ...engine import GPT, Cache, KVCache, causal_attention
 from ...engine.model import sdpa
 from ...engine.quantized import QuantizedKVCache, dequantize, quantize
-from ...engine.window import SinkWindowCache, feed
+from ...engine.window import SinkWindowCache, feed, window_attention
 from ..checkpoint import load_course_model
+from ..evaluate import heldout_losses
 from . import (
     CheckFailed,
     call_hinted,
@@ -467,24 +476,89 @@ def _check_quantized(name, case, x, bits, got) -> tuple[torch.Tensor, torch.Tens
     return codes, scales
 
 
+def channel_cases() -> list[tuple[str, torch.Tensor, int]]:
+    """(what the case is about, x, bits) for per="channel": the scale of a channel spans the
+    block's positions (KIVI's keys). T differs from head_dim, so an axis mix-up shows."""
+    k0, _, _ = _real_kv()
+    gen = torch.Generator().manual_seed(72)
+    outlier = torch.randn(1, 2, 9, 6, generator=gen)
+    outlier[..., 3] *= 25.0                      # a channel large at every position
+    outlier[..., 1] = 0.0                        # a channel that is all zeros
+    real = f"the course target's layer-0 keys for a {k0.size(2)}-token prompt, {tuple(k0.shape)}"
+    return [
+        (real, k0, 8),
+        (real, k0, 4),
+        ("keys (1, 2, 9, 6) with an outlier channel (3, 25x larger everywhere) and an all-zero "
+         "channel (1)", outlier, 4),
+    ]
+
+
+_CHANNEL_WORDS = [("per position", "per channel"), ("(..., T, 1)", "(..., 1, hs)"),
+                  ("that position's head_dim elements", "that channel's T positions"),
+                  ("its own head_dim elements", "its own T positions"),
+                  ("amax(dim=-1, keepdim=True)", "amax(dim=-2, keepdim=True)"),
+                  ("a position whose vector is all zeros", "a channel that is all zeros"),
+                  ("one scale per position and head", "one scale per channel and head"),
+                  ("position", "channel")]
+
+
+def _check_channel_quantized(name, case, x, bits, got) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel codes and scales of x, checked as the per-token ones of x transposed (the
+    engine's quantize on the transposed block is the reference); hints in channel words."""
+    *lead, T, hs = x.shape
+    if (isinstance(got, (tuple, list)) and len(got) == 2 and isinstance(got[0], torch.Tensor)
+            and tuple(got[0].shape) != tuple(x.shape)):
+        fail(name, case, f"codes of shape {tuple(x.shape)}, one per element of x",
+             f"codes of shape {tuple(got[0].shape)}", "one code per element of x, x's shape")
+    if isinstance(got, (tuple, list)) and len(got) == 2 and isinstance(got[1], torch.Tensor):
+        shape = tuple(got[1].shape)
+        if shape == (*lead, T, 1):
+            fail(name, case, f"scales of shape {(*lead, 1, hs)}, one per channel",
+                 f"scales of shape {shape}",
+                 "these are per-TOKEN scales (one per position): per channel, a channel's scale "
+                 "is the largest magnitude of that channel over the block's positions, "
+                 "x.abs().amax(dim=-2, keepdim=True), (..., 1, hs)")
+        if shape != (*lead, 1, hs):
+            fail(name, case, f"scales of shape {(*lead, 1, hs)}, one per channel (..., 1, hs)",
+                 f"scales of shape {shape}", "one scale per channel and head, kept as a row: "
+                 "x.abs().amax(dim=-2, keepdim=True)")
+        got = tuple(t.transpose(-1, -2) if isinstance(t, torch.Tensor) and t.dim() >= 2 else t
+                    for t in got)
+    try:
+        codes, scales = _check_quantized(name, case, x.transpose(-1, -2), bits, got)
+    except CheckFailed as e:
+        message = str(e)
+        for token_word, channel_word in _CHANNEL_WORDS:
+            message = message.replace(token_word, channel_word)
+        raise CheckFailed(message + " (per channel: the same rule, over the other axis)") from None
+    return codes.transpose(-1, -2), scales.transpose(-1, -2)
+
+
 @guarded
 @torch.no_grad()
 def check_quantize(quantize_block, dequantize_block) -> None:
-    """quantize_block(x, bits) -> (codes, scales), dequantize_block(codes, scales) -> x̂: per-token
-    symmetric quantization, scale = max|x| / (2^(bits-1) - 1), against the engine's quantize and
-    dequantize on real keys and values."""
+    """quantize_block(x, bits, per) -> (codes, scales), dequantize_block(codes, scales) -> x̂:
+    symmetric quantization with one scale per token (per="token", the engine's) or per channel
+    (per="channel", KIVI's keys), against the engine's quantize and dequantize (on the transposed
+    block for channels), on real keys and values."""
     name = "quantize_block"
-    cases = quant_cases()
-    for label, x, bits in cases:
-        case = f"{label}, bits={bits}"
+    cases = [(label, x, bits, "token") for label, x, bits in quant_cases()]
+    cases += [(label, x, bits, "channel") for label, x, bits in channel_cases()]
+    for label, x, bits, per in cases:
+        case = f"{label}, bits={bits}" + (", per='channel'" if per == "channel" else "")
         given = x.clone()
+        kwargs = {} if per == "token" else {"per": "channel"}
         with forbid(name, *QUANT_FORBIDDEN):
-            got = call_hinted(name, case, _quant_crash_hint, quantize_block, given, bits)
+            got = call_hinted(name, case, _quant_crash_hint, quantize_block, given, bits,
+                              **kwargs)
         if not torch.equal(given, x):
             fail(name, case, "x left unchanged", "x changed in place",
                  "compute on new tensors (x / scales, not x /= scales or x.div_): x is the "
                  "model's keys, which attention still reads")
-        codes, scales = _check_quantized(name, case, x, bits, got)
+        if per == "token":
+            codes, scales = _check_quantized(name, case, x, bits, got)
+        else:
+            codes, scales = _check_channel_quantized(name, case, x, bits, got)
         mine = (codes.clone(), scales.clone())
         with forbid("dequantize_block", *QUANT_FORBIDDEN):
             out = call_hinted("dequantize_block", case, _raised, dequantize_block, *mine)
@@ -649,3 +723,285 @@ def _check_held(name, case, t, sinks, window, want, got, ruled_out) -> None:
 
 
 __all__ = ["check_gqa_attention", "check_quantize", "check_held_positions", "CheckFailed"]
+
+
+# --- exercise 4 (predict, then measure): the bytes of two caches that combine savings ----------
+
+BYTES_TEXT = ("Once upon a time there was a little cat named Tom. Tom liked to play in the garden "
+              "with his red ball. One day the ball rolled under a big tree, and Tom could not "
+              "find it.")
+BYTES_TOKENS = 50
+BYTES_KEYS = ("gqa2_int4", "mqa_window")
+
+
+def measure_bytes() -> dict[str, int]:
+    """The bytes two caches hold after the first 50 tokens of BYTES_TEXT: target-gqa2 with a 4-bit
+    QuantizedKVCache (one pass), target-mqa with a SinkWindowCache(4, 16) (one token per pass)."""
+    gqa2, tok = load_course_model("target-gqa2", "cpu")
+    mqa, _ = load_course_model("target-mqa", "cpu")
+    ids = tok.encode(BYTES_TEXT)[:BYTES_TOKENS]
+    assert len(ids) == BYTES_TOKENS
+    quantized = QuantizedKVCache.for_model(gqa2, max_len=BYTES_TOKENS, bits=4)
+    window = SinkWindowCache.for_model(mqa, sinks=4, window=16)
+    gqa2(torch.tensor([ids]), cache=quantized)
+    feed(mqa, ids, window)
+    return {"gqa2_int4": quantized.nbytes, "mqa_window": window.nbytes}
+
+
+def _bytes_mistakes(key: str) -> list[tuple[int, str]]:
+    layers, hs, n = 12, 24, BYTES_TOKENS
+    if key == "gqa2_int4":
+        heads = 2
+        return [
+            (layers * 2 * heads * (hs // 2) * n,
+             "you forgot the scales: every position of every K/V head stores a 4-byte fp32 scale "
+             "next to its 12 bytes of 4-bit codes, so int4 saves 6x over fp32, not 8x"),
+            (layers * 2 * heads * (hs + 4) * n,
+             "a 4-bit code is half a byte: two codes share a byte (24 values: 12 bytes), plus the "
+             "4-byte scale"),
+            (layers * 2 * 8 * (hs // 2 + 4) * n,
+             "target-gqa2 caches 2 K/V heads, not the 8 query heads: the grouped heads share"),
+            (layers * heads * (hs // 2 + 4) * n, "K and V: both are cached, each with its scale"),
+            (2 * heads * (hs // 2 + 4) * n, "every one of the 12 layers has its own K/V"),
+            (layers * 2 * heads * hs * 4 * n, "this is the fp32 cache: the int4 one holds codes "
+                                              "and scales"),
+            (layers * 2 * heads * (hs // 2 + 4) * (n - 1),
+             "the prompt's 50 tokens are all fed: the cache holds 50 positions"),
+        ]
+    per = layers * 2 * 1 * hs * 4
+    return [
+        (per * n, "the window cache evicts: it holds the 4 sinks and the last 16 positions, not "
+                  "all 50"),
+        (per * 21, "it evicts after every pass: sinks + window = 20 positions, the newest "
+                   "included"),
+        (per * 16, "the 4 sinks stay too: sinks + window positions"),
+        (layers * 2 * 8 * hs * 4 * 20, "target-mqa caches ONE K/V head, not 8"),
+        (layers * 8 * hs * 4 * 20 // 8, "K and V: both are cached"),
+        (2 * hs * 4 * 20, "every one of the 12 layers has its own K/V"),
+        (per * 20 // 2, "the window cache stores fp32 (4 bytes a value): it is not quantized"),
+    ]
+
+
+@guarded
+@torch.no_grad()
+def check_predict_bytes(predict_bytes) -> None:
+    """predict_bytes() -> {"gqa2_int4": ..., "mqa_window": ...}: cache.nbytes of the two caches
+    after 50 tokens, measured."""
+    name = "predict_bytes"
+    case = ("after the first 50 tokens of a story: target-gqa2 with a 4-bit "
+            "QuantizedKVCache, target-mqa with SinkWindowCache(sinks=4, window=16)")
+    try:
+        with forbid(name, GPT.forward, feed):
+            got = call_hinted(name, case, _raised, predict_bytes)
+    except CheckFailed as e:
+        if "called minikv's own" not in str(e):
+            raise
+        raise CheckFailed(f"{name}: your function ran the engine; a prediction is made before "
+                          f"the measurement: reason it out, and let the check cell measure"
+                          ) from None
+    if not isinstance(got, dict) or sorted(got) != sorted(BYTES_KEYS):
+        fail(name, case, f"a dict with the keys {list(BYTES_KEYS)}",
+             sorted(got) if isinstance(got, dict) else got,
+             "return your two predictions, in bytes, as ints" + _no_return(got))
+    for key in BYTES_KEYS:
+        if isinstance(got[key], bool) or not isinstance(got[key], int):
+            fail(name, f"{case}: {key}", "an int", got[key], "bytes are whole: an int")
+    measured = measure_bytes()
+    for key in BYTES_KEYS:
+        if got[key] != measured[key]:
+            hints = dict.fromkeys(h for w, h in _bytes_mistakes(key)
+                                  if w == got[key] and w != measured[key])
+            reason = "; or ".join(hints) or (
+                "per position: layers × (K and V) × K/V heads × what one head's vector costs "
+                "(4 bytes a value in fp32; half a byte a value plus a 4-byte scale at 4 bits); "
+                "then how many positions the cache holds")
+            fail(name, f"{case}: {key}", measured[key], got[key],
+                 f"you predicted {got[key]:,} bytes; the cache holds {measured[key]:,}: {reason}")
+    full = 12 * 2 * 8 * 24 * 4 * BYTES_TOKENS
+    print(f"  measured: {measured['gqa2_int4']:,} and {measured['mqa_window']:,} bytes, "
+          f"{full / measured['gqa2_int4']:.1f}x and {full / measured['mqa_window']:.1f}x less "
+          f"than the target's fp32 cache ({full:,})")
+    passed(name, len(BYTES_KEYS))
+
+
+# --- exercise 5 (debug): a sink-and-window cache --------------------------------------------------
+
+class BuggyWindowCache(Cache):
+    """The notebook's broken window cache, verbatim: the next token's position is the number of
+    slots held, not the number of tokens seen."""
+
+    def __init__(self, model, sinks, window):
+        cfg = model.config
+        empty = torch.zeros(1, cfg.kv_heads, 0, cfg.head_dim)
+        self.keys, self.values = [empty] * cfg.n_layer, [empty] * cfg.n_layer
+        self.n_layer, self.n_head, self.head_dim = cfg.n_layer, cfg.kv_heads, cfg.head_dim
+        self.sinks, self.window = sinks, window
+        self.positions = []   # the absolute position each held slot holds
+        self.batch_size, self.device, self.dtype = 1, torch.device("cpu"), torch.float32
+
+    def get_seq_length(self, layer_idx=0):
+        """Where the next token's position starts."""
+        return len(self.positions)
+
+    def check_fits(self, cfg, batch_size, n_new, device, dtype):
+        pass
+
+    def update(self, key, value, layer_idx):
+        """Append this pass's K/V; once the last layer is written, evict all but the first
+        `sinks` and the last `window` slots."""
+        self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key], dim=2)
+        self.values[layer_idx] = torch.cat([self.values[layer_idx], value], dim=2)
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        if layer_idx == self.n_layer - 1:
+            start = self.get_seq_length()
+            self.positions += range(start, start + key.shape[2])
+            if len(self.positions) > self.sinks + self.window:
+                keep = list(range(self.sinks)) + list(range(len(self.positions) - self.window,
+                                                            len(self.positions)))
+                index = torch.tensor(keep)
+                self.keys = [t.index_select(2, index) for t in self.keys]
+                self.values = [t.index_select(2, index) for t in self.values]
+                self.positions = [self.positions[i] for i in keep]
+        return k, v
+
+
+WINDOW_SYMPTOM = ("symptom: the logits match the engine's until the first eviction (after sinks "
+                  "+ window tokens), then drift. From then on the cache holds sinks + window "
+                  "slots at every step, so a position taken from the slots held stops growing: "
+                  "every new token is embedded at the same position. GPT-2's positions are "
+                  "absolute: a new token's position is the number of tokens SEEN, which keeps "
+                  "growing after evictions (the held slots keep their true positions)")
+DEBUG_PAIRS = [(4, 8), (2, 5), (0, 6), (1, 1)]
+
+
+@guarded
+@torch.no_grad()
+def check_window_cache(cache_class) -> None:
+    """cache_class(model, sinks, window), fed a text one token per pass, against the engine's
+    SinkWindowCache: the logits at every step, the positions held, the K/V."""
+    name = "window_cache"
+    if not (isinstance(cache_class, type) and issubclass(cache_class, Cache)):
+        fail(name, "the class", "a Cache subclass (of BuggyWindowCache)", cache_class,
+             "pass the class itself, fixed")
+    model = tiny_model(3)
+    ids = [(7 * i * i + 3 * i + 1) % 500 for i in range(26)]
+    same_as_buggy = True
+    for sinks, window in DEBUG_PAIRS:
+        engine = SinkWindowCache.for_model(model, sinks=sinks, window=window)
+        buggy = BuggyWindowCache(model, sinks, window)
+        case = f"sinks={sinks}, window={window}, a {len(ids)}-token text fed one token per pass"
+        mine = call_hinted(name, case, _raised, cache_class, model, sinks, window)
+        for t, token in enumerate(ids):
+            x = torch.tensor([[token]])
+            want = model(x, cache=engine)[0, -1]
+            from_buggy = model(x, cache=buggy)[0, -1]
+            with forbid(name, SinkWindowCache.update, SinkWindowCache.get_seq_length):
+                got = call_hinted(name, f"{case}, at position {t}", _raised, model, x,
+                                  cache=mine)[0, -1]
+            same_as_buggy &= torch.allclose(got, from_buggy, atol=1e-5)
+            where = f"{case}: the pass that feeds position {t}"
+            if not torch.allclose(got, want, atol=1e-4):
+                hint = WINDOW_SYMPTOM
+                if torch.allclose(got, from_buggy, atol=1e-5):
+                    hint = "this is BuggyWindowCache unchanged: " + WINDOW_SYMPTOM
+                elif t < sinks + window:
+                    hint = ("wrong before anything is evicted: keep appending every pass's K/V, "
+                            "in every layer, as the buggy cache does")
+                fail(name, where, "the engine's logits (max |Δ| < 1e-4)",
+                     f"max |Δ| = {float((got - want).abs().max()):.3g}", hint)
+            if list(mine.positions) != engine.positions:
+                ahead = bool(mine.positions) and max(mine.positions) > max(engine.positions)
+                fail(name, where, f"positions {engine.positions}", f"{list(mine.positions)}",
+                     "your positions run ahead of the tokens: update runs once per LAYER in "
+                     "every pass, so count a pass's tokens once (when the last layer is "
+                     "written), not in every layer" if ahead else
+                     "the held slots' absolute positions: the first `sinks` and the last "
+                     "`window` of every position written so far")
+    if same_as_buggy:
+        fail(name, "every case", "a fixed cache", "BuggyWindowCache's logits",
+             "this is the buggy cache unchanged: " + WINDOW_SYMPTOM)
+    passed(name, len(DEBUG_PAIRS) * len(ids))
+
+
+# --- exercise 6 (design): sinks and window under a memory budget ----------------------------------
+
+DESIGN_BUDGET = 300_000          # bytes of K/V per sequence, fp32 target: 16 positions
+OTHER_BUDGETS = (450_000, 100_000)
+DESIGN_DOCS = 12
+SINK_CANDIDATES = (0, 1, 2, 3, 4, 6, 8)
+LOSS_MARGIN = 0.02               # within 2% of the best split counts as best
+
+
+def window_loss(sinks: int, window: int) -> float:
+    """Held-out coin-flip loss of the course target on DESIGN_DOCS documents, each token seeing
+    what a SinkWindowCache(sinks, window) would hold."""
+    target, tok = load_course_model("target", "cpu")
+    return heldout_losses(target, tok, corpora=("coinflip",), n_docs=DESIGN_DOCS,
+                          attention=window_attention(sinks, window))["coinflip"]
+
+
+def window_bytes(sinks: int, window: int) -> int:
+    """What a SinkWindowCache(sinks, window) of the course target holds once a text is longer
+    than its sinks and window (cache.nbytes)."""
+    target, tok = load_course_model("target", "cpu")
+    cache = SinkWindowCache.for_model(target, sinks=sinks, window=window)
+    feed(target, tok.encode(TEXT)[:sinks + window + 2], cache)
+    return cache.nbytes
+
+
+def _pair(got):
+    if isinstance(got, (tuple, list)) and len(got) == 2 and all(
+            not isinstance(v, bool) and isinstance(v, int) for v in got):
+        return tuple(got)
+    return None
+
+
+@guarded
+@torch.no_grad()
+def check_choose_window(choose_window) -> None:
+    """choose_window(budget_bytes) -> (sinks, window) that fits the budget and whose held-out loss
+    is within 2% of the best split of the slots the budget buys."""
+    name = "choose_window"
+    per_position = window_bytes(0, 1)
+    for budget in (DESIGN_BUDGET,) + OTHER_BUDGETS:
+        case = f"a budget of {budget:,} bytes of K/V per sequence (the fp32 course target)"
+        got = call_hinted(name, case, _raised, choose_window, budget)
+        pair = _pair(got)
+        if pair is None or pair[0] < 0 or pair[1] < 1:
+            fail(name, case, "(sinks, window): two ints, sinks ≥ 0, window ≥ 1", got,
+                 "return the pair (sinks, window)" + _no_return(got))
+        sinks, window = pair
+        slots = budget // per_position
+        held = window_bytes(sinks, window)
+        if held > budget:
+            fail(name, case, f"at most {budget:,} bytes held", f"{held:,} bytes for "
+                 f"{sinks} sinks + {window} window",
+                 f"the cache holds sinks + window positions after every pass, "
+                 f"{per_position:,} bytes each (12 layers × K and V × 8 heads × 24 values × 4 "
+                 f"bytes): {slots} positions fit in {budget:,} bytes")
+        if sinks + window < slots:
+            fail(name, case, f"sinks + window = {slots}, the positions the budget pays for",
+                 f"{sinks} + {window} = {sinks + window}",
+                 "a position the budget pays for and the cache does not hold is memory wasted: a "
+                 "longer window (or another sink) only helps")
+        if budget != DESIGN_BUDGET:
+            continue
+        losses = {s: window_loss(s, slots - s) for s in SINK_CANDIDATES if s < slots}
+        mine = losses[sinks] if sinks in losses else window_loss(sinks, window)
+        best = min(losses.values())
+        if mine > best * (1 + LOSS_MARGIN):
+            best_s = min(losses, key=losses.get)
+            if sinks == 0:
+                hint = ("no sinks: a trained model parks attention on the first tokens, and "
+                        "without them the softmax loses its anchor (StreamingLLM); keep a few")
+            elif sinks > best_s:
+                hint = ("too many sinks: every sink is a position taken from the window, and "
+                        "the recent tokens are what the next token needs most")
+            else:
+                hint = "too few sinks: a few more first positions anchor attention better"
+            table = ", ".join(f"{s} sinks: {v:.3f}" for s, v in losses.items())
+            fail(name, case, f"a split within {100 * LOSS_MARGIN:.0f}% of the best held-out "
+                 f"loss ({best:.3f}, {best_s} sinks + {slots - best_s} window)",
+                 f"{sinks} sinks + {window} window: loss {mine:.3f}",
+                 f"{hint} (losses by sinks, window = {slots} - sinks: {table})")
+    passed(name, 1 + len(OTHER_BUDGETS))
