@@ -21,6 +21,7 @@ ENGINE_LINE_BUDGET = sum({
     "a sink-and-window cache that evicts, with absolute positions (19)": 125,
     "window_attention: the same window as one masked pass, to measure many texts (19)": 19,
     "why the target has 12 layers; admission holds a preempted request's recompute (14)": 5,
+    "serve(max_running=), vLLM's max_num_seqs; alpha is None when nothing was judged (29)": 8,
 }.values())
 
 
