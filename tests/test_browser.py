@@ -333,9 +333,9 @@ def chapter_06_pool_steps():
 
 
 def test_many_requests_chapter_in_jupyterlab(session):
-    """Chapter 06's block-pool stepper opens at the step where request 1 shares the statement's
-    blocks; Next walks through allocations and the preemption, each caption, numbers line and
-    slider readout as the engine's pool records say, each picture drawn anew; Prev goes back."""
+    """Chapter 06's block-pool stepper opens on the full pool one step before the preemption;
+    Next walks through the preemption and the readmission, each caption, numbers line and slider
+    readout as the engine's pool records say, each picture drawn anew; Prev goes back."""
     from minikv.viz.pool import pool_caption
     start_lab, browser = session
     lab = start_lab(["06_many_requests.ipynb"])
@@ -344,11 +344,12 @@ def test_many_requests_chapter_in_jupyterlab(session):
     logged = [{what for _, what, _, _ in step.log} for step in steps]
     share = next(i for i, kinds in enumerate(logged) if "share" in kinds)
     preempt = next(i for i, kinds in enumerate(logged) if "preempt" in kinds)
-    assert share < preempt
+    assert share < preempt - 1
     expected = [(text(f"step {i + 1}/{len(steps)} {pool_caption(step)}"),
                  sum(step.lengths.values())) for i, step in enumerate(steps)]
-    click_through(browser, stepper, expected[share:preempt + 2], "06",
-                  {0: "share", preempt - share: "preempt"}, first=share)
+    assert "reused by request(s) [1] from the prefix cache" in expected[share][0]
+    click_through(browser, stepper, expected[preempt - 1:preempt + 2], "06",
+                  {0: "full", 1: "preempt"}, first=preempt - 1)
     caption_box = stepper.locator(".minikv-caption")
     stepper.locator(".minikv-prev").click()
     caption_box.get_by_text(f"step {preempt + 1}/{len(steps)}").wait_for(timeout=10_000)

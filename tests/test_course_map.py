@@ -19,7 +19,7 @@ CHAPTERS = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
 GLOSSARY = NOTEBOOKS / "glossary.md"
 ANSWERS = ROOT / "solutions" / "concept-questions.md"
 PARTS = ("Check your understanding", "Further reading", "In production")
-VERBS = ("compute", "explain", "implement", "measure", "choose")
+VERBS = ("compute", "explain", "implement", "measure", "choose", "predict", "debug", "work out")
 NUMBERED = re.compile(r"^\d+\. ", re.M)
 
 
