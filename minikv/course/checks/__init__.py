@@ -214,6 +214,20 @@ def forbid(exercise: str, *engine_functions):
                           f"exercise is to write it yourself")
 
 
+def prediction(exercise: str, case: str, fn, *engine_functions):
+    """Call a predict-then-measure exercise's `fn` with the engine functions that would measure
+    the answer forbidden: a prediction is reasoned out before the check cell measures."""
+    try:
+        with forbid(exercise, *engine_functions):
+            return call(exercise, case, fn)
+    except CheckFailed as e:
+        if "called minikv's own" not in str(e):
+            raise
+        raise CheckFailed(f"{exercise}: your function ran the engine; a prediction is made before "
+                          f"the measurement: reason it out, and let the check cell measure"
+                          ) from None
+
+
 def as_int(value):
     """`value` as an int when it is one (a Python int, a numpy or 0-d torch integer), else None: a
     float such as 25.0 or 25.5 is not an int, and neither is a bool."""

@@ -51,6 +51,7 @@ from . import (
     int_list,
     one_thread,
     passed,
+    prediction,
     tiny_model,
 )
 
@@ -864,15 +865,8 @@ def check_predict_peak_blocks(predict_peak_blocks) -> None:
     name = "predict_peak_blocks"
     case = (f"{PEAK_SAMPLES} requests with the same prompt, {PEAK_NEW} new tokens each, arriving "
             f"together, blocks of {PEAK_BLOCK}, a large pool")
-    try:
-        with forbid(name, serve, PagedCache.reserve, BlockPool.allocate):
-            got = call_hinted(name, case, lambda e: "your function raised", predict_peak_blocks)
-    except CheckFailed as e:
-        if "called minikv's own" not in str(e):
-            raise
-        raise CheckFailed(f"{name}: your function ran the engine; a prediction is made before "
-                          f"the measurement: reason it out, and let the check cell measure"
-                          ) from None
+    got = prediction(name, case, predict_peak_blocks, serve, PagedCache.reserve,
+                     BlockPool.allocate)
     if not isinstance(got, dict) or sorted(got) != sorted(PEAK_KEYS):
         fail(name, case, f"a dict with the keys {PEAK_KEYS}",
              sorted(got) if isinstance(got, dict) else got,
