@@ -177,6 +177,17 @@ def test_max_running_caps_the_batch_and_changes_no_token():
     assert max(e.batch for o in free for e in o.trace if e.kind == "decode") > 3
 
 
+def test_max_running_fills_the_batch_up_to_the_cap():
+    """With more requests waiting than the cap, the first decode pass runs exactly `cap` rows:
+    the cap limits admission, it does not slow it down."""
+    model = varied_model()
+    requests = [minikv.Request([1 + i, 2, 3], 6) for i in range(7)]
+    for cap in (1, 2, 5):
+        out = minikv.serve(model, requests, verify=False, trace=True, max_running=cap)
+        first = min((e for o in out for e in o.trace if e.kind == "decode"), key=lambda e: e.step)
+        assert first.batch == cap
+
+
 @pytest.mark.parametrize("cap", [0, -1, 2.5, "4", True])
 def test_max_running_must_be_a_positive_int(cap):
     with pytest.raises((ValueError, TypeError), match="max_running"):

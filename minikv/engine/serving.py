@@ -165,11 +165,12 @@ def serve(model, requests, window: int = 4, verify: bool = True, trace: bool = F
     logged = 0
     with torch.inference_mode():
         while waiting or running:
-            # 1. Admit what has arrived, first come first served, while its prompt fits; the
+            # 1. Admit what has arrived, first come first served, while its prompt fits (and
+            #    fewer than max_running run: admit() puts a newcomer in `running` at once); the
             #    newcomers' prompts are computed together in one packed pass.
             new = []
             while (waiting and waiting[0].request.arrival <= server.step
-                   and (max_running is None or len(running) + len(new) < max_running)
+                   and (max_running is None or len(running) < max_running)
                    and server.admit(waiting[0])):
                 new.append(waiting.popleft())
             server.prefill(new)
