@@ -36,6 +36,15 @@ class CheckFailed(AssertionError):
     """An exercise gave a wrong answer; the message says on which input and how."""
 
 
+class EngineCalled(CheckFailed):
+    """The learner's function called an engine function the exercise forbids (`forbid`)."""
+
+    def __init__(self, exercise: str, called: str):
+        self.called = called
+        super().__init__(f"{exercise}: your function called minikv's own {called}(); the "
+                         f"exercise is to write it yourself")
+
+
 def fail(exercise: str, case: str, expected, got, hint: str = "") -> None:
     message = f"{exercise}: wrong for {case}\n  expected: {expected!r}\n  got:      {got!r}"
     raise CheckFailed(message + (f"\n  hint: {hint}" if hint else ""))
@@ -210,22 +219,21 @@ def forbid(exercise: str, *engine_functions):
     finally:
         sys.setprofile(previous)
     if called:
-        raise CheckFailed(f"{exercise}: your function called minikv's own {called[0]}(); the "
-                          f"exercise is to write it yourself")
+        raise EngineCalled(exercise, called[0])
 
 
-def prediction(exercise: str, case: str, fn, *engine_functions):
-    """Call a predict-then-measure exercise's `fn` with the engine functions that would measure
-    the answer forbidden: a prediction is reasoned out before the check cell measures."""
+def prediction(exercise: str, case: str, fn, *engine_functions,
+               why: str = "a prediction is made before the measurement: reason it out, and let "
+                          "the check cell measure"):
+    """Call a predict-then-measure exercise's `fn` (every chapter has one) with the engine
+    functions that would measure the answer forbidden: a prediction is reasoned out before the
+    check cell measures, and `why` says so when the function ran the model anyway."""
     try:
         with forbid(exercise, *engine_functions):
             return call(exercise, case, fn)
-    except CheckFailed as e:
-        if "called minikv's own" not in str(e):
-            raise
-        raise CheckFailed(f"{exercise}: your function ran the engine; a prediction is made before "
-                          f"the measurement: reason it out, and let the check cell measure"
-                          ) from None
+    except EngineCalled as e:
+        raise CheckFailed(f"{exercise}: your prediction ran the model (it called minikv's own "
+                          f"{e.called}()): {why}") from None
 
 
 def as_int(value):

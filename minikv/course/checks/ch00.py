@@ -33,6 +33,7 @@ from . import (
     forbid,
     guarded,
     passed,
+    prediction,
     tiny_model,
 )
 
@@ -301,23 +302,6 @@ def check_forward_by_hand(forward_by_hand) -> None:
     passed(name, n_cases)
 
 
-# --- a prediction is committed before the measurement -------------------------------------------
-
-def _predicted(name: str, fn, *engine_functions):
-    """Call a prediction function; running the model inside it (a measurement, not a prediction)
-    fails the check with a message that says so."""
-    try:
-        with forbid(name, *engine_functions):
-            return call(name, f"{name}()", fn)
-    except CheckFailed as e:
-        if "called minikv's own" not in str(e):
-            raise
-        raise CheckFailed(f"{name}: your prediction ran the model ({str(e).split('own ')[1]}): "
-                          f"a prediction is committed BEFORE the measurement; reason from the "
-                          f"chapter and return the numbers (counting the prompt's tokens with the "
-                          f"tokenizer is fine)") from None
-
-
 # --- exercise 4: predict, then measure: what one generation costs -------------------------------
 
 PREDICT_QUESTION = "A coin's state is tails. Alice doesn't flip, then Bob flips, then Carol flips."
@@ -363,13 +347,16 @@ def check_predict_generation(predict_generation) -> None:
     """predict_generation() -> (forward passes, K/V vectors per layer) of
     generate(target, ids, 40, eos_id=tok.eot_token) on PREDICT_QUESTION's question, measured."""
     name = "predict_generation"
-    prediction = _predicted(name, predict_generation, GPT.forward, generate)
-    pair = (list(prediction) if isinstance(prediction, (tuple, list))
-            and not isinstance(prediction, str) else None)
+    predicted = prediction(name, f"{name}()", predict_generation, GPT.forward, generate,
+                           why="a prediction is committed BEFORE the measurement; reason from "
+                               "the chapter and return the numbers (counting the prompt's tokens "
+                               "with the tokenizer is fine)")
+    pair = (list(predicted) if isinstance(predicted, (tuple, list))
+            and not isinstance(predicted, str) else None)
     values = None if pair is None or len(pair) != 2 else [as_int(v) for v in pair]
     if values is None or None in values:
         fail(name, "predict_generation()", "a pair of ints (forward_passes, kv_computed)",
-             prediction, "return the two numbers you predict, as ints, e.g. return 7, 9")
+             predicted, "return the two numbers you predict, as ints, e.g. return 7, 9")
     passes, kv = values
     target, tok = load_course_model("target", "cpu")
     prompt = PREDICT_QUESTION + " What's the state? A:"

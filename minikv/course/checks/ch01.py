@@ -36,6 +36,7 @@ from . import (
     forbid,
     guarded,
     passed,
+    prediction,
     tiny_model,
 )
 
@@ -486,8 +487,7 @@ def check_predict_batched_intensity(predict_batched_intensity) -> None:
     """predict_batched_intensity() -> FLOPs per byte of one bf16 decode pass of GPT-2 small over
     64 sequences with 1,000 cached tokens each, within 30% of the cost model's value."""
     name = "predict_batched_intensity"
-    with forbid(name, GPT.forward, generate):
-        got = call(name, f"{name}()", predict_batched_intensity)
+    got = prediction(name, f"{name}()", predict_batched_intensity, GPT.forward, generate)
     value = got if isinstance(got, (int, float)) and not isinstance(got, bool) else None
     if isinstance(got, torch.Tensor) and got.numel() == 1 or type(got).__module__ == "numpy":
         value = float(got)

@@ -43,6 +43,7 @@ from . import (
     guarded,
     int_list,
     passed,
+    prediction,
     same_cache_prefix,
     tiny_model,
 )
@@ -749,8 +750,7 @@ def check_predict_attention_pairs(predict_attention_pairs) -> None:
     that attention scores in the seed's run ("Once upon a", 5 new tokens), without and with a
     cache, counted in the engine's passes."""
     name = "predict_attention_pairs"
-    with forbid(name, GPT.forward, generate):
-        got = _call(name, f"{name}()", predict_attention_pairs)
+    got = prediction(name, f"{name}()", predict_attention_pairs, GPT.forward, generate)
     pair = int_list(got)
     if pair is None or len(pair) != 2:
         fail(name, f"{name}()", "a pair of ints (naive, cached)", _what(got),

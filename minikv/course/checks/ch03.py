@@ -39,6 +39,7 @@ from . import (
     guarded,
     int_list,
     passed,
+    prediction,
     tiny_model,
 )
 
@@ -599,14 +600,9 @@ def check_predict_differing_slots(predict_differing_slots) -> None:
     same statement starting from tails, counted on the two caches."""
     name = "predict_differing_slots"
     with torch.random.fork_rng(devices=[]):
-        try:
-            with forbid(name, GPT.forward, generate):
-                got = call(name, f"{name}()", predict_differing_slots)
-        except CheckFailed as e:
-            if "called minikv's own" not in str(e):
-                raise
-            raise CheckFailed(f"{name}: your prediction ran the model: a prediction is committed "
-                              f"BEFORE the measurement; reason from chapter section 4") from None
+        got = prediction(name, f"{name}()", predict_differing_slots, GPT.forward, generate,
+                         why="a prediction is committed BEFORE the measurement; reason from "
+                             "chapter section 4")
         value = as_int(got)
         if value is None:
             fail(name, f"{name}()", "an int (a number of slots)", _show(got),
