@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minikv
-from minikv.engine.batch import padded_attention
+from minikv.engine.attention import padded_attention
 
 from conftest import varied_model
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import minikv
-from minikv.engine.paged import paged_attention
+from minikv.engine.attention import paged_attention
 
 from conftest import varied_model
 

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 import minikv
 from minikv.bench import random_model
-from minikv.engine.paged import BlockPool, BlockTable, PagedCache, paged_attention
-from minikv.engine.serving import masked_attention, packed_causal_mask
+from minikv.engine.attention import masked_attention, packed_causal_mask, paged_attention
+from minikv.engine.paged import BlockPool, BlockTable, PagedCache
 
 from conftest import varied_model
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import minikv
-from minikv.engine.serving import num_kv_splits, split_kv_attention
+from minikv.engine.attention import num_kv_splits, split_kv_attention
 
 from conftest import varied_model
 

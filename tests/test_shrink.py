@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 
 import minikv
+from minikv.engine.attention import window_attention
 from minikv.engine.quantized import QuantizedKVCache, dequantize, quantize
-from minikv.engine.window import SinkWindowCache, feed, window_attention
+from minikv.engine.window import SinkWindowCache, feed
 
 from conftest import varied_model
 

@@ -12,22 +12,11 @@ from __future__ import annotations
 import torch
 
 from . import validate
+from .attention import padded_attention
 from .cache import KVCache
 from .generate import GenerationOutput
-from .model import sdpa
 from .records import Stats
 from .sampling import SamplingParams
-
-
-def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     pad: torch.Tensor) -> torch.Tensor:
-    """Causal attention over a left-padded batch: query i of row b sees keys up to its own
-    column, except row b's first pad[b] keys (its padding). q (B, nh, T, hs), k/v (B, nh, L, hs)."""
-    T, L = q.size(-2), k.size(-2)
-    causal = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(diagonal=L - T)  # (T, L)
-    real = torch.arange(L, device=q.device) >= pad.view(-1, 1)                       # (B, L)
-    allowed = causal & real[:, None, :]                                               # (B, T, L)
-    return sdpa(q, k, v, attn_mask=allowed[:, None])
 
 
 def generate_batch(model, prompts, max_new_tokens: int, temperature: float = 0.0,

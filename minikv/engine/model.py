@@ -4,25 +4,16 @@ over everything cached, and start the position embeddings where the cache ends."
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping
+from typing import Mapping
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from . import validate
+from .attention import Attention, sdpa
 from .cache import Cache
 from .config import GPTConfig
-
-Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
-    """PyTorch's attention kernel; with fewer K/V heads than query heads (grouped-query
-    attention), each K/V head is read by its group of n_head / n_kv_head query heads."""
-    if k.size(1) != q.size(1):
-        kwargs["enable_gqa"] = True
-    return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,6 @@ fused GPU kernel reads the blocks in place; here the blocks a batch reads are co
 from __future__ import annotations
 
 import hashlib
-import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -28,59 +27,6 @@ def block_hash(previous: str, tokens: list[int]) -> str:
     """A full block is known by its tokens and everything before them (the previous block's
     hash): two sequences with the same first k blocks of tokens get the same k hashes."""
     return hashlib.sha256(f"{previous}|{','.join(map(str, tokens))}".encode()).hexdigest()[:16]
-
-
-KEYS_PER_TILE = 8  # the kernel reads keys in tiles; a split holds whole tiles
-
-
-def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    tables: torch.Tensor, lengths: torch.Tensor, n_splits: int) -> torch.Tensor:
-    """Decode attention read through block tables, as vLLM's PagedAttention kernel does.
-    q (B, nh, 1, hs): one new query per row; keys, values: one layer's pool (num_blocks, H, bs,
-    hs) with H K/V heads, each shared by g = nh / H query heads (grouped-query attention: the
-    group's queries are read against the head's keys together); tables (B, nb): each row's
-    blocks, -1 past its last; lengths (B,): the positions each row sees. Split-KV
-    (FlashDecoding): the keys are read in tiles, the batch's longest row's tiles are cut into
-    n_splits runs, and each run of a row computes a partial softmax output (rounded to the
-    model's dtype), its max and its sum; the partials merge as one softmax would, up to
-    rounding. (So where a row's splits fall depends on the rest of the batch.)"""
-    B, nh, _, hs = q.shape
-    H, bs = keys.size(1), keys.size(2)
-    g = nh // H                                                          # queries per K/V head
-    t, per, S = splits_of(tables.size(1), bs, n_splits)  # keys per tile, tiles per split, splits
-    nt = bs // t                                                         # tiles per block
-    row, j = (tables >= 0).nonzero(as_tuple=True)           # every real block: its row, its index
-    kb, vb = keys[tables[row, j]], values[tables[row, j]]   # (N, H, bs, hs): no padding rows
-    N, acc = kb.size(0), torch.promote_types(q.dtype, torch.float32)     # softmax in >= fp32
-    s = (q.view(B, H, g, hs)[row] @ kb.transpose(-1, -2)).to(acc) / math.sqrt(hs)  # (N,H,g,bs)
-    past_end = (j[:, None] * bs + torch.arange(bs, device=q.device)) >= lengths[row, None]
-    s = s.masked_fill(past_end[:, None, None], float("-inf"))
-    tile = j[:, None] * nt + torch.arange(nt, device=q.device)            # (N, nt) in the row
-    scores = s.new_full((B, S * per, H, g, t), float("-inf"))
-    scores[row[:, None], tile] = s.view(N, H, g, nt, t).permute(0, 3, 1, 2, 4)
-    scores = scores.view(B, S, per, H, g, t)
-    m = scores.amax(dim=(2, 5), keepdim=True)                            # each split's max
-    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)         # all of it padding
-    p = torch.exp(scores - m_safe)
-    l = p.sum(dim=(2, 5), keepdim=True).squeeze(2)         # noqa: E741 its sum (B, S, H, g, 1)
-    p = p.view(B, S * per, H, g, t)[row[:, None], tile].permute(0, 2, 1, 3, 4)
-    pv = p @ vb.view(N, H, nt, t, hs).to(acc)                            # (N, H, nt, g, hs)
-    out = pv.new_zeros(B, S * per, H, g, hs)
-    out[row[:, None], tile] = pv.permute(0, 2, 1, 3, 4)
-    out = (out.view(B, S, per, H, g, hs).sum(2) / l.clamp(min=1e-30)).to(q.dtype)
-    m = m.squeeze(2)                                                     # (B, S, H, g, 1)
-    weight = torch.exp(m - m.amax(1, keepdim=True)) * l                  # merge the splits
-    out = (weight * out.to(acc)).sum(1) / weight.sum(1)                  # (B, H, g, hs)
-    return out.reshape(B, nh, 1, hs).to(q.dtype)
-
-
-def splits_of(n_blocks: int, block_size: int, n_splits: int) -> tuple[int, int, int]:
-    """Keys per tile, tiles per split and how many splits, when the longest row holds n_blocks
-    blocks: at most n_splits runs of whole tiles, as even as can be."""
-    t = math.gcd(block_size, KEYS_PER_TILE)
-    n_tiles = n_blocks * block_size // t
-    per = -(-n_tiles // max(1, min(n_splits, n_tiles)))
-    return t, per, -(-n_tiles // per)
 
 
 class BlockPool:

@@ -19,52 +19,24 @@ prefilled alone and its windows replayed as they were.)
 """
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
 from . import validate
-from .model import sdpa
-from .paged import BlockPool, BlockTable, PagedCache, block_hash, paged_attention, splits_of
+from .attention import (
+    masked_attention,
+    num_kv_splits,
+    packed_causal_mask,
+    paged_attention,
+    splits_of,
+)
+from .paged import BlockPool, BlockTable, PagedCache, block_hash
 from .records import PoolStep, ServeStats, TraceEvent
 from .sampling import SamplingParams
 from .verify import accept_matching, round_events, verify_and_commit
-
-GPU_WORKERS = 132  # streaming multiprocessors of an H100: split-KV aims to keep them all busy
-
-
-def num_kv_splits(batch_size: int, n_head: int, seq_len: int) -> int:
-    """FlashDecoding's heuristic: split the keys (at least 8 a chunk) until batch x heads x
-    splits fills the GPU."""
-    return max(1, min(math.ceil(GPU_WORKERS / (batch_size * n_head)), math.ceil(seq_len / 8)))
-
-
-def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                       n_splits: int) -> torch.Tensor:
-    """Split-KV decode attention over right-padded dense keys (B, nh, L, hs), row b seeing its
-    first lengths[b]: paged_attention with each split one block of ceil(L / n_splits) keys."""
-    B, nh, L, hs = k.shape
-    chunk = math.ceil(L / n_splits)
-    k, v = (F.pad(t, (0, 0, 0, chunk * n_splits - L)).view(B, nh, n_splits, chunk, hs)
-            .transpose(1, 2).reshape(B * n_splits, nh, chunk, hs) for t in (k, v))
-    tables = torch.arange(B * n_splits, device=q.device).view(B, n_splits)
-    return paged_attention(q, k, v, tables, lengths, n_splits)
-
-
-def packed_causal_mask(past: list[int], counts: list[int], device) -> torch.Tensor:
-    """(sum counts, sum (past + counts)) booleans for a packed pass: sequence i's counts[i] new
-    tokens see its own past[i] cached positions and their own earlier tokens, nothing else."""
-    return torch.block_diag(*[torch.ones(n, p + n, dtype=torch.bool, device=device).tril(p)
-                              for p, n in zip(past, counts)])
-
-
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     mask: torch.Tensor) -> torch.Tensor:
-    return sdpa(q, k, v, attn_mask=mask)
 
 
 @dataclass

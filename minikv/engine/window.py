@@ -22,7 +22,6 @@ import torch
 
 from . import validate
 from .cache import Cache
-from .model import Attention, sdpa
 
 
 class SinkWindowCache(Cache):
@@ -119,21 +118,3 @@ def feed(model, ids: list[int], cache: Cache) -> torch.Tensor:
             logits = model(torch.tensor([[token]], device=model.device), cache=cache,
                            last_only=True)
     return logits[0, -1]
-
-
-def window_attention(sinks: int, window: int) -> Attention:
-    """Attention for one full pass, no cache, that gives every token what feeding the text one
-    token per pass through a SinkWindowCache(sinks, window) gives it: query t sees key j iff
-    j <= t and (j < sinks or j >= t - window). (The cache evicts after a pass, so the last
-    `window` positions and the new token are there together.) Many texts measured at once."""
-    validate.int_at_least("sinks", sinks, 0)
-    validate.int_at_least("window", window)
-
-    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if q.size(-2) != k.size(-2):
-            raise ValueError("window_attention is for one full pass without a cache; to stream "
-                             "through a window, pass a SinkWindowCache instead")
-        t = torch.arange(q.size(-2), device=q.device)[:, None]  # queries
-        j = torch.arange(k.size(-2), device=q.device)[None, :]  # keys
-        return sdpa(q, k, v, attn_mask=(j <= t) & ((j < sinks) | (j >= t - window)))
-    return attention

@@ -35,9 +35,10 @@ import torch
 import torch.nn.functional as F
 
 from ...engine import GPT, Cache, KVCache, causal_attention
+from ...engine.attention import window_attention
 from ...engine.model import sdpa
 from ...engine.quantized import QuantizedKVCache, dequantize, quantize
-from ...engine.window import SinkWindowCache, feed, window_attention
+from ...engine.window import SinkWindowCache, feed
 from ..checkpoint import load_course_model
 from ..evaluate import heldout_losses
 from . import (
