@@ -4,11 +4,11 @@ less (quantized, window), then validate; it imports no tooling."""
 from .batch import generate_batch
 from .cache import Cache, KVCache, kv_cache_bytes
 from .config import PRESETS, GPTConfig
-from .generate import GenerationOutput, generate
+from .generate import generate
 from .lookup import lookup_generate
 from .model import GPT, causal_attention
 from .quantized import QuantizedKVCache
-from .records import KVCounter, Stats, TraceEvent
+from .records import GenerationOutput, KVCounter, Stats, TraceEvent
 from .sampling import SamplingParams
 from .serving import Request, RequestOutput, serve
 from .speculative import speculative_generate

@@ -14,8 +14,7 @@ import torch
 from . import validate
 from .attention import padded_attention
 from .cache import KVCache
-from .generate import GenerationOutput
-from .records import Stats
+from .records import GenerationOutput, Stats
 from .sampling import SamplingParams
 
 

@@ -5,27 +5,13 @@ cached: one prefill over the prompt fills the KV cache; each decode step then fe
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import torch
 
 from . import validate
 from .cache import KVCache
-from .records import KVCounter, Stats, TraceEvent
+from .records import GenerationOutput, KVCounter, Stats, TraceEvent
 from .sampling import SamplingParams
-
-
-@dataclass
-class GenerationOutput:
-    prompt: list[int]
-    tokens: list[int]                # the new tokens, including the EOS that stopped generation
-    stats: Stats
-    trace: list[TraceEvent] | None   # one event per forward pass, when asked for
-    logits: torch.Tensor | None      # (new tokens, vocab): what each token was chosen from
-
-    @property
-    def sequence(self) -> list[int]:
-        return self.prompt + self.tokens
 
 
 def generate(model, ids, max_new_tokens: int, mode: str = "cached", temperature: float = 0.0,

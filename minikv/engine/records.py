@@ -141,3 +141,17 @@ class KVCounter:
     def count(self) -> int:
         """K/V vectors computed per layer so far (layer 0's count; all layers do the same)."""
         return self.per_layer[0]
+
+
+# --- what a decoder returns ---------------------------------------------------------------------
+@dataclass
+class GenerationOutput:
+    prompt: list[int]
+    tokens: list[int]                # the new tokens, including the EOS that stopped generation
+    stats: Stats
+    trace: list[TraceEvent] | None   # one event per forward pass, when asked for
+    logits: torch.Tensor | None      # (new tokens, vocab): what each token was chosen from
+
+    @property
+    def sequence(self) -> list[int]:
+        return self.prompt + self.tokens

@@ -10,8 +10,7 @@ import torch
 
 from . import validate
 from .cache import KVCache
-from .generate import GenerationOutput
-from .records import SpeculativeStats, TraceEvent
+from .records import GenerationOutput, SpeculativeStats, TraceEvent
 from .sampling import SamplingParams
 from .verify import accept_by_rejection_sampling, accept_matching, round_events, verify_and_commit
 

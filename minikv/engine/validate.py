@@ -200,7 +200,7 @@ def max_len_for(cfg, max_len) -> None:
 
 
 # --- decoders: each returns the number of positions the call will need ----------------------
-def _fits(needed: int, limit: int, what: str, lower: str) -> None:
+def fits(needed: int, limit: int, what: str, lower: str) -> None:
     if needed > limit:
         raise ValueError(f"{what} needs {needed} positions > block_size={limit}; lower {lower}")
 
@@ -216,7 +216,7 @@ def generate_call(model, prompt, max_new_tokens, mode, sp, cache, position_offse
     past = 0 if cache is None else cache.get_seq_length()
     # The last new token is returned, never fed back, so the model sees at most this many.
     needed = past + len(prompt) + max_new_tokens - 1
-    _fits(needed, cfg.block_size, f"{past} cached + {len(prompt)} prompt + {max_new_tokens} new "
+    fits(needed, cfg.block_size, f"{past} cached + {len(prompt)} prompt + {max_new_tokens} new "
           f"tokens", "max_new_tokens or shorten the prompt")
     if cache is not None and needed > cache.max_len:
         raise ValueError(f"the cache holds {cache.max_len} positions but this call needs "
@@ -239,7 +239,7 @@ def speculative_call(target, draft, prompt, max_new_tokens, gamma, sp, adaptive_
         int_at_least("max_gamma", max_gamma, gamma, hint=" (the largest γ adaptive γ may reach)")
     sampling(sp, target.config.vocab_size)
     needed = len(prompt) + max_new_tokens + (max_gamma if adaptive_gamma else gamma)
-    _fits(needed, min(target.config.block_size, draft.config.block_size),
+    fits(needed, min(target.config.block_size, draft.config.block_size),
           f"{len(prompt)} prompt + {max_new_tokens} new tokens + γ lookahead",
           "max_new_tokens or gamma")
     return needed
@@ -251,7 +251,7 @@ def lookup_call(target, prompt, max_new_tokens, gamma, ngram, sp) -> int:
     int_at_least("ngram", ngram, hint=" (tokens of context the lookup matches)")
     sampling(sp, target.config.vocab_size)
     needed = len(prompt) + max_new_tokens + gamma
-    _fits(needed, target.config.block_size, f"{len(prompt)} prompt + {max_new_tokens} new tokens "
+    fits(needed, target.config.block_size, f"{len(prompt)} prompt + {max_new_tokens} new tokens "
           f"+ γ lookahead", "max_new_tokens or gamma")
     return needed
 
@@ -270,7 +270,7 @@ def batch_call(model, prompts, max_new_tokens, sp, pad_id) -> list[list[int]]:
     if pad_id >= model.config.vocab_size:
         raise ValueError(f"pad_id must be a token id in [0, {model.config.vocab_size})")
     width = max(len(r) for r in rows)
-    _fits(width + max_new_tokens - 1, model.config.block_size,
+    fits(width + max_new_tokens - 1, model.config.block_size,
           f"the longest prompt ({width}) + {max_new_tokens} new tokens",
           "max_new_tokens or shorten the prompts")
     return rows
@@ -289,7 +289,7 @@ def serve_call(model, requests, window, block_size, num_blocks) -> tuple[list[li
         int_at_least(f"request {i}: max_new_tokens", r.max_new_tokens)
         int_at_least(f"request {i}: arrival", r.arrival, 0, hint=" (an engine step)")
         positions = len(prompts[-1]) + r.max_new_tokens + window
-        _fits(positions, model.config.block_size, f"request {i}: {len(prompts[-1])} prompt + "
+        fits(positions, model.config.block_size, f"request {i}: {len(prompts[-1])} prompt + "
               f"{r.max_new_tokens} new + {window} window rows", "max_new_tokens or the window")
         sizes.append(-(-positions // block_size) + 1)  # its blocks, one of them copied
     if num_blocks is None:
