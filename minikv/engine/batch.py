@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from . import validate
 from .attention import padded_attention
 from .cache import KVCache
 from .records import GenerationOutput, Stats
 from .sampling import SamplingParams
+from .validate import fits, int_at_least, token_ids
 
 
 def generate_batch(model, prompts, max_new_tokens: int, temperature: float = 0.0,
@@ -26,7 +26,7 @@ def generate_batch(model, prompts, max_new_tokens: int, temperature: float = 0.0
     reached `eos_id` keeps decoding pad tokens that are dropped. `position_bug` reproduces the
     classic mistake: default positions, so padded rows' positions are shifted by their padding."""
     sp = SamplingParams(temperature, top_k, seed, eos_id)
-    rows = validate.batch_call(model, prompts, max_new_tokens, sp, pad_id)
+    rows = _checked_rows(model, prompts, max_new_tokens, sp, pad_id)
     B, width = len(rows), max(len(r) for r in rows)
     device = model.device
     pad = torch.tensor([width - len(r) for r in rows], device=device)              # (B,)
@@ -53,7 +53,8 @@ def generate_batch(model, prompts, max_new_tokens: int, temperature: float = 0.0
                     new[b].append(t)
                     stats[b].forward_passes += 1
                     stats[b].positions_processed += len(rows[b]) if step == 0 else 1
-            done |= tokens == eos_id if eos_id is not None else torch.zeros_like(done)
+            if eos_id is not None:
+                done |= tokens == eos_id
             if bool(done.all()):
                 break
             idx = tokens.view(B, 1)
@@ -62,3 +63,23 @@ def generate_batch(model, prompts, max_new_tokens: int, temperature: float = 0.0
         s.kv_computed = s.positions_processed  # each row's own positions (padding not counted)
     return [GenerationOutput(prompt=r, tokens=n, stats=s, trace=None, logits=None)
             for r, n, s in zip(rows, new, stats)]
+
+
+def _checked_rows(model, prompts, max_new_tokens, sp, pad_id) -> list[list[int]]:
+    """Each prompt as a list of ids, once the call is known to be right."""
+    if isinstance(prompts, (str, torch.Tensor)) or not hasattr(prompts, "__iter__"):
+        raise TypeError("prompts must be a list of prompts (each a list of token ids); for one "
+                        "prompt use minikv.generate")
+    vocab = model.config.vocab_size
+    rows = [token_ids(p, vocab) for p in prompts]
+    if not rows:
+        raise ValueError("no prompts to generate from")
+    int_at_least("max_new_tokens", max_new_tokens, 0)
+    sp.check_vocab(vocab)
+    int_at_least("pad_id", pad_id, 0)
+    if pad_id >= vocab:
+        raise ValueError(f"pad_id must be a token id in [0, {vocab})")
+    width = max(len(r) for r in rows)
+    fits(width + max_new_tokens - 1, model.config.block_size, f"the longest prompt ({width}) + "
+         f"{max_new_tokens} new tokens", "max_new_tokens or shorten the prompts")
+    return rows

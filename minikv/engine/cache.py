@@ -2,17 +2,59 @@
 method names are Hugging Face's (`cache_utils`: update, get_seq_length, crop), met again later."""
 from __future__ import annotations
 
+import copy
+from abc import ABC, abstractmethod
 from contextlib import contextmanager
 
 import torch
 
-from . import validate
 from .config import GPTConfig
+from .validate import int_at_least
 
 
-class Cache:
-    """What the model asks of any cache kind: `get_seq_length()` (where positions start),
-    `check_fits(...)` (raise before writing) and `update(k, v, layer_idx)` (store, return all)."""
+class Cache(ABC):
+    """What the model and the decoders ask of any cache kind (the contract tiny-llm's
+    `TinyKvCache` states the same way). A new kind subclasses this and writes the two abstract
+    methods; the rest have safe defaults it may override.
+
+    - `get_seq_length()`: positions seen so far, where the next pass's positions start.
+    - `update(k, v, layer_idx)`: store this pass's (B, nkv, T, hs) keys and values for one layer
+      and return what attention reads. The model calls it once per layer, in order; a cache
+      should make the pass's positions live only after the last layer, so a pass that fails
+      halfway leaves it as it was.
+    - `check_fits(cfg, batch_size, n_new, device, dtype)`: raise before anything is written if
+      the pass cannot go in. Default: anything fits.
+    - `crop(n)`: roll back to the first n positions (speculative decoding and verification need
+      it). Default: refuse (a ValueError).
+    - `restored_on_error()`: a context that crops back to where it started if the block raises
+      (or is interrupted), so a retry never feeds a token twice.
+    - `max_len`: the most positions it holds (None: no limit of its own).
+    """
+    max_len: int | None = None
+
+    @abstractmethod
+    def get_seq_length(self, layer_idx: int = 0) -> int: ...
+
+    @abstractmethod
+    def update(self, key: torch.Tensor, value: torch.Tensor,
+               layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def check_fits(self, cfg: GPTConfig, batch_size: int, n_new: int, device, dtype) -> None:
+        pass
+
+    def crop(self, max_length: int) -> None:
+        raise ValueError(f"a {type(self).__name__} cannot roll back; use a KVCache for "
+                         f"speculative or verified decoding")
+
+    @contextmanager
+    def restored_on_error(self):
+        start = self.get_seq_length()
+        try:
+            yield
+        except BaseException:
+            if self.get_seq_length() > start:
+                self.crop(start)
+            raise
 
 
 class KVCache(Cache):
@@ -25,32 +67,39 @@ class KVCache(Cache):
 
     def __init__(self, n_layer: int, batch_size: int, n_head: int, head_dim: int, max_len: int,
                  *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
-        for name, value in dict(n_layer=n_layer, batch_size=batch_size, n_head=n_head,
-                                head_dim=head_dim, max_len=max_len).items():
-            validate.int_at_least(f"KVCache {name}", value)
-        shape = (batch_size, n_head, max_len, head_dim)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        sizes = dict(n_layer=n_layer, batch_size=batch_size, n_head=n_head, head_dim=head_dim,
+                     max_len=max_len)
+        for name, value in sizes.items():
+            int_at_least(f"KVCache {name}", value)
+        self.n_layer = n_layer
+        self.batch_size = batch_size
+        self.n_head = n_head
+        self.head_dim = head_dim
+        self.max_len = max_len
+        self.device = torch.empty(0, device=device).device  # as tensors name it: cuda:0
+        self.dtype = dtype
         self._length = 0
+        self._allocate()
+
+    def _allocate(self) -> None:
+        shape = (self.batch_size, self.n_head, self.max_len, self.head_dim)
+        self.keys = [self._zeros(shape) for _ in range(self.n_layer)]
+        self.values = [self._zeros(shape) for _ in range(self.n_layer)]
+
+    def _zeros(self, shape: tuple, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.zeros(shape, device=self.device, dtype=dtype or self.dtype)
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, batch_size: int = 1,
-                  max_len: int | None = None) -> KVCache:
+    def for_model(cls, model: torch.nn.Module, batch_size: int = 1, max_len: int | None = None,
+                  **kwargs) -> KVCache:
         """An empty cache shaped for `model`, on its device and in its dtype."""
         cfg: GPTConfig = model.config
         max_len = cfg.block_size if max_len is None else max_len
-        validate.max_len_for(cfg, max_len)
+        if isinstance(max_len, int) and max_len > cfg.block_size:
+            raise ValueError(f"max_len={max_len} exceeds the model's block_size: positions past "
+                             f"it have no embedding; use max_len <= {cfg.block_size}")
         return cls(cfg.n_layer, batch_size, cfg.kv_heads, cfg.head_dim, max_len,
-                   device=model.device, dtype=model.dtype)
-
-    # --- shape and placement ------------------------------------------------------------------
-    n_layer = property(lambda self: len(self.keys))
-    batch_size = property(lambda self: self.keys[0].shape[0])
-    n_head = property(lambda self: self.keys[0].shape[1])
-    max_len = property(lambda self: self.keys[0].shape[2])
-    head_dim = property(lambda self: self.keys[0].shape[3])
-    device = property(lambda self: self.keys[0].device)
-    dtype = property(lambda self: self.keys[0].dtype)
+                   device=model.device, dtype=model.dtype, **kwargs)
 
     @property
     def layer_lengths(self) -> list[int]:
@@ -61,15 +110,14 @@ class KVCache(Cache):
         """Number of cached positions (every layer holds the same number)."""
         return self._length
 
-    def check_fits(self, cfg: GPTConfig, batch_size: int, n_new: int, device, dtype) -> None:
-        validate.cache_fits(self, cfg, batch_size, n_new, device, dtype)
-
     def update(self, key: torch.Tensor, value: torch.Tensor,
                layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Append (B, n_head, T, head_dim) keys and values to layer `layer_idx`; return all the
         live ones, (B, n_head, past + T, head_dim)."""
-        validate.cache_update(self, key, value, layer_idx)
-        start, end = self._length, self._length + key.shape[2]
+        check_kv(self, key, value, layer_idx)
+        self._check_room(key.shape[2])
+        start = self._length
+        end = start + key.shape[2]
         with torch.no_grad():  # a cache stores numbers, not autograd history (train without one)
             self.keys[layer_idx][:, :, start:end] = key
             self.values[layer_idx][:, :, start:end] = value
@@ -79,29 +127,24 @@ class KVCache(Cache):
 
     def crop(self, max_length: int) -> None:
         """Roll back to the first `max_length` positions (nothing is erased, only forgotten)."""
-        validate.crop(self, max_length)
+        if type(max_length) is not int:
+            raise TypeError(f"crop takes an int length, got {type(max_length).__name__}")
+        if not 0 <= max_length <= self._length:
+            raise ValueError(f"cannot crop to {max_length}: pass a length between 0 and "
+                             f"{self._length}, the positions the cache holds")
         self._length = max_length
 
     def fork(self) -> KVCache:
         """An independent copy of the live prefix, for branching (e.g. asking a question
         mid-sequence). It copies every layer's keys and values."""
-        length = self._length
-        twin = KVCache(self.n_layer, self.batch_size, self.n_head, self.head_dim, self.max_len,
-                       device=self.device, dtype=self.dtype)
-        for src, dst in zip(self.keys + self.values, twin.keys + twin.values):
-            dst[:, :, :length] = src[:, :, :length]
-        twin._length = length
+        twin = copy.copy(self)  # the same sizes and settings; new buffers below
+        twin._allocate()
+        for src, dst in zip(self._buffers(), twin._buffers()):
+            dst[:, :, :self._length] = src[:, :, :self._length]
         return twin
 
-    @contextmanager
-    def restored_on_error(self):
-        """Crop back to the current length if the block raises or is interrupted."""
-        start = self._length
-        try:
-            yield
-        except BaseException:
-            self._length = min(start, self._length)
-            raise
+    def _buffers(self) -> list[torch.Tensor]:
+        return self.keys + self.values
 
     def reset(self) -> None:
         self._length = 0
@@ -109,17 +152,50 @@ class KVCache(Cache):
     @property
     def nbytes(self) -> int:
         """Bytes of the live keys and values: what `kv_cache_bytes` predicts."""
-        per_position = 2 * self.batch_size * self.n_head * self.head_dim * self.dtype.itemsize
-        return per_position * self._length * self.n_layer
+        return sum(t[:, :, :self._length].nbytes for t in self._buffers())
 
     @property
     def allocated_nbytes(self) -> int:
         """Bytes reserved up front for `max_len` positions."""
-        return sum(t.nbytes for t in self.keys + self.values)
+        return sum(t.nbytes for t in self._buffers())
 
     def __repr__(self) -> str:
-        return (f"KVCache({self.n_layer} layers of {tuple(self.keys[0].shape)}, "
+        return (f"{type(self).__name__}({self.n_layer} layers of {tuple(self.keys[0].shape)}, "
                 f"seq_len={self._length}/{self.max_len}, {self.dtype}, {self.device})")
+
+    # --- checks: raise before anything is written ---------------------------------------------
+    def check_fits(self, cfg: GPTConfig, batch_size: int, n_new: int, device, dtype) -> None:
+        check_matches(self, cfg, batch_size, device, dtype)
+        self._check_room(n_new)
+
+    def _check_room(self, n_new: int) -> None:
+        if self._length + n_new > self.max_len:
+            raise ValueError(f"KV cache overflow: {self._length} cached + {n_new} new positions "
+                             f"> max_len={self.max_len}; use a larger max_len, or crop it first")
+
+
+# --- checks shared by the cache kinds that hold (B, n_head, positions, head_dim) per layer -------
+def check_matches(cache: Cache, cfg: GPTConfig, batch_size: int, device, dtype) -> None:
+    """Raise unless `cache` is shaped for a model of `cfg` on (device, dtype) and this batch."""
+    have = (cache.n_layer, cache.n_head, cache.head_dim, cache.batch_size, cache.device,
+            cache.dtype)
+    want = (cfg.n_layer, cfg.kv_heads, cfg.head_dim, batch_size, device, dtype)
+    if have != want:
+        raise ValueError(f"cache has (n_layer, n_head, head_dim, batch, device, dtype) = {have}, "
+                         f"the pass needs {want}; build it with KVCache.for_model(model, "
+                         f"batch_size={batch_size})")
+
+
+def check_kv(cache: Cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> None:
+    """Raise unless `key` and `value` are one pass's (B, n_head, T, head_dim) for layer_idx."""
+    if not 0 <= layer_idx < cache.n_layer:
+        raise ValueError(f"layer_idx={layer_idx} out of range for {cache.n_layer} layers")
+    want = (cache.batch_size, cache.n_head, "T", cache.head_dim, cache.dtype, cache.device)
+    for t in (key, value):
+        got = (*t.shape[:2], "T", *t.shape[3:], t.dtype, t.device)
+        if got != want or t.shape != key.shape:
+            raise ValueError(f"key and value must both be (B, n_head, T, head_dim, dtype, "
+                             f"device) = {want}; got {tuple(t.shape)} {t.dtype} {t.device}")
 
 
 def kv_cache_bytes(cfg: GPTConfig, seq_len: int, batch_size: int = 1,

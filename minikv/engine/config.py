@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from . import validate
+from .validate import int_at_least
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,19 @@ class GPTConfig:
     n_kv_head: int | None = None  # K/V heads (grouped-query attention); None: one per head
 
     def __post_init__(self) -> None:
-        validate.config(self)
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            int_at_least(f"GPTConfig.{name}", getattr(self, name))
+        eps = self.layer_norm_eps
+        if type(eps) not in (int, float) or not 0 < eps < 1:
+            raise ValueError(f"GPTConfig.layer_norm_eps must be a number in (0, 1), got {eps!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head "
+                             f"({self.n_head}): pick an n_head that divides it")
+        if self.n_kv_head is not None:
+            int_at_least("GPTConfig.n_kv_head", self.n_kv_head, hint=" or None")
+            if self.n_head % self.n_kv_head:
+                raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head "
+                                 f"({self.n_kv_head}): each K/V head serves a whole group")
 
     @property
     def head_dim(self) -> int:

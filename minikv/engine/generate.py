@@ -8,10 +8,10 @@ from contextlib import nullcontext
 
 import torch
 
-from . import validate
 from .cache import KVCache
 from .records import GenerationOutput, KVCounter, Stats, TraceEvent
 from .sampling import SamplingParams
+from .validate import fits, int_at_least, token_ids
 
 
 def generate(model, ids, max_new_tokens: int, mode: str = "cached", temperature: float = 0.0,
@@ -23,9 +23,16 @@ def generate(model, ids, max_new_tokens: int, mode: str = "cached", temperature:
     passed in is continued and extended in place (`fork()` it to keep it). `position_offset_bug`
     reproduces seed 003's wrong approach: positions restart at 0 every step."""
     sp = SamplingParams(temperature, top_k, seed, eos_id)
-    prompt = validate.token_ids(ids, model.config.vocab_size)
-    needed = validate.generate_call(model, prompt, max_new_tokens, mode, sp, cache,
-                                    position_offset_bug)
+    prompt = token_ids(ids, model.config.vocab_size)
+    _check_call(model, max_new_tokens, mode, sp, cache, position_offset_bug)
+    past = 0 if cache is None else cache.get_seq_length()
+    # The last new token is returned, never fed back, so the model sees at most this many.
+    needed = past + len(prompt) + max_new_tokens - 1
+    fits(needed, model.config.block_size, f"{past} cached + {len(prompt)} prompt + "
+         f"{max_new_tokens} new tokens", "max_new_tokens or shorten the prompt")
+    if cache is not None and cache.max_len is not None and needed > cache.max_len:
+        raise ValueError(f"the cache holds {cache.max_len} positions but this call needs "
+                         f"{needed}; pass a larger cache or lower max_new_tokens")
     if mode == "cached" and cache is None and max_new_tokens > 0:
         cache = KVCache.for_model(model, batch_size=1, max_len=needed)
     device = model.device
@@ -72,3 +79,12 @@ def generate(model, ids, max_new_tokens: int, mode: str = "cached", temperature:
     return GenerationOutput(prompt=prompt, tokens=sequence[len(prompt):], stats=stats,
                             trace=events if trace else None,
                             logits=torch.stack(step_logits) if step_logits else None)
+
+
+def _check_call(model, max_new_tokens, mode, sp, cache, position_offset_bug) -> None:
+    int_at_least("max_new_tokens", max_new_tokens, 0)
+    if mode not in ("naive", "cached"):
+        raise ValueError(f"unknown mode {mode!r}; choose one of ('naive', 'cached')")
+    sp.check_vocab(model.config.vocab_size)
+    if mode == "naive" and (cache is not None or position_offset_bug):
+        raise ValueError("cache= and position_offset_bug= only apply to mode='cached'")

@@ -10,7 +10,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import validate
 from .attention import Attention, sdpa
 from .cache import Cache
 from .config import GPTConfig
@@ -98,8 +97,13 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    device = property(lambda self: self.lm_head.weight.device)
-    dtype = property(lambda self: self.lm_head.weight.dtype)
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # the tied head is counted once
@@ -111,7 +115,7 @@ class GPT(nn.Module):
         cache, K/V of `idx` are appended to it and attention covers every cached position.
         `positions` ((T,) or (B, T)) overrides the position ids (`torch.arange(T)` is seed 003's
         bug); `attention` swaps the kernel (the batched server's split-KV decode does)."""
-        validate.forward(self, idx, cache, positions)
+        _check_inputs(self, idx, cache, positions)
         T = idx.shape[1]
         if positions is None:
             past = 0 if cache is None else cache.get_seq_length()  # an int, or (B, 1) per row
@@ -132,7 +136,7 @@ class GPT(nn.Module):
         `config`, shapes come from the tensors and n_head = n_embd / 64 (as in every GPT-2)."""
         sd = {k.removeprefix("transformer."): v for k, v in state_dict.items()
               if not k.endswith((".attn.bias", ".attn.masked_bias"))}  # causal-mask buffers
-        validate.gpt2_state_dict(sd)
+        _check_gpt2_state_dict(sd)
         sd.pop("lm_head.weight", None)  # the same tensor as wte.weight
         if config is None:
             vocab, n_embd = sd["wte.weight"].shape
@@ -144,8 +148,66 @@ class GPT(nn.Module):
                 if k != "lm_head.weight"}
         conv1d = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
         sd = {name: t.t() if name.endswith(conv1d) else t for name, t in sd.items()}
-        validate.gpt2_state_dict(sd, ours, f"{config}")
+        _check_same_shapes(sd, ours, f"{config}")
         with torch.no_grad():
             for name, target in ours.items():
                 target.copy_(sd[name])
         return model
+
+
+# --- checks: bad input raises before any cache slot is written -----------------------------------
+def _is_int_tensor(x) -> bool:
+    return isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex()
+                                                 or x.dtype == torch.bool)
+
+
+def _check_inputs(model: GPT, idx, cache, positions) -> None:
+    cfg = model.config
+    if not _is_int_tensor(idx):
+        got = idx.dtype if isinstance(idx, torch.Tensor) else type(idx).__name__
+        raise TypeError(f"idx must be an integer tensor of token ids, got {got}; "
+                        f"use torch.tensor([ids], dtype=torch.long)")
+    if idx.dim() != 2 or idx.shape[1] == 0 or idx.device != model.device:
+        raise ValueError(f"idx must be (batch, T) with T >= 1 on {model.device}, got "
+                         f"{tuple(idx.shape)} on {idx.device}; add a batch dimension with "
+                         f"idx[None], move it with idx.to(model.device)")
+    outside = idx[(idx < 0) | (idx >= cfg.vocab_size)]
+    if outside.numel():
+        raise ValueError(f"token id {int(outside[0])} is outside the vocabulary "
+                         f"[0, {cfg.vocab_size}); encode with the model's own tokenizer")
+    B, T = idx.shape
+    if cache is not None:
+        if not isinstance(cache, Cache):
+            raise TypeError(f"cache must be a minikv.KVCache (or another Cache), got "
+                            f"{type(cache).__name__}")
+        cache.check_fits(cfg, B, T, model.device, model.dtype)
+    if positions is None:
+        past = 0 if cache is None else cache.get_seq_length()
+        longest = int(past.max()) if isinstance(past, torch.Tensor) else past
+        if longest + T > cfg.block_size:
+            raise ValueError(f"sequence of {longest + T} positions exceeds block_size="
+                             f"{cfg.block_size}: shorten the prompt or generate fewer tokens")
+    elif not (_is_int_tensor(positions) and positions.shape in ((T,), (B, T))
+              and 0 <= positions.min() and positions.max() < cfg.block_size):
+        raise ValueError(f"positions must be an integer tensor of shape ({T},) or ({B}, {T}) "
+                         f"with values in [0, {cfg.block_size})")
+
+
+def _check_gpt2_state_dict(sd: dict) -> None:
+    if "wte.weight" not in sd:
+        raise ValueError("state dict has no 'transformer.wte.weight': is it a GPT-2 state dict?")
+    if "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"], sd["wte.weight"]):
+        raise ValueError("lm_head.weight differs from wte.weight, but GPT-2 ties them; "
+                         "this model cannot load it")
+
+
+def _check_same_shapes(sd: dict, want: dict, what: str) -> None:
+    missing = sorted(set(want) - set(sd))
+    unexpected = sorted(set(sd) - set(want))
+    if missing or unexpected:
+        raise ValueError(f"state dict does not match {what}: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    wrong = [name for name, t in want.items() if sd[name].shape != t.shape]
+    if wrong:
+        raise ValueError(f"{wrong[0]}: got shape {tuple(sd[wrong[0]].shape)}, expected "
+                         f"{tuple(want[wrong[0]].shape)} for {what}")

@@ -2,11 +2,16 @@
 top-k. One validated `SamplingParams` travels with every request, as in nano-vllm."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from . import validate
+from .validate import int_at_least
+
+# Below this, logits / temperature overflows float32 for ordinary logits, and sampling is greedy
+# in all but name anyway: ask for 0.
+MIN_TEMPERATURE = 1e-3
 
 
 @dataclass(frozen=True)
@@ -17,9 +22,26 @@ class SamplingParams:
     eos_id: int | None = None   # stop after this token
 
     def __post_init__(self) -> None:
-        validate.sampling(self)
+        t = self.temperature
+        if type(t) not in (int, float) or not (t == 0 or MIN_TEMPERATURE <= t < math.inf):
+            raise ValueError(f"temperature must be 0 (greedy) or a number >= {MIN_TEMPERATURE}, "
+                             f"got {t!r}")
+        if self.top_k is not None:
+            int_at_least("top_k", self.top_k, hint=" or None (no filtering)")
+        if type(self.seed) is not int or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
+        if self.eos_id is not None:
+            int_at_least("eos_id", self.eos_id, 0, hint=" (a token id) or None")
 
-    greedy = property(lambda self: self.temperature == 0)
+    def check_vocab(self, vocab_size: int) -> None:
+        """The model is known: eos_id must be one of its token ids."""
+        if self.eos_id is not None and self.eos_id >= vocab_size:
+            raise ValueError(f"eos_id must be a token id in [0, {vocab_size}) or None, "
+                             f"got {self.eos_id!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
         """softmax(logits / temperature) over the top_k logits (the rest get probability 0)."""
@@ -28,7 +50,10 @@ class SamplingParams:
             kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        validate.finite_probabilities(probs, self.temperature)
+        if not torch.isfinite(probs).all():
+            raise ValueError(f"sampling failed: softmax(logits / {self.temperature}) is not "
+                             f"finite (the logits overflowed, or hold NaN); use a larger "
+                             f"temperature, or 0 for greedy decoding")
         return probs
 
     def sample(self, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

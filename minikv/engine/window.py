@@ -16,12 +16,13 @@ pass for the window to apply to every token (`feed`).
 """
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 
 import torch
 
-from . import validate
-from .cache import Cache
+from .cache import Cache, check_kv, check_matches
+from .validate import int_at_least
 
 
 class SinkWindowCache(Cache):
@@ -31,11 +32,20 @@ class SinkWindowCache(Cache):
     def __init__(self, n_layer: int, n_head: int, head_dim: int, sinks: int, window: int, *,
                  block_size: int, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32):
-        validate.int_at_least("sinks", sinks, 0)
-        validate.int_at_least("window", window)
+        int_at_least("sinks", sinks, 0)
+        int_at_least("window", window)
         empty = torch.zeros(1, n_head, 0, head_dim, device=device, dtype=dtype)
-        self.keys, self.values = [empty] * n_layer, [empty] * n_layer
-        self.sinks, self.window, self.max_len = sinks, window, block_size
+        self.keys = [empty] * n_layer
+        self.values = [empty] * n_layer
+        self.sinks = sinks
+        self.window = window
+        self.max_len = block_size  # GPT-2 has no position embedding past its block_size
+        self.n_layer = n_layer
+        self.n_head = n_head
+        self.head_dim = head_dim
+        self.batch_size = 1
+        self.device = empty.device
+        self.dtype = dtype
         self.positions: list[int] = []
         self._seen = 0
 
@@ -45,29 +55,22 @@ class SinkWindowCache(Cache):
         return cls(cfg.n_layer, cfg.kv_heads, cfg.head_dim, sinks, window,
                    block_size=cfg.block_size, device=model.device, dtype=model.dtype)
 
-    n_layer = property(lambda self: len(self.keys))
-    n_head = property(lambda self: self.keys[0].shape[1])
-    head_dim = property(lambda self: self.keys[0].shape[3])
-    batch_size, device = 1, property(lambda self: self.keys[0].device)
-    dtype = property(lambda self: self.keys[0].dtype)
-
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens seen so far: where the next token's position starts (not the slots held)."""
         return self._seen
 
     def check_fits(self, cfg, batch_size: int, n_new: int, device, dtype) -> None:
         if self._seen + n_new > self.max_len:
-            raise ValueError(f"the text would reach {self._seen + n_new} positions: GPT-2 learned "
+            raise ValueError(f"the text would reach {self._seen + n_new} positions: GPT-2 has "
                              f"no position embedding past block_size={self.max_len}, and this "
-                             f"cache keeps true positions (minikv/engine/window.py); start a new "
-                             f"cache for a new text")
-        validate.cache_fits(self, cfg, batch_size, n_new, device, dtype)
+                             f"cache keeps true positions; start a new cache for a new text")
+        check_matches(self, cfg, batch_size, device, dtype)
 
     def update(self, key: torch.Tensor, value: torch.Tensor,
                layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Append this pass's K/V and return everything held; once the last layer is written,
         evict all but the first `sinks` and the last `window` positions, in every layer."""
-        validate.cache_update(self, key, value, layer_idx)
+        check_kv(self, key, value, layer_idx)
         self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key.detach()], dim=2)
         self.values[layer_idx] = torch.cat([self.values[layer_idx], value.detach()], dim=2)
         k, v = self.keys[layer_idx], self.values[layer_idx]
@@ -86,23 +89,20 @@ class SinkWindowCache(Cache):
 
     def fork(self) -> SinkWindowCache:
         """An independent copy (cheap: passes replace tensors, never write into them)."""
-        twin = SinkWindowCache.__new__(SinkWindowCache)
-        twin.__dict__ = {**self.__dict__, "keys": list(self.keys), "values": list(self.values),
-                         "positions": list(self.positions)}
+        twin = copy.copy(self)
+        twin.keys = list(self.keys)
+        twin.values = list(self.values)
+        twin.positions = list(self.positions)
         return twin
-
-    def crop(self, max_length: int) -> None:
-        raise ValueError("a sink-and-window cache cannot roll back: the positions it evicted are "
-                         "gone; use a KVCache for speculative or verified decoding")
 
     @contextmanager
     def restored_on_error(self):
-        state = (list(self.keys), list(self.values), list(self.positions), self._seen)
+        """It cannot crop: a failed block puts back the state it started from."""
+        saved = self.fork()
         try:
             yield
         except BaseException:
-            self.keys, self.values, self.positions, self._seen = (
-                list(state[0]), list(state[1]), list(state[2]), state[3])
+            self.__dict__.update(saved.__dict__)
             raise
 
     @property
