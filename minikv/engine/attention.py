@@ -75,15 +75,13 @@ def splits_of(n_blocks: int, page_size: int, n_splits: int) -> tuple[int, int, i
 def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     tables: torch.Tensor, lengths: torch.Tensor, n_splits: int) -> torch.Tensor:
     """Decode attention read through block tables, as vLLM's PagedAttention kernel does.
+    q (B, nh, 1, hs): one query per row. keys, values: one layer's pool (num_blocks, H, page, hs),
+    each of the H K/V heads read by a group of nh / H query heads. tables (B, nb): each row's
+    blocks, -1 past its last. lengths (B,): the positions each row sees.
 
-    q (B, nh, 1, hs): one new query per row. keys, values: one layer's pool (num_blocks, H,
-    page_size, hs) with H K/V heads, each read by a group of g = nh / H query heads together.
-    tables (B, nb): each row's blocks, -1 past its last. lengths (B,): the positions each row sees.
-
-    Split-KV (FlashDecoding): keys are read in tiles; the longest row's tiles are cut into
-    n_splits runs, and each run of a row gives a partial softmax output (rounded to the model's
-    dtype), its max and its sum; the partials merge as one softmax would, up to rounding. So where
-    a row's splits fall depends on the rest of the batch."""
+    Split-KV (FlashDecoding): the longest row's key tiles are cut into n_splits runs; each run
+    of a row gives a partial softmax output (rounded to the model's dtype), its max and its sum,
+    merged as one softmax would be, up to rounding (so a row's result depends on the batch)."""
     B, nh, _, hs = q.shape
     H, page = keys.size(1), keys.size(2)
     group = nh // H                                                  # query heads per K/V head
@@ -93,17 +91,15 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     # 1. Every real block of every row, no padding rows: its row, its index in the row.
     row, j = (tables >= 0).nonzero(as_tuple=True)
     kb, vb = keys[tables[row, j]], values[tables[row, j]]            # (N, H, page, hs)
-    N = kb.size(0)
     # 2. Scores of each block's keys, masked past the row's length.
     q_groups = q.view(B, H, group, hs)[row]                          # (N, H, g, hs)
     scores_b = (q_groups @ kb.transpose(-1, -2)).to(acc) / math.sqrt(hs)  # (N, H, g, page)
-    key_pos = j[:, None] * page + torch.arange(page, device=q.device)
-    past_end = key_pos >= lengths[row, None]
+    past_end = j[:, None] * page + torch.arange(page, device=q.device) >= lengths[row, None]
     scores_b = scores_b.masked_fill(past_end[:, None, None], float("-inf"))
     # 3. Lay the blocks' tiles out per row, then cut each row into S splits of whole tiles.
     tile_idx = j[:, None] * tiles_per_block + torch.arange(tiles_per_block, device=q.device)
     scores = scores_b.new_full((B, S * per_split, H, group, tile), float("-inf"))
-    scores[row[:, None], tile_idx] = (scores_b.view(N, H, group, tiles_per_block, tile)
+    scores[row[:, None], tile_idx] = (scores_b.view(-1, H, group, tiles_per_block, tile)
                                       .permute(0, 3, 1, 2, 4))
     scores = scores.view(B, S, per_split, H, group, tile)
     # 4. Each split's softmax: its max, its sum, its partial output.
@@ -112,11 +108,10 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     probs = torch.exp(scores - split_max)
     split_sum = probs.sum(dim=(2, 5), keepdim=True).squeeze(2)       # (B, S, H, g, 1)
     probs = probs.view(B, S * per_split, H, group, tile)[row[:, None], tile_idx]
-    pv = probs.permute(0, 2, 1, 3, 4) @ vb.view(N, H, tiles_per_block, tile, hs).to(acc)
+    pv = probs.permute(0, 2, 1, 3, 4) @ vb.view(-1, H, tiles_per_block, tile, hs).to(acc)
     out = pv.new_zeros(B, S * per_split, H, group, hs)
     out[row[:, None], tile_idx] = pv.permute(0, 2, 1, 3, 4)          # (N, nt, H, g, hs) placed
-    out = out.view(B, S, per_split, H, group, hs).sum(2) / split_sum.clamp(min=1e-30)
-    out = out.to(q.dtype)
+    out = (out.view(B, S, per_split, H, group, hs).sum(2) / split_sum.clamp(min=1e-30)).to(q.dtype)
     # 5. Merge the splits as one softmax would: weight each by exp(its max - the max) x its sum.
     split_max = split_max.squeeze(2)                                  # (B, S, H, g, 1)
     weight = torch.exp(split_max - split_max.amax(1, keepdim=True)) * split_sum
