@@ -1,6 +1,7 @@
-"""The engine: a GPT-2 and the ways it decodes with a KV cache. Read config, model, cache, sampling,
-generate, records, verify, speculative, lookup, batch, paged, serving, then the caches that hold
-less (quantized, window), then validate; it imports no tooling."""
+"""The engine: a GPT-2 and the ways it decodes with a KV cache. Read config, model,
+cache, sampling, generate, records, verify, speculative, lookup, batch, paged, serving,
+then the caches that hold less (quantized, window), then validate; it imports no tooling.
+"""
 from .batch import generate_batch
 from .cache import Cache, KVCache, kv_cache_bytes
 from .config import PRESETS, GPTConfig

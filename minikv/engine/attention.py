@@ -1,8 +1,9 @@
-"""The attention functions the decoders swap into `GPT.forward(attention=...)`. The model's own,
-`causal_attention`, stays in model.py beside its `# KV-CACHE` line; every other one is here:
-a left-padded batch (batch.py), packed prompts (serving.py), a decode batch read through block
-tables with split-KV (serving.py), and a sink-and-window mask (window.py). Each takes
-q (B, nh, T, hs) and the keys and values the cache gave back, and returns (B, nh, T, hs)."""
+"""The attention functions the decoders swap into `GPT.forward(attention=...)`. The
+model's own, `causal_attention`, stays in model.py beside its `# KV-CACHE` line; every
+other one is here: a left-padded batch (batch.py), packed prompts (serving.py), a decode
+batch read through block tables with split-KV (serving.py), and a sink-and-window mask
+(window.py). Each takes q (B, nh, T, hs) and the keys and values the cache gave back, and
+returns (B, nh, T, hs)."""
 from __future__ import annotations
 
 import math
@@ -25,11 +26,11 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.T
     return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
-# --- a left-padded batch (batch.py) -------------------------------------------------------------
+# --- a left-padded batch (batch.py) ----------------------------------------------------
 def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      pad: torch.Tensor) -> torch.Tensor:
-    """Causal attention over a left-padded batch: query i of row b sees keys up to its own
-    column, except row b's first pad[b] keys (its padding). k, v: (B, nh, L, hs)."""
+    """Causal attention over a left-padded batch: query i of row b sees keys up to its
+    own column, except row b's first pad[b] keys (its padding). k, v: (B, nh, L, hs)."""
     T, L = q.size(-2), k.size(-2)
     causal = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(diagonal=L - T)  # (T, L)
     real = torch.arange(L, device=q.device) >= pad.view(-1, 1)                       # (B, L)
@@ -37,10 +38,11 @@ def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return sdpa(q, k, v, attn_mask=allowed[:, None])
 
 
-# --- prompts packed into one row (serving.py's prefill) -----------------------------------------
+# --- prompts packed into one row (serving.py's prefill) --------------------------------
 def packed_causal_mask(past: list[int], counts: list[int], device) -> torch.Tensor:
-    """(sum counts, sum (past + counts)) booleans for a packed pass: sequence i's counts[i] new
-    tokens see its own past[i] cached positions and their own earlier tokens, nothing else."""
+    """(sum counts, sum (past + counts)) booleans for a packed pass: sequence i's
+    counts[i] new tokens see its own past[i] cached positions and their own earlier
+    tokens, nothing else."""
     blocks = [torch.ones(n, p + n, dtype=torch.bool, device=device).tril(p)
               for p, n in zip(past, counts)]
     return torch.block_diag(*blocks)
@@ -52,20 +54,20 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return sdpa(q, k, v, attn_mask=mask)
 
 
-# --- a decode batch read through block tables (serving.py's decode) -----------------------------
+# --- a decode batch read through block tables (serving.py's decode) --------------------
 GPU_WORKERS = 132  # streaming multiprocessors of an H100: split-KV aims to keep them all busy
 KEYS_PER_TILE = 8  # the kernel reads keys in tiles; a split holds whole tiles
 
 
 def num_kv_splits(batch_size: int, n_head: int, seq_len: int) -> int:
-    """FlashDecoding's heuristic: split the keys (at least 8 a chunk) until batch x heads x
-    splits fills the GPU."""
+    """FlashDecoding's heuristic: split the keys (at least 8 a chunk) until batch x heads
+    x splits fills the GPU."""
     return max(1, min(math.ceil(GPU_WORKERS / (batch_size * n_head)), math.ceil(seq_len / 8)))
 
 
 def splits_of(n_blocks: int, page_size: int, n_splits: int) -> tuple[int, int, int]:
-    """Keys per tile, tiles per split and how many splits, when the longest row holds n_blocks
-    pages: at most n_splits runs of whole tiles, as even as can be."""
+    """Keys per tile, tiles per split and how many splits, when the longest row holds
+    n_blocks pages: at most n_splits runs of whole tiles, as even as can be."""
     tile = math.gcd(page_size, KEYS_PER_TILE)
     n_tiles = n_blocks * page_size // tile
     per_split = -(-n_tiles // max(1, min(n_splits, n_tiles)))
@@ -75,13 +77,15 @@ def splits_of(n_blocks: int, page_size: int, n_splits: int) -> tuple[int, int, i
 def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     tables: torch.Tensor, lengths: torch.Tensor, n_splits: int) -> torch.Tensor:
     """Decode attention read through block tables, as vLLM's PagedAttention kernel does.
-    q (B, nh, 1, hs): one query per row. keys, values: one layer's pool (num_blocks, H, page, hs),
-    each of the H K/V heads read by a group of nh / H query heads. tables (B, nb): each row's
-    blocks, -1 past its last. lengths (B,): the positions each row sees.
+    q (B, nh, 1, hs): one query per row. keys, values: one layer's pool
+    (num_blocks, H, page, hs), each of the H K/V heads read by a group of nh / H query
+    heads. tables (B, nb): each row's blocks, -1 past its last. lengths (B,): the
+    positions each row sees.
 
-    Split-KV (FlashDecoding): the longest row's key tiles are cut into n_splits runs; each run
-    of a row gives a partial softmax output (rounded to the model's dtype), its max and its sum,
-    merged as one softmax would be, up to rounding (so a row's result depends on the batch)."""
+    Split-KV (FlashDecoding): the longest row's key tiles are cut into n_splits runs;
+    each run of a row gives a partial softmax output (rounded to the model's dtype), its
+    max and its sum, merged as one softmax would be, up to rounding (so a row's result
+    depends on the batch)."""
     B, nh, _, hs = q.shape
     H, page = keys.size(1), keys.size(2)
     group = nh // H                                                  # query heads per K/V head
@@ -96,7 +100,7 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     scores_b = (q_groups @ kb.transpose(-1, -2)).to(acc) / math.sqrt(hs)  # (N, H, g, page)
     past_end = j[:, None] * page + torch.arange(page, device=q.device) >= lengths[row, None]
     scores_b = scores_b.masked_fill(past_end[:, None, None], float("-inf"))
-    # 3. Lay the blocks' tiles out per row, then cut each row into S splits of whole tiles.
+    # 3. Lay the blocks' tiles out per row; cut each row into S splits of whole tiles.
     tile_idx = j[:, None] * tiles_per_block + torch.arange(tiles_per_block, device=q.device)
     scores = scores_b.new_full((B, S * per_split, H, group, tile), float("-inf"))
     scores[row[:, None], tile_idx] = (scores_b.view(-1, H, group, tiles_per_block, tile)
@@ -112,7 +116,7 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     out = pv.new_zeros(B, S * per_split, H, group, hs)
     out[row[:, None], tile_idx] = pv.permute(0, 2, 1, 3, 4)          # (N, nt, H, g, hs) placed
     out = (out.view(B, S, per_split, H, group, hs).sum(2) / split_sum.clamp(min=1e-30)).to(q.dtype)
-    # 5. Merge the splits as one softmax would: weight each by exp(its max - the max) x its sum.
+    # 5. Merge the splits as one softmax would: each weighs exp(its max - max) x its sum.
     split_max = split_max.squeeze(2)                                  # (B, S, H, g, 1)
     weight = torch.exp(split_max - split_max.amax(1, keepdim=True)) * split_sum
     out = (weight * out.to(acc)).sum(1) / weight.sum(1)               # (B, H, g, hs)
@@ -121,8 +125,9 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                        n_splits: int) -> torch.Tensor:
-    """Split-KV decode attention over right-padded dense keys (B, nh, L, hs), row b seeing its
-    first lengths[b]: paged_attention with each split one block of ceil(L / n_splits) keys."""
+    """Split-KV decode attention over right-padded dense keys (B, nh, L, hs), row b
+    seeing its first lengths[b]: paged_attention with each split one block of
+    ceil(L / n_splits) keys."""
     B, nh, L, hs = k.shape
     chunk = math.ceil(L / n_splits)
 
@@ -133,12 +138,13 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length
     return paged_attention(q, as_blocks(k), as_blocks(v), tables, lengths, n_splits)
 
 
-# --- sinks and a sliding window, one full pass (window.py) --------------------------------------
+# --- sinks and a sliding window, one full pass (window.py) -----------------------------
 def window_attention(sinks: int, window: int) -> Attention:
-    """Attention for one full pass, no cache, that gives every token what feeding the text one
-    token per pass through a SinkWindowCache(sinks, window) gives it: query t sees key j iff
-    j <= t and (j < sinks or j >= t - window). (The cache evicts after a pass, so the last
-    `window` positions and the new token are there together.) Many texts measured at once."""
+    """Attention for one full pass, no cache, that gives every token what feeding the
+    text one token per pass through a SinkWindowCache(sinks, window) gives it: query t
+    sees key j iff j <= t and (j < sinks or j >= t - window). (The cache evicts after a
+    pass, so the last `window` positions and the new token are there together.) Many
+    texts measured at once."""
     int_at_least("sinks", sinks, 0)
     int_at_least("window", window)
 

@@ -1,11 +1,12 @@
-"""Static batching: prompts of different lengths decoded together, one forward pass per step.
+"""Static batching: prompts of different lengths decoded together, one pass per step.
 
-The prompts are LEFT-padded to the longest, so every row's newest token sits in the same last
-column and each step appends one column for all rows to one ordinary KVCache. Two things make the
-padding invisible: explicit position ids (a row's real tokens start at position 0, whatever its
-padding: with default positions they would start at its pad length) and an attention mask (no query
-sees a pad key). Right padding would put the rows' next tokens in different columns, each step
-writing a different slot per row, which a one-length KVCache cannot hold.
+The prompts are LEFT-padded to the longest, so every row's newest token sits in the same
+last column and each step appends one column for all rows to one ordinary KVCache. Two
+things make the padding invisible: explicit position ids (a row's real tokens start at
+position 0, whatever its padding: with default positions they would start at its pad
+length) and an attention mask (no query sees a pad key). Right padding would put the
+rows' next tokens in different columns, each step writing a different slot per row, which
+a one-length KVCache cannot hold.
 """
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ from .validate import fits, int_at_least, token_ids
 def generate_batch(model, prompts, max_new_tokens: int, temperature: float = 0.0,
                    top_k: int | None = None, seed: int = 0, eos_id: int | None = None, *,
                    pad_id: int = 0, position_bug: bool = False) -> list[GenerationOutput]:
-    """Generate after every prompt in one batch: one forward pass per step for all of them. Returns
-    one output per prompt, in order; greedy tokens equal generating each prompt alone. A row that
-    reached `eos_id` keeps decoding pad tokens that are dropped. `position_bug` reproduces the
-    classic mistake: default positions, so padded rows' positions are shifted by their padding."""
+    """Generate after every prompt in one batch: one forward pass per step for all of
+    them. Returns one output per prompt, in order; greedy tokens equal generating each
+    prompt alone. A row that reached `eos_id` keeps decoding pad tokens that are dropped.
+    `position_bug` reproduces the classic mistake: default positions, so padded rows'
+    positions are shifted by their padding."""
     sp = SamplingParams(temperature, top_k, seed, eos_id)
     rows = _checked_rows(model, prompts, max_new_tokens, sp, pad_id)
     B, width = len(rows), max(len(r) for r in rows)
@@ -38,7 +40,8 @@ def generate_batch(model, prompts, max_new_tokens: int, temperature: float = 0.0
     stats = [Stats(prompt_len=len(r)) for r in rows]
     with torch.inference_mode():
         for step in range(max_new_tokens):
-            # 1. Positions: each row counts from its first real token, so padding shifts nothing.
+            # 1. Positions: each row counts from its first real token; padding shifts
+            #    none.
             past = cache.get_seq_length()
             columns = past + torch.arange(idx.shape[1], device=device)                  # (T,)
             positions = None if position_bug else (columns - pad.view(-1, 1)).clamp(min=0)

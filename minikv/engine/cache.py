@@ -1,5 +1,6 @@
-"""The KV cache: every layer's keys and values, preallocated, and the formula for its size. The
-method names are Hugging Face's (`cache_utils`: update, get_seq_length, crop), met again later."""
+"""The KV cache: every layer's keys and values, preallocated, and the formula for its
+size. The method names are Hugging Face's (`cache_utils`: update, get_seq_length, crop),
+met again later."""
 from __future__ import annotations
 
 import copy
@@ -14,20 +15,20 @@ from .validate import int_at_least
 
 class Cache(ABC):
     """What the model and the decoders ask of any cache kind (the contract tiny-llm's
-    `TinyKvCache` states the same way). A new kind subclasses this and writes the two abstract
-    methods; the rest have safe defaults it may override.
+    `TinyKvCache` states the same way). A new kind subclasses this and writes the two
+    abstract methods; the rest have safe defaults it may override.
 
     - `get_seq_length()`: positions seen so far, where the next pass's positions start.
-    - `update(k, v, layer_idx)`: store this pass's (B, nkv, T, hs) keys and values for one layer
-      and return what attention reads. The model calls it once per layer, in order; a cache
-      should make the pass's positions live only after the last layer, so a pass that fails
-      halfway leaves it as it was.
-    - `check_fits(cfg, batch_size, n_new, device, dtype)`: raise before anything is written if
-      the pass cannot go in. Default: anything fits.
-    - `crop(n)`: roll back to the first n positions (speculative decoding and verification need
-      it). Default: refuse (a ValueError).
-    - `restored_on_error()`: a context that crops back to where it started if the block raises
-      (or is interrupted), so a retry never feeds a token twice.
+    - `update(k, v, layer_idx)`: store this pass's (B, nkv, T, hs) keys and values for
+      one layer and return what attention reads. The model calls it once per layer, in
+      order; a cache should make the pass's positions live only after the last layer, so
+      a pass that fails halfway leaves it as it was.
+    - `check_fits(cfg, batch_size, n_new, device, dtype)`: raise before anything is
+      written if the pass cannot go in. Default: anything fits.
+    - `crop(n)`: roll back to the first n positions (speculative decoding and
+      verification need it). Default: refuse (a ValueError).
+    - `restored_on_error()`: a context that crops back to where it started if the block
+      raises (or is interrupted), so a retry never feeds a token twice.
     - `max_len`: the most positions it holds (None: no limit of its own).
     """
     max_len: int | None = None
@@ -58,11 +59,12 @@ class Cache(ABC):
 
 
 class KVCache(Cache):
-    """Keys and values for `n_layer` layers, each a (B, n_head, max_len, head_dim) buffer (n_head:
-    the model's K/V heads, fewer than its query heads under grouped-query attention), of
-    which the first `get_seq_length()` slots are live. `crop` (rollback) only moves the length
-    back: later slots keep stale values until overwritten. The length moves on once the last
-    layer is written, so a pass that fails halfway (an error, Ctrl-C) leaves the cache as it was.
+    """Keys and values for `n_layer` layers, each a (B, n_head, max_len, head_dim) buffer
+    (n_head: the model's K/V heads, fewer than its query heads under grouped-query
+    attention), of which the first `get_seq_length()` slots are live. `crop` (rollback)
+    only moves the length back: later slots keep stale values until overwritten. The
+    length moves on once the last layer is written, so a pass that fails halfway
+    (an error, Ctrl-C) leaves the cache as it was.
     """
 
     def __init__(self, n_layer: int, batch_size: int, n_head: int, head_dim: int, max_len: int,
@@ -105,15 +107,15 @@ class KVCache(Cache):
     def layer_lengths(self) -> list[int]:
         return [self._length] * self.n_layer
 
-    # --- the Hugging Face-style API -----------------------------------------------------------
+    # --- the Hugging Face-style API ----------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Number of cached positions (every layer holds the same number)."""
         return self._length
 
     def update(self, key: torch.Tensor, value: torch.Tensor,
                layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append (B, n_head, T, head_dim) keys and values to layer `layer_idx`; return all the
-        live ones, (B, n_head, past + T, head_dim)."""
+        """Append (B, n_head, T, head_dim) keys and values to layer `layer_idx`; return
+        all the live ones, (B, n_head, past + T, head_dim)."""
         check_kv(self, key, value, layer_idx)
         self._check_room(key.shape[2])
         start = self._length
@@ -126,7 +128,8 @@ class KVCache(Cache):
         return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
 
     def crop(self, max_length: int) -> None:
-        """Roll back to the first `max_length` positions (nothing is erased, only forgotten)."""
+        """Roll back to the first `max_length` positions (nothing is erased, only
+        forgotten)."""
         if type(max_length) is not int:
             raise TypeError(f"crop takes an int length, got {type(max_length).__name__}")
         if not 0 <= max_length <= self._length:
@@ -163,7 +166,7 @@ class KVCache(Cache):
         return (f"{type(self).__name__}({self.n_layer} layers of {tuple(self.keys[0].shape)}, "
                 f"seq_len={self._length}/{self.max_len}, {self.dtype}, {self.device})")
 
-    # --- checks: raise before anything is written ---------------------------------------------
+    # --- checks: raise before anything is written --------------------------------------
     def check_fits(self, cfg: GPTConfig, batch_size: int, n_new: int, device, dtype) -> None:
         check_matches(self, cfg, batch_size, device, dtype)
         self._check_room(n_new)
@@ -174,9 +177,10 @@ class KVCache(Cache):
                              f"> max_len={self.max_len}; use a larger max_len, or crop it first")
 
 
-# --- checks shared by the cache kinds that hold (B, n_head, positions, head_dim) per layer -------
+# --- checks shared by the cache kinds that hold (B, n_head, positions, head_dim) per layer ---
 def check_matches(cache: Cache, cfg: GPTConfig, batch_size: int, device, dtype) -> None:
-    """Raise unless `cache` is shaped for a model of `cfg` on (device, dtype) and this batch."""
+    """Raise unless `cache` is shaped for a model of `cfg` on (device, dtype) and this
+    batch."""
     have = (cache.n_layer, cache.n_head, cache.head_dim, cache.batch_size, cache.device,
             cache.dtype)
     want = (cfg.n_layer, cfg.kv_heads, cfg.head_dim, batch_size, device, dtype)
@@ -187,7 +191,7 @@ def check_matches(cache: Cache, cfg: GPTConfig, batch_size: int, device, dtype) 
 
 
 def check_kv(cache: Cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> None:
-    """Raise unless `key` and `value` are one pass's (B, n_head, T, head_dim) for layer_idx."""
+    """Raise unless `key` and `value` are one pass's (B, n_head, T, head_dim) K/V."""
     if not 0 <= layer_idx < cache.n_layer:
         raise ValueError(f"layer_idx={layer_idx} out of range for {cache.n_layer} layers")
     want = (cache.batch_size, cache.n_head, "T", cache.head_dim, cache.dtype, cache.device)
@@ -200,8 +204,8 @@ def check_kv(cache: Cache, key: torch.Tensor, value: torch.Tensor, layer_idx: in
 
 def kv_cache_bytes(cfg: GPTConfig, seq_len: int, batch_size: int = 1,
                    dtype: torch.dtype = torch.float16, n_kv_head: int | None = None) -> int:
-    """Seed 003's formula: layers x 2 (K and V) x batch x heads x seq_len x head_dim x bytes,
-    heads being the K/V heads (cfg.kv_heads, or `n_kv_head` to ask "what if": grouped-query
-    attention shares one K/V head among several query heads)."""
+    """Seed 003's formula: layers x 2 (K and V) x batch x heads x seq_len x head_dim x
+    bytes, heads being the K/V heads (cfg.kv_heads, or `n_kv_head` to ask "what if":
+    grouped-query attention shares one K/V head among several query heads)."""
     heads = cfg.kv_heads if n_kv_head is None else n_kv_head
     return cfg.n_layer * 2 * batch_size * heads * seq_len * cfg.head_dim * dtype.itemsize

@@ -37,8 +37,9 @@ class GPTConfig:
 
     @property
     def kv_heads(self) -> int:
-        """Heads of keys and values: n_head (GPT-2), fewer with grouped-query attention (each
-        K/V head serves n_head / n_kv_head query heads), 1 with multi-query attention."""
+        """Heads of keys and values: n_head (GPT-2), fewer with grouped-query attention
+        (each K/V head serves n_head / n_kv_head query heads), 1 with multi-query
+        attention."""
         return self.n_head if self.n_kv_head is None else self.n_kv_head
 
     @classmethod
@@ -60,10 +61,11 @@ PRESETS: dict[str, dict] = {
     # Random-weight models for tests and quick experiments on a laptop CPU.
     "tiny": dict(vocab_size=512, block_size=256, n_layer=2, n_head=4, n_embd=64),
     "small": dict(vocab_size=2048, block_size=512, n_layer=4, n_head=4, n_embd=128),
-    # The shipped course models (minikv/course/models/), vocabulary = the course tokenizer's.
-    # The draft is several times cheaper per decode step, for speculative decoding. The target is
-    # deep and narrow because a coin's state after n people is a chain of n flips: trained alike,
-    # 12 layers of 192 tracked 4 flips of unseen names by step 1,200, 6 layers of 256 only 2.
+    # The shipped course models (minikv/course/models/), vocabulary = the course
+    # tokenizer's. The draft is several times cheaper per decode step, for speculative
+    # decoding. The target is deep and narrow because a coin's state after n people is a
+    # chain of n flips: trained alike, 12 layers of 192 tracked 4 flips of unseen names
+    # by step 1,200, 6 layers of 256 only 2.
     "target": dict(vocab_size=1024, block_size=256, n_layer=12, n_head=8, n_embd=192),
     "draft": dict(vocab_size=1024, block_size=256, n_layer=1, n_head=4, n_embd=128),
 }

@@ -1,6 +1,6 @@
 """Autoregressive decoding, naive and cached.
-naive:  every step feeds the WHOLE sequence again, recomputing every position's K/V (seed 003).
-cached: one prefill over the prompt fills the KV cache; each decode step then feeds ONE token.
+naive:  every step feeds the WHOLE sequence again, recomputing each position's K/V.
+cached: one prefill over the prompt fills the KV cache; each decode step feeds ONE token.
 """
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ def generate(model, ids, max_new_tokens: int, mode: str = "cached", temperature:
              top_k: int | None = None, seed: int = 0, eos_id: int | None = None, *,
              cache: KVCache | None = None, trace: bool = False, return_logits: bool = False,
              position_offset_bug: bool = False) -> GenerationOutput:
-    """Up to `max_new_tokens` after `ids`, stopping after `eos_id`; greedy at temperature 0, else
-    sampled with `seed`. A `cache` passed in is continued in place (`fork()` it to keep it).
-    `position_offset_bug` is seed 003's wrong approach: positions restart at 0 every step."""
+    """Up to `max_new_tokens` after `ids`, stopping after `eos_id`; greedy at temperature
+    0, else sampled with `seed`. A `cache` passed in is continued in place (`fork()` it
+    to keep it). `position_offset_bug` is seed 003's wrong approach: positions restart at
+    0 every step."""
     sp = SamplingParams(temperature, top_k, seed, eos_id)
     prompt = token_ids(ids, model.config.vocab_size)
     int_at_least("max_new_tokens", max_new_tokens, 0)
@@ -33,12 +34,12 @@ def generate(model, ids, max_new_tokens: int, mode: str = "cached", temperature:
     generator = torch.Generator(device=device).manual_seed(sp.seed)
     out = GenerationOutput(prompt, [], Stats(prompt_len=len(prompt)), [] if trace else None,
                            [] if return_logits else None)  # logits: a list until the end
-    # A failure or Ctrl-C mid-way crops a caller's cache back: a retry never feeds a token twice.
+    # A failure or Ctrl-C mid-way crops a caller's cache back: no token is fed twice.
     with (torch.inference_mode(), KVCounter(model) as counter,
           cache.restored_on_error() if cache is not None else nullcontext()):
         for step in range(max_new_tokens):
-            # 1. What to feed: naive feeds everything again; cached, the prompt once (prefill)
-            #    then only the newest token (decode).
+            # 1. What to feed: naive feeds everything again; cached, the prompt once
+            #    (prefill) then only the newest token (decode).
             if mode == "naive":
                 inputs, past = prompt + out.tokens, 0
             else:
@@ -63,7 +64,7 @@ def generate(model, ids, max_new_tokens: int, mode: str = "cached", temperature:
 
 def _record(out: GenerationOutput, mode, step, inputs, positions, past, cache, kv_computed,
             token, logits) -> None:
-    """Count one pass in `out.stats`; keep its logits and its trace event when asked for."""
+    """Count one pass; keep its logits and its trace event when asked for."""
     out.stats.forward_passes += 1
     out.stats.positions_processed += len(inputs)
     if out.logits is not None:

@@ -1,6 +1,7 @@
-"""A GPT-2 from scratch, in GPT-2's parameter layout. Without a cache it is the plain GPT-2 forward
-pass; the cache adds three lines marked `# KV-CACHE`: append this step's keys and values, attend
-over everything cached, and start the position embeddings where the cache ends."""
+"""A GPT-2 from scratch, in GPT-2's parameter layout. Without a cache it is the plain
+GPT-2 forward pass; the cache adds three lines marked `# KV-CACHE`: append this step's
+keys and values, attend over everything cached, and start the position embeddings where
+the cache ends."""
 from __future__ import annotations
 
 import math
@@ -16,7 +17,7 @@ from .config import GPTConfig
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q kᵀ / √hs) v, where query i (the last T of L positions) sees keys 0..L-T+i."""
+    """softmax(q kᵀ / √hs) v; query i, the last T of L positions, sees keys 0..L-T+i."""
     T, L = q.size(-2), k.size(-2)
     if T == L:  # no cache, or an empty one: the usual lower triangle
         return sdpa(q, k, v, is_causal=True)
@@ -111,10 +112,11 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, cache: Cache | None = None,
                 positions: torch.Tensor | None = None, last_only: bool = False,
                 attention: Attention = causal_attention) -> torch.Tensor:
-        """Logits (B, T, vocab) for token ids `idx` (B, T); (B, 1, vocab) with `last_only`. With a
-        cache, K/V of `idx` are appended to it and attention covers every cached position.
-        `positions` ((T,) or (B, T)) overrides the position ids (`torch.arange(T)` is seed 003's
-        bug); `attention` swaps the kernel (the batched server's split-KV decode does)."""
+        """Logits (B, T, vocab) for token ids `idx` (B, T); (B, 1, vocab) with
+        `last_only`. With a cache, K/V of `idx` are appended to it and attention covers
+        every cached position. `positions` ((T,) or (B, T)) overrides the position ids
+        (`torch.arange(T)` is seed 003's bug); `attention` swaps the kernel (the batched
+        server's split-KV decode does)."""
         _check_inputs(self, idx, cache, positions)
         T = idx.shape[1]
         if positions is None:
@@ -131,9 +133,10 @@ class GPT(nn.Module):
     @classmethod
     def from_gpt2_state_dict(cls, state_dict: Mapping[str, torch.Tensor],
                              config: GPTConfig | None = None) -> GPT:
-        """Load weights in Hugging Face GPT-2 layout (`transformer.h.0.attn.c_attn.weight`, ...).
-        GPT-2's linears are Conv1D, (in, out), transposed here to nn.Linear's (out, in). Without
-        `config`, shapes come from the tensors and n_head = n_embd / 64 (as in every GPT-2)."""
+        """Load weights in Hugging Face GPT-2 layout
+        (`transformer.h.0.attn.c_attn.weight`, ...). GPT-2's linears are Conv1D,
+        (in, out), transposed here to nn.Linear's (out, in). Without `config`, shapes
+        come from the tensors and n_head = n_embd / 64 (as in every GPT-2)."""
         sd = {k.removeprefix("transformer."): v for k, v in state_dict.items()
               if not k.endswith((".attn.bias", ".attn.masked_bias"))}  # causal-mask buffers
         _check_gpt2_state_dict(sd)
@@ -155,7 +158,7 @@ class GPT(nn.Module):
         return model
 
 
-# --- checks: bad input raises before any cache slot is written -----------------------------------
+# --- checks: bad input raises before any cache slot is written -------------------------
 def _is_int_tensor(x) -> bool:
     return isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex()
                                                  or x.dtype == torch.bool)

@@ -1,12 +1,14 @@
-"""A quantized KV cache: keys and values stored as 8- or 4-bit integers, quantized when written
-and dequantized when read, so the cache holds 4x (int8) or 8x (int4) fewer bytes than fp32.
+"""A quantized KV cache: keys and values stored as 8- or 4-bit integers, quantized when
+written and dequantized when read, so the cache holds 4x (int8) or 8x (int4) fewer bytes
+than fp32.
 
-Each position's vector, per head, gets one scale (per-token quantization): x ≈ scale * code,
-scale = max|x| / (2^(bits-1) - 1), so no element is off by more than scale / 2. A position is
-quantized the moment it is written, with nothing else in hand. KIVI (Liu et al. 2024) quantizes
-keys per channel instead, because a few key channels are large at every position; but a
-channel's scale spans many positions, so KIVI keeps the newest ones in full precision until a
-group of them is complete. Values have no such outlier channels and are quantized per token.
+Each position's vector, per head, gets one scale (per-token quantization): x ≈ scale *
+code, scale = max|x| / (2^(bits-1) - 1), so no element is off by more than scale / 2. A
+position is quantized the moment it is written, with nothing else in hand. KIVI
+(Liu et al. 2024) quantizes keys per channel instead, because a few key channels are
+large at every position; but a channel's scale spans many positions, so KIVI keeps the
+newest ones in full precision until a group of them is complete. Values have no such
+outlier channels and are quantized per token.
 """
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ from .cache import KVCache, check_kv
 
 
 def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(..., hs) -> codes (..., hs) uint8 (4 bits: two codes a byte, (..., ceil(hs / 2))) and
-    scales (..., 1) in x's dtype."""
+    """(..., hs) -> codes (..., hs) uint8 (4 bits: two codes a byte, (..., ceil(hs / 2)))
+    and scales (..., 1) in x's dtype."""
     qmax = 2 ** (bits - 1) - 1
     scale = x.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(x.dtype).tiny) / qmax
     codes = (torch.round(x / scale).clamp(-qmax, qmax) + qmax + 1).to(torch.uint8)  # 1..2qmax+1
@@ -35,9 +37,9 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, bits: int, head_dim: in
 
 
 class QuantizedKVCache(KVCache):
-    """A KVCache whose slots hold integer codes and per-token scales (see the module docstring).
-    It appends, crops and forks like a KVCache; `update` returns the dequantized K/V, in
-    `dtype`."""
+    """A KVCache whose slots hold integer codes and per-token scales
+    (see the module docstring). It appends, crops and forks like a KVCache; `update`
+    returns the dequantized K/V, in `dtype`."""
 
     def __init__(self, n_layer: int, batch_size: int, n_head: int, head_dim: int, max_len: int,
                  *, bits: int = 8, device: torch.device | str = "cpu",

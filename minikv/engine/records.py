@@ -1,5 +1,6 @@
-"""What the engine records about its own work: typed trace events, statistics, and a counter of
-the K/V vectors the model really computes. The pictures and widgets (minikv.viz) draw only these."""
+"""What the engine records about its own work: typed trace events, statistics, and a
+counter of the K/V vectors the model really computes. The pictures and widgets
+(minikv.viz) draw only these."""
 from __future__ import annotations
 
 import threading
@@ -8,9 +9,10 @@ from typing import Literal
 
 import torch
 
-# --- trace events: one per forward pass or cache operation ------------------------------------
-# recompute: naive decoding feeds all again; prefill: the prompt; decode: one new token; draft: a
-# draft pass; verify: the authority's pass; rollback: caches cropped; commit: tokens kept
+# --- trace events: one per forward pass or cache operation -----------------------------
+# recompute: naive decoding feeds all again; prefill: the prompt; decode: one new token;
+# draft: a draft pass; verify: the authority's pass; rollback: caches cropped; commit:
+# tokens kept
 Kind = Literal["recompute", "prefill", "decode", "draft", "verify", "rollback", "commit",
                "preempt"]
 
@@ -37,8 +39,9 @@ class TraceEvent:
 
 @dataclass(frozen=True)
 class PoolStep:
-    """The block pool after one engine step of the server: each request's block table (blocks in
-    position order) and cached length, every block's reference count, and what the step did."""
+    """The block pool after one engine step of the server: each request's block table
+    (blocks in position order) and cached length, every block's reference count, and what
+    the step did."""
     step: int
     tables: dict[int, tuple[int, ...]]   # request -> its blocks
     lengths: dict[int, int]              # request -> cached positions
@@ -46,7 +49,7 @@ class PoolStep:
     log: tuple[tuple[int, str, int, int], ...]  # (step, what, block, request) of this step
 
 
-# --- statistics --------------------------------------------------------------------------------
+# --- statistics ------------------------------------------------------------------------
 @dataclass
 class Stats:
     prompt_len: int = 0
@@ -79,16 +82,16 @@ class VerifyStats:
 
     @property
     def acceptance_rate(self) -> float:
-        """accepted / proposed: counts the never-judged proposals after a rejection as rejected,
-        so it understates α, the more the longer the rounds."""
+        """accepted / proposed: counts the never-judged proposals after a rejection as
+        rejected, so it understates α, the more the longer the rounds."""
         return self.accepted / max(self.proposed, 1)
 
     @property
     def alpha(self) -> float | None:
-        """Leviathan et al.'s α, the chance that a judged proposal is accepted, estimated as
-        accepted / (accepted + rejections): each round judges proposals until its first
-        rejection, so only those judgements count. None when nothing was judged: no proposal
-        estimates nothing (0.0 would read as "every proposal rejected")."""
+        """Leviathan et al.'s α, the chance that a judged proposal is accepted, estimated
+        as accepted / (accepted + rejections): each round judges proposals until its
+        first rejection, so only those judgements count. None when nothing was judged: no
+        proposal estimates nothing (0.0 would read as "every proposal rejected")."""
         judged = self.accepted + self.rejected_rounds
         return self.accepted / judged if judged else None
 
@@ -110,11 +113,12 @@ class ServeStats(VerifyStats):
     preempted: int = 0   # times its blocks were taken back, to be recomputed
 
 
-# --- counting K/V work -------------------------------------------------------------------------
+# --- counting K/V work -----------------------------------------------------------------
 class KVCounter:
-    """Counts the K/V vectors the model computes, per layer: every row out of a layer's `c_attn`
-    is one position's new query, key and value. Hooks count only the passes of the thread that
-    opened the counter, so threads sharing a model each get their own count."""
+    """Counts the K/V vectors the model computes, per layer: every row out of a layer's
+    `c_attn` is one position's new query, key and value. Hooks count only the passes of
+    the thread that opened the counter, so threads sharing a model each get their own
+    count."""
 
     def __init__(self, model: torch.nn.Module):
         self._blocks = list(model.transformer.h)
@@ -139,11 +143,12 @@ class KVCounter:
 
     @property
     def count(self) -> int:
-        """K/V vectors computed per layer so far (layer 0's count; all layers do the same)."""
+        """K/V vectors computed per layer so far (layer 0's; every layer does the same).
+        """
         return self.per_layer[0]
 
 
-# --- what a decoder returns ---------------------------------------------------------------------
+# --- what a decoder returns ------------------------------------------------------------
 @dataclass
 class GenerationOutput:
     prompt: list[int]

@@ -1,5 +1,6 @@
-"""Turning a step's logits into the next token: greedy, or seeded sampling with temperature and
-top-k. One validated `SamplingParams` travels with every request, as in nano-vllm."""
+"""Turning a step's logits into the next token: greedy, or seeded sampling with
+temperature and top-k. One validated `SamplingParams` travels with every request, as in
+nano-vllm."""
 from __future__ import annotations
 
 import math
@@ -9,8 +10,8 @@ import torch
 
 from .validate import int_at_least
 
-# Below this, logits / temperature overflows float32 for ordinary logits, and sampling is greedy
-# in all but name anyway: ask for 0.
+# Below this, logits / temperature overflows float32 for ordinary logits, and sampling is
+# greedy in all but name anyway: ask for 0.
 MIN_TEMPERATURE = 1e-3
 
 
@@ -44,7 +45,7 @@ class SamplingParams:
         return self.temperature == 0
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
-        """softmax(logits / temperature) over the top_k logits (the rest get probability 0)."""
+        """softmax(logits / temperature) over the top_k logits (the rest get 0)."""
         logits = logits.float() / self.temperature
         if self.top_k is not None and self.top_k < logits.shape[-1]:
             kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
@@ -57,7 +58,7 @@ class SamplingParams:
         return probs
 
     def sample(self, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        """One token id per row of `logits` (..., vocab), drawn from `generator`'s stream."""
+        """One token id per row of `logits` (..., vocab), drawn from `generator`."""
         if self.greedy:
             return logits.argmax(dim=-1)
         probs = self.probabilities(logits)
@@ -65,9 +66,10 @@ class SamplingParams:
         return flat.reshape(probs.shape[:-1])
 
     def choose(self, logits: torch.Tensor, position: int) -> int:
-        """The token at `position` as a pure function of (logits, position): argmax, or a draw
-        from a generator seeded by (seed, position). So "the same request" gives the same token
-        wherever and with whomever it runs (deterministic requests rely on it)."""
+        """The token at `position` as a pure function of (logits, position): argmax, or a
+        draw from a generator seeded by (seed, position). So "the same request" gives the
+        same token wherever and with whomever it runs (deterministic requests rely on
+        it)."""
         if self.greedy:
             return int(logits.argmax())
         seed = (self.seed * 1_000_003 + position) % 2**63

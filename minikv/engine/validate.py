@@ -1,6 +1,7 @@
-"""Input checks, out of the way of the code they guard: every entry point calls one function here
-before it touches a model or a cache, so bad input raises a ValueError or TypeError that says
-what to do, and nothing has changed. Read it last: the rest reads as if inputs were always right."""
+"""Input checks, out of the way of the code they guard: every entry point calls one
+function here before it touches a model or a cache, so bad input raises a ValueError or
+TypeError that says what to do, and nothing has changed. Read it last: the rest reads as
+if inputs were always right."""
 from __future__ import annotations
 
 import math
@@ -9,13 +10,13 @@ import operator
 import torch
 
 MODES = ("naive", "cached")
-# Below this, logits / temperature overflows float32 for ordinary logits, and sampling is greedy in
-# all but name anyway: ask for 0.
+# Below this, logits / temperature overflows float32 for ordinary logits, and sampling is
+# greedy in all but name anyway: ask for 0.
 MIN_TEMPERATURE = 1e-3
 
 
 def int_at_least(name: str, value, minimum: int = 1, hint: str = "") -> int:
-    """`value` if it is an int (a bool is not) of at least `minimum`, else a ValueError."""
+    """`value` if it is an int (not a bool) of at least `minimum`, else a ValueError."""
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         wanted = "a positive int" if minimum == 1 else f"an int >= {minimum}"
         raise ValueError(f"{name} must be {wanted}{hint}, got {value!r}")
@@ -44,7 +45,7 @@ def sampling(sp, vocab_size: int | None = None) -> None:
 
 
 def token_ids(ids, vocab_size: int) -> list[int]:
-    """A prompt given as a list of ints, a 1-D tensor or a (1, T) tensor, as a list of ids."""
+    """A prompt given as a list of ints, a 1-D or a (1, T) tensor, as a list of ids."""
     if isinstance(ids, str):
         raise TypeError("got text, not token ids: encode it first, "
                         "e.g. minikv.load_tokenizer().encode(text)")
@@ -71,7 +72,7 @@ def token_ids(ids, vocab_size: int) -> list[int]:
     return tokens
 
 
-# --- the model and its cache ------------------------------------------------------------------
+# --- the model and its cache -----------------------------------------------------------
 def crop(cache, max_length) -> None:
     if not isinstance(max_length, int) or isinstance(max_length, bool):
         raise TypeError(f"crop takes an int length, got {type(max_length).__name__}")
@@ -80,7 +81,7 @@ def crop(cache, max_length) -> None:
                          f"pass a length between 0 and {n}")
 
 
-# --- decoders: each returns the number of positions the call will need ----------------------
+# --- decoders: each returns the number of positions the call will need -----------------
 def fits(needed: int, limit: int, what: str, lower: str) -> None:
     if needed > limit:
         raise ValueError(f"{what} needs {needed} positions > block_size={limit}; lower {lower}")

@@ -1,18 +1,19 @@
-"""A cache that forgets: attention sinks and a sliding window (StreamingLLM, Xiao et al. 2024).
-After every pass it keeps the first `sinks` positions and the last `window`, and evicts the rest,
-so it never holds more than sinks + window positions however long the text. (The first positions
-are kept because trained models park attention there: drop them and the softmax loses its
-anchor.)
+"""A cache that forgets: attention sinks and a sliding window (StreamingLLM, Xiao et al.
+2024). After every pass it keeps the first `sinks` positions and the last `window`, and
+evicts the rest, so it never holds more than sinks + window positions however long the
+text. (The first positions are kept because trained models park attention there: drop
+them and the softmax loses its anchor.)
 
-Positions: GPT-2 learns one embedding per absolute position and adds it to the input, so every
-cached key and value already carries its position; a new token must take its true position, the
-number of tokens seen so far, not its slot in the cache (`get_seq_length()` counts tokens seen).
-The text is therefore still limited to block_size positions. A rotary model instead rotates keys
-by position inside attention; StreamingLLM caches keys before rotating them and numbers the
-positions by cache slot, which lets such a model run past its trained length.
+Positions: GPT-2 learns one embedding per absolute position and adds it to the input, so
+every cached key and value already carries its position; a new token must take its true
+position, the number of tokens seen so far, not its slot in the cache (`get_seq_length()`
+counts tokens seen). The text is therefore still limited to block_size positions. A
+rotary model instead rotates keys by position inside attention; StreamingLLM caches keys
+before rotating them and numbers the positions by cache slot, which lets such a model run
+past its trained length.
 
-Within one pass, new tokens see each other and everything held: feed a long prompt one token per
-pass for the window to apply to every token (`feed`).
+Within one pass, new tokens see each other and everything held: feed a long prompt one
+token per pass for the window to apply to every token (`feed`).
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ from .validate import int_at_least
 
 
 class SinkWindowCache(Cache):
-    """Keys and values of the held positions, per layer (1, n_head, held, head_dim), and the
-    absolute position of each held slot (`positions`)."""
+    """Keys and values of the held positions, per layer (1, n_head, held, head_dim), and
+    the absolute position of each held slot (`positions`)."""
 
     def __init__(self, n_layer: int, n_head: int, head_dim: int, sinks: int, window: int, *,
                  block_size: int, device: torch.device | str = "cpu",
@@ -56,7 +57,8 @@ class SinkWindowCache(Cache):
                    block_size=cfg.block_size, device=model.device, dtype=model.dtype)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Tokens seen so far: where the next token's position starts (not the slots held)."""
+        """Tokens seen so far: where the next token's position starts (not slots held).
+        """
         return self._seen
 
     def check_fits(self, cfg, batch_size: int, n_new: int, device, dtype) -> None:
@@ -68,8 +70,9 @@ class SinkWindowCache(Cache):
 
     def update(self, key: torch.Tensor, value: torch.Tensor,
                layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append this pass's K/V and return everything held; once the last layer is written,
-        evict all but the first `sinks` and the last `window` positions, in every layer."""
+        """Append this pass's K/V and return everything held; once the last layer is
+        written, evict all but the first `sinks` and the last `window` positions, in
+        every layer."""
         check_kv(self, key, value, layer_idx)
         self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key.detach()], dim=2)
         self.values[layer_idx] = torch.cat([self.values[layer_idx], value.detach()], dim=2)
@@ -111,8 +114,8 @@ class SinkWindowCache(Cache):
 
 
 def feed(model, ids: list[int], cache: Cache) -> torch.Tensor:
-    """Feed `ids` one token per pass (so a window cache evicts between every two tokens); the
-    last pass's logits, (vocab,)."""
+    """Feed `ids` one token per pass (so a window cache evicts between every two tokens);
+    the last pass's logits, (vocab,)."""
     with torch.inference_mode():
         for token in ids:
             logits = model(torch.tensor([[token]], device=model.device), cache=cache,
