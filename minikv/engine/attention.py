@@ -77,15 +77,12 @@ def splits_of(n_blocks: int, page_size: int, n_splits: int) -> tuple[int, int, i
 def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     tables: torch.Tensor, lengths: torch.Tensor, n_splits: int) -> torch.Tensor:
     """Decode attention read through block tables, as vLLM's PagedAttention kernel does.
-    q (B, nh, 1, hs): one query per row. keys, values: one layer's pool
-    (num_blocks, H, page, hs), each of the H K/V heads read by a group of nh / H query
-    heads. tables (B, nb): each row's blocks, -1 past its last. lengths (B,): the
-    positions each row sees.
-
-    Split-KV (FlashDecoding): the longest row's key tiles are cut into n_splits runs;
-    each run of a row gives a partial softmax output (rounded to the model's dtype), its
-    max and its sum, merged as one softmax would be, up to rounding (so a row's result
-    depends on the batch)."""
+    q (B, nh, 1, hs): a query per row; keys, values: a layer's pool (num_blocks, H, page,
+    hs), a K/V head per nh / H query heads; tables (B, nb): each row's blocks, -1 past
+    its last; lengths (B,): the positions each row sees. Split-KV (FlashDecoding): the
+    longest row's key tiles are cut into n_splits runs, each giving a partial softmax
+    (rounded to the model's dtype), its max and its sum, merged as one softmax would be,
+    up to rounding (so a row's result depends on the batch)."""
     B, nh, _, hs = q.shape
     H, page = keys.size(1), keys.size(2)
     group = nh // H                                                  # query heads per K/V head

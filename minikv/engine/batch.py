@@ -22,11 +22,9 @@ from .validate import fits, int_at_least, token_ids
 def generate_batch(model, prompts, max_new_tokens: int, temperature: float = 0.0,
                    top_k: int | None = None, seed: int = 0, eos_id: int | None = None, *,
                    pad_id: int = 0, position_bug: bool = False) -> list[GenerationOutput]:
-    """Generate after every prompt in one batch: one forward pass per step for all of
-    them. Returns one output per prompt, in order; greedy tokens equal generating each
-    prompt alone. A row that reached `eos_id` keeps decoding pad tokens that are dropped.
-    `position_bug` reproduces the classic mistake: default positions, so padded rows'
-    positions are shifted by their padding."""
+    """One output per prompt, in order, from one forward pass per step for all of them;
+    greedy tokens equal each prompt's alone. A row past `eos_id` decodes pads, dropped.
+    `position_bug`: the classic mistake, default positions shifted by a row's padding."""
     sp = SamplingParams(temperature, top_k, seed, eos_id)
     rows = _checked_rows(model, prompts, max_new_tokens, sp, pad_id)
     B, width = len(rows), max(len(r) for r in rows)
