@@ -61,11 +61,8 @@ PRESETS: dict[str, dict] = {
     # Random-weight models for tests and quick experiments on a laptop CPU.
     "tiny": dict(vocab_size=512, block_size=256, n_layer=2, n_head=4, n_embd=64),
     "small": dict(vocab_size=2048, block_size=512, n_layer=4, n_head=4, n_embd=128),
-    # The shipped course models (minikv/course/models/), vocabulary = the course
-    # tokenizer's. The draft is several times cheaper per decode step, for speculative
-    # decoding. The target is deep and narrow because a coin's state after n people is a
-    # chain of n flips: trained alike, 12 layers of 192 tracked 4 flips of unseen names
-    # by step 1,200, 6 layers of 256 only 2.
+    # The shipped course models: a target and a draft several times cheaper per step, for
+    # speculative decoding (why these shapes: minikv/course/train.py).
     "target": dict(vocab_size=1024, block_size=256, n_layer=12, n_head=8, n_embd=192),
     "draft": dict(vocab_size=1024, block_size=256, n_layer=1, n_head=4, n_embd=128),
 }
