@@ -204,7 +204,7 @@ def check_kv(cache: Cache, key: torch.Tensor, value: torch.Tensor, layer_idx: in
 
 def kv_cache_bytes(cfg: GPTConfig, seq_len: int, batch_size: int = 1,
                    dtype: torch.dtype = torch.float16, n_kv_head: int | None = None) -> int:
-    """Seed 003's formula: layers x 2 (K and V) x batch x heads x seq_len x head_dim x
+    """The KV cache's size: layers x 2 (K and V) x batch x heads x seq_len x head_dim x
     bytes, heads being the K/V heads (cfg.kv_heads, or `n_kv_head` to ask "what if":
     grouped-query attention shares one K/V head among several query heads)."""
     heads = cfg.kv_heads if n_kv_head is None else n_kv_head

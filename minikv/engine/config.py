@@ -56,7 +56,7 @@ class GPTConfig:
 
 
 PRESETS: dict[str, dict] = {
-    # GPT-2 small, 124M parameters: the shapes of seed 003's cache arithmetic.
+    # GPT-2 small, 124M parameters: the shapes of the course's cache arithmetic.
     "gpt2": dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),
     # Random-weight models for tests and quick experiments on a laptop CPU.
     "tiny": dict(vocab_size=512, block_size=256, n_layer=2, n_head=4, n_embd=64),

@@ -20,7 +20,7 @@ def generate(model, ids, max_new_tokens: int, mode: str = "cached", temperature:
              position_offset_bug: bool = False) -> GenerationOutput:
     """Up to `max_new_tokens` after `ids`, stopping after `eos_id`; greedy at temperature
     0, else sampled with `seed`. A `cache` passed in is extended in place (`fork()` to
-    keep it). `position_offset_bug`: seed 003's mistake, positions restart at 0."""
+    keep it). `position_offset_bug`: the classic mistake, positions restart at 0."""
     sp = SamplingParams(temperature, top_k, seed, eos_id)
     prompt = token_ids(ids, model.config.vocab_size)
     int_at_least("max_new_tokens", max_new_tokens, 0)
