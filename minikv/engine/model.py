@@ -115,8 +115,8 @@ class GPT(nn.Module):
         """Logits (B, T, vocab) for token ids `idx` (B, T); (B, 1, vocab) with
         `last_only`. With a cache, K/V of `idx` are appended to it and attention covers
         every cached position. `positions` ((T,) or (B, T)) overrides the position ids
-        (`torch.arange(T)` with a cache is the classic bug); `attention` swaps the kernel (the batched
-        server's split-KV decode does)."""
+        (`torch.arange(T)` with a cache is the classic bug); `attention` swaps the kernel
+        (the batched server's split-KV decode does)."""
         _check_inputs(self, idx, cache, positions)
         T = idx.shape[1]
         if positions is None:
