@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 
 import minikv
 from minikv.engine import verify
+from minikv.engine.lookup import propose_by_lookup
+from minikv.engine.speculative import speculate
 
 from conftest import varied_model
 
@@ -212,3 +214,56 @@ def test_mismatched_pair():
         minikv.speculative_generate(TARGET, other_vocab, [1], 3)
     with pytest.raises(ValueError, match="one device"):
         minikv.speculative_generate(TARGET, CLOSE.to("meta"), [1], 3)
+
+
+# --- the seam: any propose(seq, k) plugs into the one round loop ----------------------------------
+
+def oracle(prompt, n):
+    """A proposer that knows the target's own greedy continuation: right every time."""
+    truth = list(prompt) + minikv.generate(TARGET, prompt, n).tokens
+    return lambda seq, k: truth[len(seq):len(seq) + k]
+
+
+@pytest.mark.parametrize("gamma, n", [(1, 9), (3, 20), (4, 1), (5, 17)])
+def test_a_third_proposer_plugs_in(gamma, n):
+    """No frame copied: a plain function is a proposer. Never wrong, it has every proposal
+    accepted, nothing rolled back, and each round commits k + 1 tokens."""
+    prompt = [5, 6, 7]
+    out = speculate(TARGET, prompt, n, minikv.SamplingParams(), oracle(prompt, n), gamma=gamma,
+                    trace=True)
+    assert out.tokens == minikv.generate(TARGET, prompt, n).tokens
+    s = out.stats
+    assert s.rounds == -(-(n - 1) // (gamma + 1)) and s.target_passes == s.rounds + 1
+    assert s.accepted == s.proposed == n - 1 - s.rounds  # each round adds the target's token
+    assert s.rejected == s.rollbacks == s.draft_passes == 0
+    assert not any(e.kind == "rollback" for e in out.trace)
+
+
+def test_adaptive_gamma_belongs_to_the_loop():
+    """Any proposer gets adaptive γ: with a proposer that is never wrong, γ grows every round."""
+    prompt, n = [5, 6, 7], 60
+    fixed = speculate(TARGET, prompt, n, minikv.SamplingParams(), oracle(prompt, n), gamma=2)
+    grown = speculate(TARGET, prompt, n, minikv.SamplingParams(), oracle(prompt, n), gamma=2,
+                      max_gamma=6, trace=True)
+    assert grown.tokens == fixed.tokens
+    assert grown.stats.rounds < fixed.stats.rounds
+    verified = [len(e.input_ids) for e in grown.trace if e.kind == "verify"]
+    assert verified[:6] == [2, 3, 4, 5, 6, 6]
+
+
+def test_a_sure_proposer_under_sampling_keeps_the_targets_draws():
+    """With no probabilities, a sampled round is judged by matching the target's seeded draw
+    at each position: whatever it proposes, the tokens are the ones it would draw alone."""
+    sp = minikv.SamplingParams(temperature=0.9, seed=4)
+    prompt = [3, 7, 11, 5] * 3
+    alone = speculate(TARGET, prompt, 30, sp, lambda seq, k: [], gamma=4).tokens
+    right = speculate(TARGET, prompt, 30, sp, lambda seq, k: (prompt + alone)[len(seq):][:k],
+                      gamma=4)
+    looked = speculate(TARGET, prompt, 30, sp, partial(propose_by_lookup, ngram=2), gamma=4)
+    assert right.tokens == looked.tokens == alone
+    assert right.stats.rejected == 0 and right.stats.accepted > 0
+
+
+def test_a_proposer_stays_within_k():
+    with pytest.raises(ValueError, match="at most k"):
+        speculate(TARGET, [1, 2], 5, minikv.SamplingParams(), lambda seq, k: [1] * (k + 1))

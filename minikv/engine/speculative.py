@@ -1,91 +1,213 @@
-"""Speculative decoding (seed 004): a cheap draft proposes γ tokens, the target verifies them
-in one pass. Greedy output is exactly the target's own; with temperature > 0 the rejection rule
-keeps the target's distribution. It pays when scoring γ + 1 positions costs the target about one
-decode step and the draft is cheap and usually right."""
+"""Speculative decoding (seed 004): someone cheap proposes γ tokens, the target verifies
+them in one pass. Greedy output is exactly the target's own; with temperature > 0 the
+rejection rule keeps the target's distribution. It pays when scoring γ + 1 positions
+costs the target about one decode step and the proposer is cheap and usually right.
+
+`speculate` is the one round loop; a proposer is any `propose(seq, k)`: a draft model
+(`DraftProposer`, below), prompt lookup (lookup.py), or the next one."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field, replace
 from functools import partial
+from typing import Callable
 
 import torch
 
-from . import validate
 from .cache import KVCache
 from .records import GenerationOutput, SpeculativeStats, TraceEvent
 from .sampling import SamplingParams
+from .validate import fits, int_at_least, token_ids
 from .verify import accept_by_rejection_sampling, accept_matching, round_events, verify_and_commit
 
 
-def speculative_generate(target, draft, ids, max_new_tokens: int, gamma: int = 4,
-                         temperature: float = 0.0, top_k: int | None = None, seed: int = 0,
-                         eos_id: int | None = None, *, adaptive_gamma: bool = False,
-                         max_gamma: int = 16, trace: bool = False) -> GenerationOutput:
-    """Generate with `draft` proposing `gamma` tokens per round and `target` verifying them.
-    `adaptive_gamma` grows γ by one after a fully accepted round, shrinks it by one after a
-    rejection (between 1 and `max_gamma`)."""
-    sp = SamplingParams(temperature, top_k, seed, eos_id)
-    prompt = validate.token_ids(ids, target.config.vocab_size)
-    needed = validate.speculative_call(target, draft, prompt, max_new_tokens, gamma, sp,
-                                       adaptive_gamma, max_gamma)
-    device = target.device
-    generator = torch.Generator(device=device).manual_seed(sp.seed)
-    stats = SpeculativeStats(prompt_len=len(prompt))
-    events: list[TraceEvent] = []
+# --- the seam: propose(seq, k) -> at most k tokens to follow seq ----------------------
+@dataclass
+class Proposal:
+    """A proposer's answer, when a plain list of token ids is not enough."""
+    tokens: list[int]
+    # (len(tokens), vocab): what each token was drawn from. Given, the round is judged by
+    # rejection sampling; None (a sure proposer), by matching the target's own choices.
+    probs: torch.Tensor | None = None
+    # One "draft" event per forward pass the proposer ran; the loop stamps the round.
+    events: list[TraceEvent] = field(default_factory=list)
+
+
+# It must not change `seq` (the committed tokens). Caches it keeps go to
+# speculate(other_caches=...): every round rolls them back with the target's.
+Proposer = Callable[[list[int], int], "Proposal | list[int]"]
+
+
+# --- the round loop -------------------------------------------------------------------
+def speculate(target, ids, max_new_tokens: int, sampling: SamplingParams,
+              propose: Proposer, *, gamma: int = 4, max_gamma: int | None = None,
+              other_caches: dict[str, KVCache] | None = None,
+              generator: torch.Generator | None = None,
+              trace: bool = False) -> GenerationOutput:
+    """Up to `max_new_tokens` after `ids`, `propose` offering up to γ tokens a round and
+    `target` verifying them in ONE pass. With `max_gamma`, γ adapts in [1, max_gamma].
+    Pass the proposer's `generator` so that both draw from one seeded stream."""
+    prompt = token_ids(ids, target.config.vocab_size)
+    needed = _check_call(target, prompt, max_new_tokens, sampling, gamma, max_gamma,
+                         other_caches)
+    if generator is None:
+        generator = torch.Generator(device=target.device).manual_seed(sampling.seed)
     seq = list(prompt)
+    stats = SpeculativeStats(prompt_len=len(prompt))
+    out = GenerationOutput(prompt, [], stats, [], None)
     if max_new_tokens == 0:
-        return GenerationOutput(prompt, [], stats, events if trace else None, None)
-    t_cache = KVCache.for_model(target, max_len=needed)
-    d_cache = KVCache.for_model(draft, max_len=needed)
-
-    def verifier(rows: list[int], cache: KVCache) -> torch.Tensor:
-        return target(torch.tensor([rows], device=device), cache=cache)[0]  # (rows, vocab)
-
-    def run(model, cache, tokens: list[int]) -> torch.Tensor:
-        return model(torch.tensor([tokens], device=device), cache=cache, last_only=True)[0, -1]
-
+        return _finish(out, seq, trace)
+    cache = KVCache.for_model(target, max_len=needed)
+    verifier = partial(_scores, target)
     with torch.inference_mode():
-        # 0. Prefill the target with the prompt: its last logits give the first new token.
-        seq.append(int(sp.sample(run(target, t_cache, prompt), generator)))
-        stats.target_passes += 1
-        events.append(TraceEvent(kind="prefill", step=0, input_ids=tuple(prompt),
-                                 positions=tuple(range(len(prompt))), cache_len_after=len(prompt),
-                                 kv_computed=len(prompt), token=seq[-1]))
-        step = 1
-        while len(seq) - len(prompt) < max_new_tokens and seq[-1] != sp.eos_id:
-            g = min(gamma, max_new_tokens - (len(seq) - len(prompt)) - 1)  # stay in the budget
-            # 1. Draft: one pass per proposal. Each feeds whatever the draft's cache has not
-            #    seen yet: the last committed token(s), then its own previous proposal.
-            proposals, draft_probs = [], []
-            for _ in range(g):
-                pending = (seq + proposals)[d_cache.get_seq_length():]
-                before = d_cache.get_seq_length()
-                d_logits = run(draft, d_cache, pending)
-                proposals.append(int(sp.sample(d_logits, generator)))
-                if not sp.greedy:
-                    draft_probs.append(sp.probabilities(d_logits))
-                stats.draft_passes += 1
-                events.append(TraceEvent(
-                    kind="draft", step=step, input_ids=tuple(pending), kv_computed=len(pending),
-                    positions=tuple(range(before, before + len(pending))), token=proposals[-1],
-                    cache_len_before=before, cache_len_after=d_cache.get_seq_length()))
-            # 2. Verify: the target scores every proposal in ONE pass; the accepted prefix and
-            #    the target's own token are committed; both caches roll back behind them.
-            if sp.greedy:
-                accept = partial(accept_matching, sampling=sp, first_position=len(seq))
-            else:
-                accept = partial(accept_by_rejection_sampling, sampling=sp, generator=generator,
-                                 draft_probs=torch.stack(draft_probs) if draft_probs else None)
-            rnd = verify_and_commit(seq, proposals, t_cache, verifier, accept,
-                                    other_caches={"draft": d_cache})
-            # 3. Record the round; adapt γ; stop after EOS.
-            stats.target_passes += 1
-            stats.record(rnd)
-            events.extend(round_events(step, rnd, len(seq)))
-            if adaptive_gamma:
-                all_ok = rnd.verdict.accepted == g
+        # 0. Prefill the target with the prompt: its last logits give the first token.
+        out.trace.append(_prefill(target, cache, seq, sampling, generator))
+        out.stats.target_passes += 1
+        while len(seq) - len(prompt) < max_new_tokens and seq[-1] != sampling.eos_id:
+            # 1. Propose up to γ tokens: the round commits one more, the target's own.
+            k = min(gamma, max_new_tokens - (len(seq) - len(prompt)) - 1)
+            proposal = _as_proposal(propose(seq, k), k)
+            # 2. Verify in ONE target pass; commit the accepted prefix and the target's
+            #    token; roll every cache back behind them.
+            accept = _accept_rule(sampling, proposal.probs, len(seq), generator)
+            rnd = verify_and_commit(seq, proposal.tokens, cache, verifier, accept,
+                                    other_caches=other_caches)
+            # 3. Record the round: the proposer's passes, then verify, rollback, commit.
+            _record(out, proposal, rnd, len(seq))
+            # 4. Adapt γ: further while the proposer is right, less far once it is wrong.
+            if max_gamma is not None:
+                all_ok = rnd.verdict.accepted == k
                 gamma = min(gamma + 1, max_gamma) if all_ok else max(gamma - 1, 1)
-            if sp.eos_id in seq[len(prompt):]:
-                del seq[seq.index(sp.eos_id, len(prompt)) + 1:]
-            step += 1
-    stats.new_tokens = len(seq) - len(prompt)
-    return GenerationOutput(prompt=prompt, tokens=seq[len(prompt):], stats=stats,
-                            trace=events if trace else None, logits=None)
+            # 5. Stop after EOS: a round may have committed tokens past it.
+            if sampling.eos_id in seq[len(prompt):]:
+                del seq[seq.index(sampling.eos_id, len(prompt)) + 1:]
+    return _finish(out, seq, trace)
+
+
+def _prefill(target, cache, seq: list[int], sampling, generator) -> TraceEvent:
+    """Feed the prompt (all of `seq`), append the first new token, return the pass."""
+    n = len(seq)
+    ids = torch.tensor([seq], device=target.device)
+    logits = target(ids, cache=cache, last_only=True)[0, -1]
+    seq.append(int(sampling.sample(logits, generator)))
+    return TraceEvent(kind="prefill", step=0, input_ids=tuple(seq[:n]), token=seq[-1],
+                      positions=tuple(range(n)), cache_len_after=n, kv_computed=n)
+
+
+def _scores(model, rows: list[int], cache: KVCache) -> torch.Tensor:
+    """The verifier: `model`'s logits at every row, (len(rows), vocab)."""
+    return model(torch.tensor([rows], device=model.device), cache=cache)[0]
+
+
+def _as_proposal(proposed: Proposal | list[int], k: int) -> Proposal:
+    if not isinstance(proposed, Proposal):
+        proposed = Proposal([int(t) for t in proposed])
+    if len(proposed.tokens) > k:  # more would overrun the budget and the caches
+        raise ValueError(f"propose(seq, k={k}) returned {len(proposed.tokens)} tokens; "
+                         f"return at most k")
+    return proposed
+
+
+def _accept_rule(sampling: SamplingParams, probs, first_position: int, generator):
+    """Matching when greedy, or when the proposer gives no distribution (a sure
+    proposal x is then kept with probability p(x): the target's law); else speculative
+    sampling."""
+    if sampling.greedy or probs is None:
+        return partial(accept_matching, sampling=sampling, first_position=first_position)
+    return partial(accept_by_rejection_sampling, sampling=sampling, generator=generator,
+                   draft_probs=probs)
+
+
+def _record(out: GenerationOutput, proposal: Proposal, rnd, sequence_len: int) -> None:
+    stats = out.stats
+    stats.target_passes += 1
+    stats.draft_passes += len(proposal.events)
+    stats.record(rnd)  # now stats.rounds is this round's number: its trace step
+    out.trace.extend(replace(e, step=stats.rounds) for e in proposal.events)
+    out.trace.extend(round_events(stats.rounds, rnd, sequence_len))
+
+
+def _finish(out: GenerationOutput, seq: list[int], trace: bool) -> GenerationOutput:
+    out.tokens = seq[len(out.prompt):]
+    out.stats.new_tokens = len(out.tokens)
+    out.trace = out.trace if trace else None
+    return out
+
+
+def _check_call(target, prompt, max_new_tokens, sampling, gamma, max_gamma,
+                other_caches) -> int:
+    """The positions the target's cache needs: prompt, new tokens, the longest lookahead.
+    Every cache the loop rolls back must hold as many."""
+    int_at_least("max_new_tokens", max_new_tokens, 0)
+    int_at_least("gamma", gamma)
+    if max_gamma is not None:
+        int_at_least("max_gamma", max_gamma, gamma,
+                     hint=" (the largest γ adaptive γ may reach)")
+    sampling.check_vocab(target.config.vocab_size)
+    needed = len(prompt) + max_new_tokens + (gamma if max_gamma is None else max_gamma)
+    rooms = [c.max_len for c in (other_caches or {}).values() if c.max_len is not None]
+    fits(needed, min([target.config.block_size, *rooms]),
+         f"{len(prompt)} prompt + {max_new_tokens} new tokens + γ lookahead",
+         "max_new_tokens or gamma")
+    return needed
+
+
+# --- proposer 1: a draft model --------------------------------------------------------
+class DraftProposer:
+    """A small model of the same vocabulary proposes, one pass per token, each chosen as
+    the target chooses (argmax, or a draw from the shared `generator`)."""
+
+    def __init__(self, draft, sampling: SamplingParams, generator: torch.Generator):
+        self.draft = draft
+        self.sampling = sampling
+        self.generator = generator
+        self.cache = KVCache.for_model(draft)  # as long as the draft can see
+
+    def __call__(self, seq: list[int], k: int) -> Proposal:
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        events: list[TraceEvent] = []
+        for _ in range(k):
+            # Feed what the draft's cache has not seen yet: the last committed token(s),
+            # then its own previous proposal.
+            before = self.cache.get_seq_length()
+            pending = (seq + tokens)[before:]
+            logits = self.draft(torch.tensor([pending], device=self.draft.device),
+                                cache=self.cache, last_only=True)[0, -1]
+            tokens.append(int(self.sampling.sample(logits, self.generator)))
+            if not self.sampling.greedy:
+                probs.append(self.sampling.probabilities(logits))
+            events.append(TraceEvent(
+                kind="draft", step=0, input_ids=tuple(pending), kv_computed=len(pending),
+                positions=tuple(range(before, before + len(pending))), token=tokens[-1],
+                cache_len_before=before, cache_len_after=self.cache.get_seq_length()))
+        if self.sampling.greedy:
+            return Proposal(tokens, None, events)
+        # q even for no proposal, (0, vocab): a sampled round is then still judged by
+        # rejection sampling, its token drawn from the shared stream.
+        empty = torch.zeros(0, self.draft.config.vocab_size, device=self.draft.device)
+        return Proposal(tokens, torch.stack(probs) if probs else empty, events)
+
+
+def speculative_generate(target, draft, ids, max_new_tokens: int, gamma: int = 4,
+                         temperature: float = 0.0, top_k: int | None = None,
+                         seed: int = 0, eos_id: int | None = None, *,
+                         adaptive_gamma: bool = False, max_gamma: int = 16,
+                         trace: bool = False) -> GenerationOutput:
+    """Generate with `draft` proposing `gamma` tokens per round and `target` verifying
+    them. `adaptive_gamma` grows γ by one after a fully accepted round, shrinks it by one
+    after a rejection (between 1 and `max_gamma`)."""
+    sp = SamplingParams(temperature, top_k, seed, eos_id)
+    vocab = target.config.vocab_size
+    if draft.config.vocab_size != vocab:
+        raise ValueError(f"draft vocabulary ({draft.config.vocab_size}) differs from "
+                         f"the target's ({vocab}): both must use the same tokenizer")
+    if draft.device != target.device:
+        raise ValueError(f"draft is on {draft.device}, the target on {target.device}; "
+                         f"move both to one device")
+    # One seeded stream for the draft's draws and the target's: same seed, same tokens.
+    generator = torch.Generator(device=target.device).manual_seed(sp.seed)
+    propose = DraftProposer(draft, sp, generator)
+    return speculate(target, ids, max_new_tokens, sp, propose, gamma=gamma,
+                     max_gamma=max_gamma if adaptive_gamma else None,
+                     other_caches={"draft": propose.cache}, generator=generator,
+                     trace=trace)
