@@ -12,12 +12,12 @@ from .quantized import QuantizedKVCache
 from .records import GenerationOutput, KVCounter, Stats, TraceEvent
 from .sampling import SamplingParams
 from .serving import Request, RequestOutput, serve
-from .speculative import speculative_generate
+from .speculative import Proposal, speculate, speculative_generate
 from .verify import Verdict, verify_and_commit
 from .window import SinkWindowCache
 
 __all__ = ["Cache", "KVCache", "kv_cache_bytes", "PRESETS", "GPTConfig", "GenerationOutput",
            "generate", "GPT", "causal_attention", "KVCounter", "Stats", "TraceEvent",
            "SamplingParams", "Request", "RequestOutput", "serve", "speculative_generate",
-           "lookup_generate", "generate_batch", "QuantizedKVCache", "SinkWindowCache",
-           "Verdict", "verify_and_commit"]
+           "speculate", "Proposal", "lookup_generate", "generate_batch", "QuantizedKVCache",
+           "SinkWindowCache", "Verdict", "verify_and_commit"]

@@ -4,15 +4,9 @@ TypeError that says what to do, and nothing has changed. Read it last: the rest 
 if inputs were always right."""
 from __future__ import annotations
 
-import math
 import operator
 
 import torch
-
-MODES = ("naive", "cached")
-# Below this, logits / temperature overflows float32 for ordinary logits, and sampling is
-# greedy in all but name anyway: ask for 0.
-MIN_TEMPERATURE = 1e-3
 
 
 def int_at_least(name: str, value, minimum: int = 1, hint: str = "") -> int:
@@ -26,22 +20,6 @@ def int_at_least(name: str, value, minimum: int = 1, hint: str = "") -> int:
 def _is_int_tensor(x) -> bool:
     return isinstance(x, torch.Tensor) and not (
         x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool)
-
-
-def sampling(sp, vocab_size: int | None = None) -> None:
-    t = sp.temperature
-    if type(t) not in (int, float) or not (t == 0 or MIN_TEMPERATURE <= t < math.inf):
-        raise ValueError(f"temperature must be 0 (greedy) or a number >= {MIN_TEMPERATURE}, "
-                         f"got {t!r}")
-    if sp.top_k is not None:
-        int_at_least("top_k", sp.top_k, hint=" or None (no filtering)")
-    if not isinstance(sp.seed, int) or isinstance(sp.seed, bool) or not 0 <= sp.seed < 2**63:
-        raise ValueError(f"seed must be an int in [0, 2**63), got {sp.seed!r}")
-    if sp.eos_id is not None:
-        int_at_least("eos_id", sp.eos_id, 0, hint=" (a token id) or None")
-        if vocab_size is not None and sp.eos_id >= vocab_size:
-            raise ValueError(f"eos_id must be a token id in [0, {vocab_size}) or None, "
-                             f"got {sp.eos_id!r}")
 
 
 def token_ids(ids, vocab_size: int) -> list[int]:
@@ -87,38 +65,6 @@ def fits(needed: int, limit: int, what: str, lower: str) -> None:
         raise ValueError(f"{what} needs {needed} positions > block_size={limit}; lower {lower}")
 
 
-def speculative_call(target, draft, prompt, max_new_tokens, gamma, sp, adaptive_gamma,
-                     max_gamma) -> int:
-    if target.config.vocab_size != draft.config.vocab_size:
-        raise ValueError(f"draft vocabulary ({draft.config.vocab_size}) differs from the "
-                         f"target's ({target.config.vocab_size}): both must use the same "
-                         f"tokenizer")
-    if target.device != draft.device:
-        raise ValueError(f"draft is on {draft.device} but the target is on {target.device}; "
-                         f"move both to one device")
-    int_at_least("max_new_tokens", max_new_tokens, 0)
-    int_at_least("gamma", gamma)
-    if adaptive_gamma:
-        int_at_least("max_gamma", max_gamma, gamma, hint=" (the largest γ adaptive γ may reach)")
-    sampling(sp, target.config.vocab_size)
-    needed = len(prompt) + max_new_tokens + (max_gamma if adaptive_gamma else gamma)
-    fits(needed, min(target.config.block_size, draft.config.block_size),
-          f"{len(prompt)} prompt + {max_new_tokens} new tokens + γ lookahead",
-          "max_new_tokens or gamma")
-    return needed
-
-
-def lookup_call(target, prompt, max_new_tokens, gamma, ngram, sp) -> int:
-    int_at_least("max_new_tokens", max_new_tokens, 0)
-    int_at_least("gamma", gamma)
-    int_at_least("ngram", ngram, hint=" (tokens of context the lookup matches)")
-    sampling(sp, target.config.vocab_size)
-    needed = len(prompt) + max_new_tokens + gamma
-    fits(needed, target.config.block_size, f"{len(prompt)} prompt + {max_new_tokens} new tokens "
-          f"+ γ lookahead", "max_new_tokens or gamma")
-    return needed
-
-
 def serve_call(model, requests, window, block_size, num_blocks) -> tuple[list[list[int]], int]:
     """Returns each request's prompt as a list of ids, and the pool's size in blocks."""
     int_at_least("window", window, hint=" (positions verified per pass)")
@@ -128,7 +74,7 @@ def serve_call(model, requests, window, block_size, num_blocks) -> tuple[list[li
     prompts, sizes = [], []
     for i, r in enumerate(requests):
         prompts.append(token_ids(r.prompt, model.config.vocab_size))
-        sampling(r.sampling, model.config.vocab_size)
+        r.sampling.check_vocab(model.config.vocab_size)
         int_at_least(f"request {i}: max_new_tokens", r.max_new_tokens)
         int_at_least(f"request {i}: arrival", r.arrival, 0, hint=" (an engine step)")
         positions = len(prompts[-1]) + r.max_new_tokens + window
