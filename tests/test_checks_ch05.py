@@ -1,183 +1,96 @@
-"""Chapter 05's checkers accept the solutions, let a stub's NotImplementedError through, and reject
-plausible wrong answers with a hint that names the mistake, quickly, leaving the caller's random
-state alone."""
+"""Chapter 05's checkers that are code (choose, predict_server_passes, verify_window) accept the
+solutions, let a stub's NotImplementedError through and reject plausible wrong answers with a hint
+that names the mistake, quickly, leaving the caller's random state alone. The tables
+(invariant_split_sum, verify_schedule, choose_determinism) are tested from their own mistakes in
+test_checks_table.py; here, only what a table cannot state: wrong types, inputs changed in place,
+two mistakes at once, and independent solutions."""
+import functools
+import hashlib
 import math
 
 import numpy as np
 import pytest
 import torch
 
+import minikv
 from minikv.course.checks import CheckFailed, ch05
 
 from conftest import stub
 
 # --- exercise 1: the same request draws the same tokens wherever it runs --------------------------
 
-
-def choose(logits, seed, position, temperature):
+def choose(logits, seed, position, temperature, mix=lambda s, p: s * 1_000_003 + p):
     if temperature == 0:
         return int(logits.argmax())
     probs = torch.softmax(logits.float() / temperature, dim=-1)
-    g = torch.Generator(device=logits.device).manual_seed(seed * 1_000_003 + position)
+    g = torch.Generator(device=logits.device).manual_seed(mix(seed, position))
     return int(torch.multinomial(probs, 1, generator=g))
 
 
-def choose_global_rng(logits, seed, position, temperature):
-    if temperature == 0:
-        return int(logits.argmax())
-    return int(torch.multinomial(torch.softmax(logits / temperature, -1), 1))
+def _mixed(mix):
+    """choose, with another mix of (seed, position) into the generator's seed."""
+    return functools.partial(choose, mix=mix)
 
 
-def choose_reseeds_global_rng(logits, seed, position, temperature):
-    if temperature == 0:
-        return int(logits.argmax())
-    torch.manual_seed(seed * 1_000_003 + position)
-    return int(torch.multinomial(torch.softmax(logits / temperature, -1), 1))
+def _greedy_else(draw):
+    """A choose that takes the argmax at temperature 0, and draw(logits, seed, position,
+    temperature) otherwise."""
+    def choose_(logits, seed, position, temperature):
+        return int(logits.argmax()) if temperature == 0 else draw(logits, seed, position,
+                                                                  temperature)
+    return choose_
 
 
-_SHARED = torch.Generator().manual_seed(0)
+def _draw(weights, generator=None):
+    return int(torch.multinomial(weights, 1, generator=generator))
 
 
-def choose_shared_generator(logits, seed, position, temperature):
-    if temperature == 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits / temperature, -1)
-    return int(torch.multinomial(probs, 1, generator=_SHARED))
+def _soft(logits, temperature):
+    return torch.softmax(logits / temperature, -1)
 
 
-_PER_SEED = {}
+def _own(seed, position):
+    return torch.Generator().manual_seed(seed * 1_000_003 + position)
 
 
-def choose_generator_per_seed(logits, seed, position, temperature):  # made once per request
-    if temperature == 0:
-        return int(logits.argmax())
-    g = _PER_SEED.setdefault(seed, torch.Generator().manual_seed(seed))
-    return int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=g))
+_SHARED, _PER_SEED = torch.Generator().manual_seed(0), {}
 
-
-def choose_seed_only(logits, seed, position, temperature):
-    if temperature == 0:
-        return int(logits.argmax())
-    g = torch.Generator().manual_seed(seed)
-    return int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=g))
-
-
-def choose_position_only(logits, seed, position, temperature):
-    if temperature == 0:
-        return int(logits.argmax())
-    g = torch.Generator().manual_seed(position)
-    return int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=g))
-
-
-def choose_seed_plus_position(logits, seed, position, temperature):
-    if temperature == 0:
-        return int(logits.argmax())
-    g = torch.Generator().manual_seed(seed + position)
-    return int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=g))
-
-
-def choose_ignores_temperature(logits, seed, position, temperature):
-    if temperature == 0:
-        return int(logits.argmax())
-    return choose(logits, seed, position, 1.0)
-
-
-def choose_multiplies_temperature(logits, seed, position, temperature):
-    if temperature == 0:
-        return int(logits.argmax())
-    return choose(logits * temperature * temperature, seed, position, temperature)
-
-
-def choose_samples_at_zero(logits, seed, position, temperature):
-    return choose(logits, seed, position, temperature or 1.0)  # "avoid dividing by zero"
-
-
-def choose_divides_by_zero(logits, seed, position, temperature):
-    g = torch.Generator().manual_seed(seed * 1_000_003 + position)
-    return int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=g))
-
-
-def choose_always_argmax(logits, seed, position, temperature):
-    return int(logits.argmax())
-
-
-def choose_multinomial_on_logits(logits, seed, position, temperature):
-    if temperature == 0:
-        return int(logits.argmax())
-    g = torch.Generator().manual_seed(seed * 1_000_003 + position)
-    return int(torch.multinomial(logits / temperature, 1, generator=g))
-
-
-def choose_in_place(logits, seed, position, temperature):
-    if temperature == 0:
-        return int(logits.argmax())
-    logits /= temperature
-    g = torch.Generator().manual_seed(seed * 1_000_003 + position)
-    return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=g))
-
-
-def choose_returns_tensor(logits, seed, position, temperature):
-    if temperature == 0:
-        return logits.argmax()
-    g = torch.Generator().manual_seed(seed * 1_000_003 + position)
-    return torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=g)
-
-
-def choose_by_the_engine(logits, seed, position, temperature):
-    import minikv
-    return minikv.SamplingParams(temperature, seed=seed).choose(logits, position)
-
-
-def _mixed(mix, name):
-    def choose_mixed(logits, seed, position, temperature):
-        if temperature == 0:
-            return int(logits.argmax())
-        g = torch.Generator().manual_seed(mix(seed, position))
-        return int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=g))
-    choose_mixed.__name__ = name
-    return choose_mixed
-
-
-choose_seed_times_position = _mixed(lambda s, p: s * p, "choose_seed_times_position")
-choose_seed_xor_position = _mixed(lambda s, p: s ^ p, "choose_seed_xor_position")
-choose_small_multiplier = _mixed(lambda s, p: s * 1_000 + p, "choose_small_multiplier")
-choose_multiplier_10k = _mixed(lambda s, p: s * 100_000 + p, "choose_multiplier_10k")
-choose_hashed_pair = _mixed(lambda s, p: hash((s, p)) % 2**63, "choose_hashed_pair")
-choose_string_pair = _mixed(lambda s, p: int.from_bytes(
-    __import__("hashlib").sha256(f"{s}/{p}".encode()).digest()[:8], "big"), "choose_string_pair")
+CHOOSE_WRONG = [
+    (_mixed(lambda s, p: s * p), r"seed \* position"),
+    (_mixed(lambda s, p: s ^ p), "symmetric in seed and position"),
+    (_mixed(lambda s, p: s * 1_000 + p), r"seed \* 1,000 \+ position"),
+    (_mixed(lambda s, p: s * 100_000 + p), r"seed \* 100,000 \+ position"),
+    (_mixed(lambda s, p: s), "seeded by the seed alone"),
+    (_mixed(lambda s, p: p), "seeded by the position alone"),
+    (_mixed(lambda s, p: s + p), r"seed \+ position"),
+    (_greedy_else(lambda x, s, p, t: _draw(_soft(x, t))), "global RNG"),
+    (_greedy_else(lambda x, s, p, t: torch.manual_seed(s * 1_000_003 + p) and _draw(_soft(x, t))),
+     "torch.manual_seed inside choose"),
+    (_greedy_else(lambda x, s, p, t: _draw(_soft(x, t), _SHARED)), "a generator shared across"),
+    (_greedy_else(lambda x, s, p, t: _draw(_soft(x, t), _PER_SEED.setdefault(  # one per request
+        s, torch.Generator().manual_seed(s)))), "a generator shared across calls"),
+    (_greedy_else(lambda x, s, p, t: choose(x, s, p, 1.0)), "ignore the temperature"),
+    (_greedy_else(lambda x, s, p, t: choose(x * t * t, s, p, t)),
+     "multiply the logits by the temperature"),
+    (lambda x, s, p, t: choose(x, s, p, t or 1.0), "sample at temperature 0"),  # "no / 0"
+    (lambda x, s, p, t: _draw(_soft(x, t), _own(s, p)), "at temperature 0 choose is greedy"),
+    (lambda x, s, p, t: int(x.argmax()), "must DRAW from softmax"),
+    (_greedy_else(lambda x, s, p, t: _draw(x / t, _own(s, p))), "takes probabilities, not logits"),
+    (_greedy_else(lambda x, s, p, t: choose(x.div_(t), s, p, 1.0)), "in-place operation"),
+    (lambda x, s, p, t: torch.tensor(choose(x, s, p, t)), "as a Python int"),
+    (lambda x, s, p, t: minikv.SamplingParams(t, seed=s).choose(x, p),
+     "called minikv's own minikv.engine.sampling.SamplingParams.choose"),
+]
 
 
 def test_other_good_mixes_are_accepted():
     """The exercise asks for a mix without collisions, not for the engine's constant."""
-    ch05.check_choose(choose_hashed_pair)
-    ch05.check_choose(choose_string_pair)
+    ch05.check_choose(_mixed(lambda s, p: hash((s, p)) % 2**63))
+    ch05.check_choose(_mixed(lambda s, p: int.from_bytes(
+        hashlib.sha256(f"{s}/{p}".encode()).digest()[:8], "big")))
 
 
-CHOOSE_WRONG = [
-    (choose_seed_times_position, "seed \\* position"),
-    (choose_seed_xor_position, "symmetric in seed and position"),
-    (choose_small_multiplier, "seed \\* 1,000 \\+ position"),
-    (choose_multiplier_10k, "seed \\* 100,000 \\+ position"),
-    (choose_global_rng, "global RNG"),
-    (choose_reseeds_global_rng, "torch.manual_seed inside choose"),
-    (choose_shared_generator, "a generator shared across calls"),
-    (choose_generator_per_seed, "a generator shared across calls"),
-    (choose_seed_only, "seeded by the seed alone"),
-    (choose_position_only, "seeded by the position alone"),
-    (choose_seed_plus_position, r"seed \+ position"),
-    (choose_ignores_temperature, "ignore the temperature"),
-    (choose_multiplies_temperature, "multiply the logits by the temperature"),
-    (choose_samples_at_zero, "sample at temperature 0"),
-    (choose_divides_by_zero, "at temperature 0 choose is greedy"),
-    (choose_always_argmax, "must DRAW from softmax"),
-    (choose_multinomial_on_logits, "takes probabilities, not logits"),
-    (choose_in_place, "in-place operation"),
-    (choose_returns_tensor, "as a Python int"),
-    (choose_by_the_engine, "called minikv's own minikv.engine.sampling.SamplingParams.choose"),
-]
-
-# --- exercise 2: a batch-invariant sum ------------------------------------------------------------
-
+# --- the tables: what their mistakes cannot state ------------------------------------------------
 
 def invariant_split_sum(x, n_splits, chunk=16):
     n_chunks = math.ceil(x.numel() / chunk)
@@ -192,70 +105,10 @@ def invariant_split_sum(x, n_splits, chunk=16):
     return total
 
 
-def split_kv_style_sum(x, n_splits, chunk=16):  # n_splits equal pieces, as split-KV cuts its keys
-    size = math.ceil(x.numel() / n_splits)
-    total = torch.zeros((), dtype=x.dtype)
-    for w in range(n_splits):
-        total = total + x[w * size:(w + 1) * size].sum()
-    return total
-
-
-def worker_totals_sum(x, n_splits, chunk=16):  # each worker adds up its own chunks first
-    n_chunks = math.ceil(x.numel() / chunk)
-    per_worker = math.ceil(n_chunks / n_splits)
-    totals = []
-    for w in range(n_splits):
-        mine = [x[c * chunk:(c + 1) * chunk].sum()
-                for c in range(w * per_worker, min((w + 1) * per_worker, n_chunks))]
-        if mine:
-            totals.append(sum(mine[1:], mine[0]))
-    return sum(totals[1:], totals[0])
-
-
-def stacked_merge_sum(x, n_splits, chunk=16):
-    return torch.stack([x[i:i + chunk].sum() for i in range(0, x.numel(), chunk)]).sum()
-
-
-def whole_sum(x, n_splits, chunk=16):  # invariant, but not the fixed schedule: torch's own order
-    return x.sum()
-
-
-def drops_last_chunk(x, n_splits, chunk=16):  # whole chunks only
-    full = x.numel() // chunk * chunk
-    return invariant_split_sum(x[:full], 1, chunk) if full else torch.zeros((), dtype=x.dtype)
-
-
-def returns_float(x, n_splits, chunk=16):
-    return float(invariant_split_sum(x, n_splits, chunk))
-
-
-def returns_numpy(x, n_splits, chunk=16):
-    return invariant_split_sum(x, n_splits, chunk).numpy()
-
-
-def sums_in_float64(x, n_splits, chunk=16):
-    return invariant_split_sum(x.double(), n_splits, chunk)
-
-
 def sums_in_place(x, n_splits, chunk=16):
     total = invariant_split_sum(x, n_splits, chunk)
     x.zero_()  # "free" the input
     return total
-
-
-SPLIT_SUM_WRONG = [
-    (split_kv_style_sum, "n_splits equal pieces"),
-    (worker_totals_sum, "each worker returns the total of its chunks"),
-    (stacked_merge_sum, r"torch.stack\(...\).sum\(\)"),
-    (whole_sum, r"x.sum\(\)"),
-    (drops_last_chunk, "drop the last, shorter chunk"),
-    (returns_float, "0-d float32 tensor"),
-    (returns_numpy, "0-d float32 tensor"),
-    (sums_in_float64, "no float64"),
-    (sums_in_place, "in-place operations on x"),
-]
-
-# --- exercise 3: the verifier's schedule ----------------------------------------------------------
 
 
 def verify_schedule(max_new_tokens, window):
@@ -267,57 +120,59 @@ def verify_schedule(max_new_tokens, window):
     return passes
 
 
-def schedule_full_windows(max_new_tokens, window):
-    return [(f, window - 1) for f, _ in verify_schedule(max_new_tokens, window)]
-
-
-def schedule_floor(max_new_tokens, window):
-    return [p for p in verify_schedule(max_new_tokens, window) if p[1] == window - 1]
-
-
-def schedule_forgets_prefill(max_new_tokens, window):
-    return verify_schedule(max_new_tokens + 1, window)
-
-
-def schedule_first_proposal(max_new_tokens, window):
-    return [(f + 1, k) for f, k in verify_schedule(max_new_tokens, window)]
-
-
-def schedule_counts_own_token(max_new_tokens, window):
-    return [(f, k + 1) for f, k in verify_schedule(max_new_tokens, window)]
-
-
-def schedule_window_proposals(max_new_tokens, window):
-    return verify_schedule(max_new_tokens, window + 1)
-
-
 def schedule_counts(max_new_tokens, window):  # the old exercise's answer: (rounds, fast steps)
     rounds = math.ceil((max_new_tokens - 1) / window)
     return rounds, max_new_tokens - 1 - rounds
 
 
-def schedule_floats(max_new_tokens, window):
-    return [(float(f), float(k)) for f, k in verify_schedule(max_new_tokens, window)]
+def choose_determinism(n_det, overhead):
+    n, steps, rounds = 8, 19, 5
+    verify = steps + n_det * rounds if n_det < n else steps - rounds + n * rounds
+    return "verify" if verify <= steps * (1 + overhead) else "invariant"
 
 
-def schedule_numpy(max_new_tokens, window):
-    return np.array(verify_schedule(max_new_tokens, window))  # a 2-D array is fine
-
-
-SCHEDULE_WRONG = [
-    (schedule_full_windows, "every pass judges window - 1 proposals"),
-    (schedule_floor, "leave out the last, partial window"),
-    (schedule_forgets_prefill, "forget the prefill"),
-    (schedule_first_proposal, "not the first proposal"),
-    (schedule_counts_own_token, "counts the pass's own token as a proposal"),
-    (schedule_window_proposals, "window proposals per pass"),
-    (schedule_counts, "return the list of passes"),
-    (schedule_floats, "pairs of ints"),
+TABLE_WRONG = [
+    (ch05.check_invariant_split_sum, lambda x, n, c: float(invariant_split_sum(x, n, c)),
+     "0-d float32 tensor"),
+    (ch05.check_invariant_split_sum, lambda x, n, c: invariant_split_sum(x, n, c).numpy(),
+     "0-d float32 tensor"),
+    (ch05.check_invariant_split_sum, lambda x, n, c: invariant_split_sum(x.double(), n, c),
+     "no float64"),
+    (ch05.check_invariant_split_sum, sums_in_place, "in-place operations on x"),
+    (ch05.check_invariant_split_sum, lambda x, n, c: invariant_split_sum(x, n, c + n - 1),
+     "depends on the number of splits"),
+    (ch05.check_verify_schedule, schedule_counts, "not the counts"),
+    (ch05.check_verify_schedule, lambda n, w: [(float(f), float(k)) for f, k in
+                                               verify_schedule(n, w)], "pairs of ints"),
+    (ch05.check_verify_schedule, lambda n, w: None, "did you forget to return it"),
+    (ch05.check_verify_schedule, lambda n, w: verify_schedule(n, w)[n], "raised on this input"),
+    (ch05.check_verify_schedule, ch05.served_schedule, "called minikv's own"),
+    (ch05.check_choose_determinism, lambda n, o: "invariant", "nothing to verify"),  # two at once
+    (ch05.check_choose_determinism, lambda n, o: choose_determinism(n, o) == "verify",
+     'return "verify" or "invariant"'),
 ]
 
 
-def test_a_numpy_schedule_is_accepted():
-    ch05.check_verify_schedule(schedule_numpy)
+@pytest.mark.parametrize("check, wrong, fragment", TABLE_WRONG, ids=lambda v: (
+    v.replace(" ", "_")[:20] if isinstance(v, str) else None))
+def test_a_table_rejects_what_its_mistakes_cannot_state(check, wrong, fragment):
+    with pytest.raises(CheckFailed, match=fragment):
+        check(wrong)
+
+
+def test_independent_solutions_pass_the_tables():
+    ch05.check_invariant_split_sum(invariant_split_sum)
+    ch05.check_verify_schedule(verify_schedule)
+    ch05.check_verify_schedule(lambda n, w: np.array(verify_schedule(n, w)))  # 2-D array: fine
+    ch05.check_choose_determinism(choose_determinism)
+
+
+def test_split_kv_style_sum_really_depends_on_the_split_count():
+    """The lesson's premise: cutting into n_splits pieces changes the bits of a float32 sum."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1000, generator=g) * 10 ** (torch.rand(1000, generator=g) * 6 - 3)
+    assert len({float(ch05._equal_pieces(x, n, 16)) for n in (1, 2, 3, 5, 8)}) > 1
+    assert len({float(invariant_split_sum(x, n)) for n in (1, 2, 3, 5, 8)}) == 1
 
 
 # --- exercise 4 (predict, then measure): the server's passes --------------------------------------
@@ -327,24 +182,20 @@ def predict_server_passes():
     return {0: steps, 1: steps + rounds, 4: steps - rounds + 4 * rounds}
 
 
-def _predicting(**changes):
-    def predict():
-        return {**predict_server_passes(), **{int(k[1:]): v for k, v in changes.items()}}
-    predict.__name__ = "predict_" + "_".join(f"{k}_{v}" for k, v in changes.items())
-    return predict
+@pytest.mark.parametrize("hint", ch05.PASSES_MISTAKES, ids=lambda h: h[:30])
+def test_a_prediction_with_a_usual_mistake_is_named(hint):
+    wrong = ch05.PASSES_MISTAKES[hint]
+    with pytest.raises(CheckFailed) as info:
+        ch05.check_predict_server_passes(lambda: {d: wrong(d) for d in ch05.PREDICT_D})
+    assert str(info.value).endswith(hint)
 
 
 PREDICT_WRONG = [
-    (_predicting(d0=20), "19 decode steps make the other 19"),
-    (_predicting(d0=76), "count passes, not rows"),
-    (_predicting(d1=19), "verification is not free"),
-    (_predicting(d1=23), "the last window is partial"),
-    (_predicting(d4=39), "no batched pass runs at that step"),
-    (_predicting(d4=24), "one pass per request per window"),
-    (_predicting(d4=34.0), "a whole number"),
+    (lambda: {**predict_server_passes(), 4: 34.0}, "a whole number"),
     (lambda: {"0": 19, "1": 24, "4": 34}, r"\{0: \.\.\., 1: \.\.\., 4: \.\.\.\}"),
     (lambda: None, "did you forget to return it"),
     (lambda: {0: 19, 1: 24, 4: ch05.server_passes(4)}, "a prediction is made before"),
+    (lambda: {0: 19, 1: 23, 4: 39}, "the last window is partial"),  # two mistakes at once
 ]
 
 
@@ -354,136 +205,39 @@ def test_the_measured_passes_are_the_prediction():
 
 # --- exercise 5 (debug): a verifier window --------------------------------------------------------
 
-def verify_window(model, seq, proposals, cache, sampling, start, window):
+def verify_window(model, seq, proposals, cache, sampling, start, window, *, judge_at=0, own_at=0,
+                  crop_first=True, crop_after=True):
+    """The fixed verifier; the keywords make the mistakes (positions off by judge_at, own_at)."""
     rows = seq[start:] + proposals
-    cache.crop(min(cache.get_seq_length(), start))
-    padded = rows + [0] * (window - len(rows))
-    logits = model(torch.tensor([padded]), cache=cache)[0]
-    cache.crop(start + len(rows))
-    first = len(seq) - 1 - start
-    accepted = 0
-    while accepted < len(proposals):
-        if sampling.choose(logits[first + accepted], len(seq) + accepted) != proposals[accepted]:
-            break
-        accepted += 1
-    token = sampling.choose(logits[first + accepted], len(seq) + accepted)
-    seq.extend(proposals[:accepted] + [token])
-    cache.crop(min(cache.get_seq_length(), len(seq) - 1))
-    return accepted
-
-
-def window_fixes_judging_only(model, seq, proposals, cache, sampling, start, window):
-    """Judges at the right positions, but still draws its own token one position early."""
-    rows = seq[start:] + proposals
-    cache.crop(min(cache.get_seq_length(), start))
-    logits = model(torch.tensor([rows + [0] * (window - len(rows))]), cache=cache)[0]
-    cache.crop(start + len(rows))
-    first, accepted = len(seq) - 1 - start, 0
-    while accepted < len(proposals):
-        if sampling.choose(logits[first + accepted], len(seq) + accepted) != proposals[accepted]:
-            break
-        accepted += 1
-    token = sampling.choose(logits[first + accepted], len(seq) + accepted - 1)
-    seq.extend(proposals[:accepted] + [token])
-    cache.crop(min(cache.get_seq_length(), len(seq) - 1))
-    return accepted
-
-
-def window_without_crop_first(model, seq, proposals, cache, sampling, start, window):
-    """Replays on top of the fast path's K/V: the rows land at the wrong positions."""
-    rows = seq[start:] + proposals
+    if crop_first:
+        cache.crop(min(cache.get_seq_length(), start))
     logits = model(torch.tensor([rows + [0] * (window - len(rows))]), cache=cache)[0]
     first, accepted = len(seq) - 1 - start, 0
-    while accepted < len(proposals):
-        if sampling.choose(logits[first + accepted], len(seq) + accepted) != proposals[accepted]:
-            break
+    while accepted < len(proposals) and proposals[accepted] == sampling.choose(
+            logits[first + accepted], len(seq) + accepted + judge_at):
         accepted += 1
-    token = sampling.choose(logits[first + accepted], len(seq) + accepted)
+    token = sampling.choose(logits[first + accepted], len(seq) + accepted + own_at)
     seq.extend(proposals[:accepted] + [token])
-    cache.crop(len(seq) - 1)
+    if crop_after:
+        cache.crop(min(cache.get_seq_length(), len(seq) - 1))
     return accepted
-
-
-def window_keeps_padding(model, seq, proposals, cache, sampling, start, window):
-    """Forgets the final rollback: the padding rows' K/V stay in the cache."""
-    rows = seq[start:] + proposals
-    cache.crop(min(cache.get_seq_length(), start))
-    logits = model(torch.tensor([rows + [0] * (window - len(rows))]), cache=cache)[0]
-    first, accepted = len(seq) - 1 - start, 0
-    while accepted < len(proposals):
-        if sampling.choose(logits[first + accepted], len(seq) + accepted) != proposals[accepted]:
-            break
-        accepted += 1
-    seq.extend(proposals[:accepted] + [sampling.choose(logits[first + accepted],
-                                                       len(seq) + accepted)])
-    return accepted
-
-
-def window_by_the_engine(model, seq, proposals, cache, sampling, start, window):
-    return ch05._engine_window(model, seq, proposals, cache, sampling, start, window)
 
 
 WINDOW_WRONG = [
     (ch05.verify_window_buggy, "verify_window_buggy unchanged"),
-    (window_fixes_judging_only, "the verifier's own token wrong"),
-    (window_without_crop_first, "replay the window's rows in ONE pass"),
-    (window_keeps_padding, "the cache wrong"),
-    (window_by_the_engine, "called minikv's own"),
-]
-
-
-# --- exercise 6 (design): batch-invariant kernels, or verification? -------------------------------
-
-def choose_determinism(n_det, overhead):
-    n, steps, rounds = 8, 19, 5
-    verify = steps + n_det * rounds if n_det < n else steps - rounds + n * rounds
-    return "verify" if verify <= steps * (1 + overhead) else "invariant"
-
-
-def determinism_all_add(n_det, overhead):
-    return "verify" if 19 + 5 * n_det <= 19 * (1 + overhead) else "invariant"
-
-
-def determinism_one_pass_for_all(n_det, overhead):
-    return "verify" if 19 + 5 * (n_det > 0) <= 19 * (1 + overhead) else "invariant"
-
-
-def determinism_verify_free(n_det, overhead):
-    return "verify"
-
-
-def determinism_always_invariant(n_det, overhead):
-    return "invariant"
-
-
-def determinism_overhead_on_share(n_det, overhead):
-    verify = 19 + 5 * n_det if n_det < 8 else 54
-    return "verify" if verify <= 19 * (1 + overhead * n_det / 8) else "invariant"
-
-
-def determinism_bool(n_det, overhead):
-    return choose_determinism(n_det, overhead) == "verify"
-
-
-DETERMINISM_WRONG = [
-    (determinism_all_add, "no batched pass runs at that step"),
-    (determinism_one_pass_for_all, "replayed ALONE"),
-    (determinism_verify_free, "verification is not free"),
-    (determinism_always_invariant, "nothing to verify"),
-    (determinism_overhead_on_share, "on all the traffic"),
-    (determinism_bool, 'return "verify" or "invariant"'),
+    (functools.partial(verify_window, judge_at=-1, own_at=-1), "verify_window_buggy unchanged"),
+    (functools.partial(verify_window, own_at=-1), "the verifier's own token wrong"),
+    (functools.partial(verify_window, crop_first=False), "replay the window's rows in ONE pass"),
+    (functools.partial(verify_window, crop_after=False), "the cache wrong"),  # padding's K/V kept
+    (ch05._engine_window, "called minikv's own"),
 ]
 
 
 CHECKS = {
     "choose": (ch05.check_choose, choose, CHOOSE_WRONG),
-    "invariant_split_sum": (ch05.check_invariant_split_sum, invariant_split_sum, SPLIT_SUM_WRONG),
-    "verify_schedule": (ch05.check_verify_schedule, verify_schedule, SCHEDULE_WRONG),
     "predict_server_passes": (ch05.check_predict_server_passes, predict_server_passes,
                               PREDICT_WRONG),
     "verify_window": (ch05.check_verify_window, verify_window, WINDOW_WRONG),
-    "choose_determinism": (ch05.check_choose_determinism, choose_determinism,
-                           DETERMINISM_WRONG),
 }
 
 
@@ -509,17 +263,8 @@ def test_wrong_answer_rejected_with_its_mistake_named(name, wrong, fragment):
         CHECKS[name][0](wrong)
 
 
-def test_split_kv_style_sum_really_depends_on_the_split_count():
-    """The lesson's premise: cutting into n_splits pieces changes the bits of a float32 sum."""
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(1000, generator=g) * 10 ** (torch.rand(1000, generator=g) * 6 - 3)
-    assert len({float(split_kv_style_sum(x, n)) for n in (1, 2, 3, 5, 8)}) > 1
-    assert len({float(invariant_split_sum(x, n)) for n in (1, 2, 3, 5, 8)}) == 1
-
-
 def test_the_engine_chooses_as_the_exercise_asks():
     """The solution is the engine's own SamplingParams.choose, token for token."""
-    import minikv
     for i in range(50):
         logits = ch05._logits(i, vocab=20)
         for t in (0.0, 0.7, 1.5):
@@ -527,26 +272,12 @@ def test_the_engine_chooses_as_the_exercise_asks():
             assert choose(logits, i, 3 * i, t) == want
 
 
-def test_checkers_leave_the_random_state_alone():
+def test_checkers_leave_the_random_state_alone_and_are_fast():
+    import time
     torch.manual_seed(123)
     before = torch.random.get_rng_state()
-    for checker, solution, _ in CHECKS.values():
-        checker(solution)
-    assert torch.equal(before, torch.random.get_rng_state())
-
-
-def test_checkers_are_fast():
-    import time
     for checker, solution, _ in CHECKS.values():
         start = time.perf_counter()
         checker(solution)
         assert time.perf_counter() - start < 5, checker.__name__
-
-
-def test_a_patched_checker_does_not_silence_the_check_cell(monkeypatch):
-    """An exercise cell that replaces the checker changes nothing: the check cell loads a fresh
-    copy from the package."""
-    import minikv.course.checks as checks
-    monkeypatch.setattr(ch05, "check_choose", lambda fn: print("✓ choose: all cases pass"))
-    with pytest.raises(CheckFailed):
-        checks.fresh("ch05").check_choose(choose_global_rng)
+    assert torch.equal(before, torch.random.get_rng_state())

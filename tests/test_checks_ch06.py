@@ -867,15 +867,6 @@ def test_a_patched_checker_does_not_silence_the_check_cell(monkeypatch):
         checks.fresh("ch06").check_reserve(reserve_no_copy)
 
 
-@pytest.mark.parametrize("cls, method", [(BlockPool, "allocate"), (PagedCache, "reserve"),
-                                         (minikv.engine.serving._Server, "shared_prefix")])
-def test_a_replaced_engine_method_is_refused(monkeypatch, cls, method):
-    """A method replaced in the notebook would change the reference the checkers compare with."""
-    monkeypatch.setattr(cls, method, lambda self, *args: None)
-    with pytest.raises(CheckFailed, match=f"{cls.__name__}.{method} is not the packaged one"):
-        ch06.check_reserve(reserve)
-
-
 def test_check_cells_are_two_lines_after_their_exercise():
     cells = solution_check_cells("06_many_requests.ipynb", "ch06")
     for before, _, _, passed in cells:

@@ -2,23 +2,45 @@
 
 A checker runs the learner's function on small cases, compares with the engine (or with a known
 answer), and on the first wrong case raises CheckFailed naming the input, what was expected, what
-came back and, for the usual mistakes, which mistake it is. On success it prints one line.
+came back and, for a usual mistake, which mistake it is (`hint:`). On success it prints one line,
+"✓ name: all N cases pass". Every checker leaves the caller's random state alone. A check cell
+reads `importlib.reload(checks).fresh("chNN").check_x(fn)`: `fresh` runs a new copy of the
+chapter's module, so a checker patched in an exercise cell is not the one that runs.
 
-A check cell cannot be silenced from an exercise cell: it reloads this package and runs a fresh
-copy of its chapter's checker, loaded from the package's own file (`fresh`), so a checker patched
-in an earlier cell is not the one that runs; and it refuses to run when the engine functions the
-checkers compare with were replaced in the notebook (`engine_is_pristine`; every checker runs
-through `guarded`, which also refuses replaced engine methods and leaves the random state alone).
+The recipe, for writing or converting a chapter's checkers (chapter 05 is the model):
+1. An exercise whose function returns a value is an `Exercise`, data rather than code:
+       SCHEDULE = Exercise(
+           "verify_schedule", cases=[(10, 4), (9, 4), ...],   # the learner's arguments
+           describe=lambda n, window: f"max_new_tokens={n}, window={window}",
+           reference=served_schedule,    # the right answer, measured by the engine where it can
+           returns=pass_list,            # the contract: the answer coerced, or Refused(hint)
+           mistakes={"this is what you get when you forget the prefill: ...":
+                     lambda n, window: schedule(n + 1, window), ...},
+           otherwise="the prefill gives T₀; ...", forbid=(serve,), solution=schedule)
+       check_verify_schedule = SCHEDULE.check
+   Write each usual mistake ONCE, as a wrong implementation with the learner's signature, under
+   its hint as students read it (keep today's hints word for word): the checker runs it to name
+   the mistake behind wrong answers, and tests/test_checks_table.py feeds it to the checker and
+   expects exactly its hint back, so the cases must tell the mistakes apart.
+2. List the module's exercises in `EXERCISES` (the generic test finds them there) and delete
+   their mutants from tests/test_checks_chNN.py, except the few a table cannot state: wrong
+   types, crashes, inputs changed in place, two mistakes at once.
+3. An exercise that drives a model or a stateful object stays code, built from the same pieces
+   (`call`, `fail`/`expect`, `diagnose`, `kind`, `forbid`, `prediction`, `guarded`); its mutants
+   stay in tests/test_checks_chNN.py.
 """
 from __future__ import annotations
 
-import ast
 import contextlib
+import copy
 import functools
 import importlib.util
 import inspect
+import operator
 import random
 import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,7 +50,6 @@ import minikv
 from ...engine import GPT, GPTConfig
 
 HERE = Path(__file__).resolve().parent
-ENGINE_DIR = HERE.parent.parent / "engine"
 CHAPTERS = ("ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07")
 
 
@@ -104,99 +125,54 @@ def tiny_model(seed: int, std: float = 0.1, **config_overrides) -> GPT:
     return model
 
 
-# --- integrity: the checker that runs is the packaged one ---------------------------------------
+# --- how every check runs --------------------------------------------------------------------
 
-def _defined_in_engine(obj, name: str) -> bool:
-    """Is `obj` the function or class `name` as the engine folder's source defines it?"""
-    if isinstance(obj, type):
-        module = sys.modules.get(obj.__module__)
-        file = getattr(module, "__file__", None)
-        return (obj.__name__ == name and file is not None
-                and Path(file).resolve().parent == ENGINE_DIR and getattr(module, name) is obj)
-    code = getattr(obj, "__code__", None)
-    return (code is not None and code.co_name == name
-            and Path(code.co_filename).resolve().parent == ENGINE_DIR)
-
-
-def engine_is_pristine() -> None:
-    """Raise unless every function and class the engine defines, wherever it is reachable
-    (minikv.X, minikv.engine.X, minikv.engine.module.X), is the one in the package's files: a
-    checker compares with them, so replacing one (say minikv.generate) could make any answer
-    look right."""
-    defined = {}
-    for path in ENGINE_DIR.glob("*.py"):
-        tree = ast.parse(path.read_text())
-        names = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
-        defined[f"minikv.engine.{path.stem}"] = names
-    public = [n for n in minikv.engine.__all__ if any(n in names for names in defined.values())]
-    places = [(minikv, public), (minikv.engine, public)]
-    places += [(sys.modules[m], names) for m, names in defined.items() if m in sys.modules]
-    for module, names in places:
-        for name in names:
-            if hasattr(module, name) and not _defined_in_engine(getattr(module, name), name):
+def fresh(chapter: str):
+    """A new copy of checks/<chapter>.py, loaded from its file: the checker the check cell runs,
+    not one an exercise cell may have patched. Refused while a public engine function or class,
+    which the checkers compare with, was replaced in the notebook (minikv.generate = ...)."""
+    for module in (minikv, minikv.engine):
+        for name in minikv.engine.__all__:
+            obj = getattr(module, name, None)
+            ours = not callable(obj) or getattr(obj, "__module__", "").startswith("minikv.engine.")
+            if not ours:
                 raise CheckFailed(f"{module.__name__}.{name} is not the packaged one (it was "
                                   f"replaced in this notebook): restart the kernel and run the "
                                   f"notebook from the top")
+    spec = importlib.util.spec_from_file_location(f"{__name__}.{chapter}", HERE / f"{chapter}.py")
+    checker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(checker)  # not placed in sys.modules: nobody else holds this copy
+    return checker
 
 
-def engine_methods_are_pristine() -> None:
-    """Raise unless every method of every class the engine defines (BlockPool.allocate,
-    PagedCache.reserve, KVCache.crop, ...) is the one in the engine's files: `fresh` checks the
-    engine's functions and classes, but a method replaced in the notebook could change the
-    reference a checker compares with, and make a wrong answer look right."""
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("minikv.engine.") or module is None:
-            continue
-        for cls in [v for v in vars(module).values()
-                    if isinstance(v, type) and v.__module__ == name]:
-            for attr, value in vars(cls).items():
-                if attr.startswith("__"):
-                    continue  # dataclasses write __init__, __eq__, ... themselves
-                parts = [value.fget, value.fset] if isinstance(value, property) else [value]
-                for part in parts:
-                    function = inspect.unwrap(getattr(part, "__func__", part))  # decorated too
-                    code = getattr(function, "__code__", None)
-                    if code is not None and Path(code.co_filename).resolve().parent != ENGINE_DIR:
-                        raise CheckFailed(f"{name}.{cls.__name__}.{attr} is not the packaged one "
-                                          f"(it was replaced in this notebook): restart the "
-                                          f"kernel and run the notebook from the top")
+@contextlib.contextmanager
+def _one_thread():
+    """Tiny models decode fastest on one thread, and stay fast when other work shares the CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def guarded(check):
-    """How every checker runs: first refuse an engine whose methods were replaced in the notebook
-    (the references are computed with them), then run under torch.random.fork_rng, so that neither
-    the checker nor the learner's code it calls changes the notebook's random state."""
+    """Run a checker under torch.random.fork_rng: neither the checker nor the learner's code it
+    calls changes the notebook's random state."""
     @functools.wraps(check)
     def run(*args, **kwargs):
-        engine_methods_are_pristine()
         with torch.random.fork_rng(devices=[]):
             return check(*args, **kwargs)
     return run
 
 
 def one_thread(check):
-    """Tiny models decode fastest on one thread, and stay fast when other work shares the CPU."""
+    """Run a checker on one thread (see _one_thread)."""
     @functools.wraps(check)
     def run(*args, **kwargs):
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with _one_thread():
             return check(*args, **kwargs)
-        finally:
-            torch.set_num_threads(threads)
     return run
-
-
-def fresh(chapter: str):
-    """A new copy of checks/<chapter>.py, loaded from the package's file (not the module this
-    notebook may have imported, and perhaps patched), after checking the engine is untouched."""
-    if chapter not in CHAPTERS:
-        raise ValueError(f"unknown chapter {chapter!r}; one of {CHAPTERS}")
-    engine_is_pristine()
-    spec = importlib.util.spec_from_file_location(f"{__name__}.{chapter}", HERE / f"{chapter}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # not placed in sys.modules: nobody else holds this copy
-    return module
 
 
 # --- what learners' functions must not do, and what they must return ----------------------------
@@ -206,6 +182,9 @@ def forbid(exercise: str, *engine_functions):
     """While the learner's function runs, calling one of these engine functions fails the check,
     however it was reached (minikv.generate, a name imported earlier, a method): the exercise asks
     you to write it, not to call it. Watched with sys.setprofile, so no reference can dodge it."""
+    if not engine_functions:
+        yield
+        return
     codes = {f.__code__: f"{f.__module__}.{f.__qualname__}" for f in engine_functions}
     called = []
 
@@ -292,3 +271,168 @@ def same_cache_prefix(before: tuple, cache, keep: int) -> bool:
     _, tensors = before
     return all(torch.equal(a[:, :, :keep], b[:, :, :keep])
                for a, b in zip(tensors, cache.keys + cache.values))
+
+
+# --- exercises that return a value, checked from data (the recipe above) -------------------------
+
+def kind(value) -> str:
+    """What `value` is, for messages: 'a float', 'an int', 'a numpy.ndarray', 'None', 'a tensor
+    of shape (2, 3), torch.float32'."""
+    if value is None:
+        return "None"
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}, {value.dtype}"
+    name = f"{type(value).__module__}.{type(value).__name__}".replace("builtins.", "")
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+class Refused(Exception):
+    """A return contract's refusal: the answer is not of the form the exercise asks for. `hint`
+    says what to return; `expected` is what the message shows as expected (else the answer)."""
+
+    def __init__(self, hint: str, expected=None):
+        super().__init__(hint)
+        self.hint, self.expected = hint, expected
+
+
+def _as_is(got, *case):
+    return got
+
+
+def integer(hint: str = "return one Python int", float_hint: str = ""):
+    """The contract "one int" (Python, numpy or 0-d torch; not a bool, not even 25.0)."""
+    def coerce(got, *case):
+        if as_int(got) is None:
+            raise Refused(float_hint if float_hint and isinstance(got, float) else hint)
+        return as_int(got)
+    return coerce
+
+
+def ints(n: int, hint: str, float_hint: str = ""):
+    """The contract "n ints" (a list, tuple, 1-D integer tensor or array), coerced to a tuple."""
+    def coerce(got, *case):
+        values = int_list(got)
+        if values is None or len(values) != n:
+            floats = isinstance(got, (list, tuple)) and any(isinstance(v, float) for v in got)
+            raise Refused(float_hint if float_hint and floats else hint)
+        return tuple(values)
+    return coerce
+
+
+def one_of(*values, hint: str):
+    """The contract "one of these values" (of the same type: True is not 1)."""
+    def coerce(got, *case):
+        if not any(type(got) is type(v) and got == v for v in values):
+            raise Refused(hint)
+        return got
+    return coerce
+
+
+def tensor(hint: str, shape=None, dtype: torch.dtype | None = None):
+    """The contract "a torch tensor" of this dtype and shape (a tuple, or a function of the
+    case's arguments)."""
+    def coerce(got, *case):
+        want = shape(*case) if callable(shape) else shape
+        if not isinstance(got, torch.Tensor) or (dtype is not None and got.dtype != dtype) \
+                or (want is not None and tuple(got.shape) != tuple(want)):
+            words = ["a", "0-d" if want == () else "", str(dtype or "").replace("torch.", ""),
+                     "tensor", f"of shape {tuple(want)}" if want else ""]
+            raise Refused(hint, " ".join(w for w in words if w))
+        return got
+    return coerce
+
+
+def diagnose(mistakes: dict, wrong: list, returns=_as_is, same=operator.eq) -> str:
+    """The hint of the first mistake (hint -> wrong implementation) that reproduces every wrong
+    answer in `wrong` ((case, answer) pairs): seeing them all tells apart mistakes that agree on
+    one case. Else those reproducing the first wrong answer (two mistakes at once?), joined."""
+    def gives(mistake, case, got) -> bool:
+        try:
+            return bool(same(returns(mistake(*case), *case), got))
+        except Exception:  # noqa: BLE001 - a mistake that cannot run here reproduces nothing
+            return False
+    if not wrong:
+        return ""
+    for hint, mistake in mistakes.items():
+        if all(gives(mistake, case, got) for case, got in wrong):
+            return hint
+    return "; or ".join(h for h, mistake in mistakes.items() if gives(mistake, *wrong[0]))
+
+
+def _unchanged(before, after) -> bool:
+    if isinstance(before, torch.Tensor):
+        return torch.equal(before, after)
+    return before == after
+
+
+@dataclass(frozen=True, eq=False)
+class Exercise:
+    """An exercise whose function returns a value, as data: `check(fn)` calls fn(*case) for every
+    case (a crash is a failed case naming the input), coerces each answer with the contract
+    `returns(answer, *case)`, compares it with `reference(*case)` by `same`, and on the first
+    case refused, crashed, changed in place or wrong, fails with the mistake that explains the
+    wrong answers (`diagnose`), else `otherwise`; or prints "✓ name: all N cases pass"."""
+
+    name: str
+    cases: Sequence[tuple]          # the learner's arguments, one tuple per case
+    describe: Callable[..., str]    # a case in words: describe(*case)
+    reference: Callable             # the right answer, reference(*case), from the engine if it can
+    returns: Callable = _as_is      # the contract: integer(), ints(2), one_of(...), tensor(...)
+    mistakes: dict = field(default_factory=dict)  # hint -> wrong implementation, same signature
+    otherwise: str | Callable = ""  # the hint when no mistake explains; or a function of every
+    #                                 (case, answer) pair that returns it
+    forbid: tuple = ()              # engine functions the learner's function must not call
+    same: Callable = operator.eq    # does an answer match the reference? (torch.equal, allclose)
+    show: Callable = _as_is         # a value as the message shows it
+    explain: Callable | None = None  # words after the expected value: explain(*case)
+    unchanged: str = ""             # if set, fn gets copies, and this hint when it changes one
+    raised: str = "your function raised on this input"
+    solution: Callable | None = None  # a right answer in the learner's form, for the tests, when
+    #                                   the reference calls a function that `forbid` forbids
+
+    def check(self, fn) -> None:
+        with torch.random.fork_rng(devices=[]), _one_thread():
+            runs = [self._run(fn, case) for case in self.cases]
+            wants = self._wants
+            wrong = [(case, got) for case, (got, refused), want in zip(self.cases, runs, wants)
+                     if refused is None and not self.same(got, want)]
+            for case, (got, refused), want in zip(self.cases, runs, wants):
+                if refused is not None:
+                    shown, answer, hint = refused
+                    fail(self.name, self.describe(*case), shown or self.show(want), answer, hint)
+                expected = self.show(want)
+                if self.explain is not None:
+                    expected = f"{expected!r}: {self.explain(*case)}"
+                if not self.same(got, want):
+                    hint = diagnose(self.mistakes, wrong, self.returns, self.same)
+                    if not hint and callable(self.otherwise):
+                        hint = self.otherwise([(c, g) for c, (g, r) in zip(self.cases, runs)
+                                               if r is None])
+                    fail(self.name, self.describe(*case), expected, self.show(got),
+                         hint or self.otherwise)
+        passed(self.name, len(self.cases))
+
+    @functools.cached_property
+    def _wants(self) -> list:
+        return [self.reference(*case) for case in self.cases]
+
+    def _run(self, fn, case: tuple):
+        """(the answer coerced, None), or (None, (expected, answer, hint) to fail with)."""
+        given = copy.deepcopy(case) if self.unchanged else case
+        try:
+            with forbid(self.name, *self.forbid):
+                got = fn(*given)
+        except (NotImplementedError, CheckFailed):
+            raise
+        except Exception as e:  # noqa: BLE001 - any crash is a wrong answer for this case
+            return None, ("a result", f"{type(e).__name__}: {e}", self.raised)
+        try:
+            value = self.returns(got, *case)
+        except Refused as r:
+            return None, (r.expected, got, r.hint + (" (did you forget to return it?)"
+                                                     if got is None else ""))
+        names = inspect.signature(self.reference).parameters if self.unchanged else ()
+        for name, before, after in zip(names, case, given):
+            if not _unchanged(before, after):
+                return None, (f"{name} left as it was", f"{name} changed", self.unchanged)
+        return value, None

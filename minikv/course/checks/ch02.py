@@ -37,6 +37,7 @@ from . import (
     CheckFailed,
     as_int,
     call_hinted,
+    diagnose,
     expect,
     fail,
     forbid,
@@ -61,15 +62,6 @@ def _what(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}, {value.dtype}"
     return f"{type(value).__name__} {value!r:.80}"
-
-
-def _diagnose(wrong: list[tuple[tuple, object]], mistakes) -> str:
-    """The hint of the first classic mistake that reproduces every wrong answer the learner gave
-    ((arguments, answer) pairs): looking at all of them tells apart mistakes that agree on one."""
-    for mistake, hint in mistakes:
-        if all(mistake(*args) == got for args, got in wrong):
-            return hint
-    return ""
 
 
 # --- exercise 1: cache bytes ----------------------------------------------------------------------
@@ -137,7 +129,7 @@ def check_cache_bytes(cache_bytes) -> None:
                     if isinstance(got, float) else "return one Python int")
             fail(name, case, want, _what(got), hint)
         if value != want:
-            fail(name, case, want, value, _diagnose(wrong, _bytes_mistakes())
+            fail(name, case, want, value, diagnose({h: m for m, h in _bytes_mistakes()}, wrong)
                  or "count what the cache holds: in every layer, for every sequence of the batch "
                     "and every cached position, a key and a value per cached head, each "
                     "head_dim numbers of bytes_per_value bytes")
@@ -205,7 +197,8 @@ def check_kv_work(kv_work) -> None:
                     if floats else "return a pair (naive, cached) of two ints")
             fail(name, case, want, _what(got), hint)
         if tuple(pair) != want:
-            fail(name, case, want, tuple(pair), _diagnose(wrong, _KV_WORK_MISTAKES)
+            fail(name, case, want, tuple(pair),
+                 diagnose({h: m for m, h in _KV_WORK_MISTAKES}, wrong)
                  or "naive: step i feeds the prompt plus the i tokens made so far; cached: the "
                     "prompt once, then one token per later step; the last new token is never fed")
     passed(name, len(cases))

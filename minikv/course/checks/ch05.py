@@ -8,23 +8,25 @@ shape).
   products, small multipliers); the argmax at temperature 0; and distributed as
   softmax(logits / temperature) over many seeds (a chi-square test with a generous threshold). A
   Python int.
-- invariant_split_sum: the same float32 bits for every split count, and the fixed chunked
-  schedule's bits.
-- verify_schedule: the verifier passes of a request with no rollback, (first token replayed,
-  proposals judged) each, against real `serve` traces on a tiny random model.
+- invariant_split_sum (a table): the same float32 bits for every split count, and the fixed
+  chunked schedule's.
+- verify_schedule (a table): the verifier passes of a request with no rollback, (first token
+  replayed, proposals judged) each, against real `serve` traces on a tiny random model.
 - predict_server_passes (predict, then measure): the server's forward passes for 4 requests with
   0, 1 and 4 of them deterministic, against what serve() runs.
 - verify_window (debug): one verifier window, against the engine's verify_and_commit with
   accept_matching on the same request (greedy and sampled, full and corrupted proposals): the
   committed tokens, the count, the cache's length and K/V; the buggy version must not come back.
-- choose_determinism (design): batch-invariant kernels or verification, for n of 8 requests and
-  a given overhead, priced in forward passes, the verifying server's measured with serve().
+- choose_determinism (design, a table): batch-invariant kernels or verification, for n of 8
+  requests and a given overhead, priced in forward passes, the verifying server's measured with
+  serve().
 
 Each usual mistake is recognised by computing what it would give, and named in the hint. Everything
 runs on the CPU in about a second and leaves the caller's random state alone.
 """
 from __future__ import annotations
 
+import functools
 import math
 from functools import partial
 
@@ -33,40 +35,32 @@ import torch
 from ...engine import GPT, KVCache, Request, SamplingParams, serve
 from ...engine.verify import accept_matching, verify_and_commit
 from . import (
-    CheckFailed,
+    Exercise,
+    Refused,
     as_int,
     call,
+    call_hinted,
+    diagnose,
     expect,
     fail,
     forbid,
     guarded,
+    int_list,
+    kind,
+    one_of,
     one_thread,
     passed,
     prediction,
+    tensor,
     tiny_model,
 )
 
-_MODELS: dict[str, GPT] = {}
 
-
+@functools.cache
 def _tiny() -> GPT:
     """A small random GPT on the CPU whose greedy output wanders, built once, without touching the
     caller's RNG."""
-    if "tiny" not in _MODELS:
-        _MODELS["tiny"] = tiny_model(0)
-    return _MODELS["tiny"]
-
-
-
-
-def _kind(value) -> str:
-    return f"{type(value).__module__}.{type(value).__name__}".replace("builtins.", "")
-
-
-def _a(value) -> str:
-    """'a float', 'an int', 'a numpy.ndarray': the type of `value` with its article."""
-    kind = _kind(value)
-    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
+    return tiny_model(0)
 
 
 # --- exercise 1: the same request draws the same tokens wherever it runs --------------------------
@@ -103,21 +97,15 @@ class _Chooser:
     the logits left as they were, the global RNG untouched."""
 
     def __init__(self, name: str, choose):
-        self.name, self.choose, self.calls = name, choose, 0
+        self.name, self.choose = name, choose
 
-    def __call__(self, logits, seed, position, temperature, case=None) -> int:
-        case = case or (f"logits of {logits.numel()} tokens, seed={seed}, position={position}, "
-                        f"temperature={temperature}")
+    def __call__(self, logits, seed, position, temperature) -> int:
+        case = (f"logits of {logits.numel()} tokens, seed={seed}, position={position}, "
+                f"temperature={temperature}")
         given = logits.clone()
         state = torch.random.get_rng_state()
-        try:
-            got = self.choose(given, seed, position, temperature)
-        except (NotImplementedError, CheckFailed):
-            raise
-        except Exception as e:  # noqa: BLE001 - any crash is a wrong answer for this case
-            fail(self.name, case, "a token id", f"{type(e).__name__}: {e}",
-                 _choose_crash_hint(temperature)(e))
-        self.calls += 1
+        got = call_hinted(self.name, case, _choose_crash_hint(temperature), self.choose, given,
+                          seed, position, temperature)
         if not torch.equal(state, torch.random.get_rng_state()):
             fail(self.name, case, "the global RNG left alone", "the global RNG moved", GLOBAL_RNG)
         if not torch.equal(given, logits):
@@ -125,8 +113,8 @@ class _Chooser:
                  "this is what you get with an in-place operation (logits /= temperature, "
                  "div_): it changes the caller's logits; compute a new tensor")
         if isinstance(got, bool) or not isinstance(got, int):
-            fail(self.name, case, "a Python int", f"{got!r} ({_kind(got)})",
-                 f"return the token id as a Python int (int(...)), not {_a(got)}")
+            fail(self.name, case, "a Python int", f"{got!r} ({kind(got)})",
+                 f"return the token id as a Python int (int(...)), not {kind(got)}")
         if not 0 <= got < logits.numel():
             fail(self.name, case, f"a token id in 0..{logits.numel() - 1}", got,
                  "return an index into the logits")
@@ -284,97 +272,89 @@ def check_choose(choose) -> None:
 
 # --- exercise 2: a batch-invariant sum ------------------------------------------------------------
 
-def _fixed_schedule_sum(x: torch.Tensor, chunk: int) -> torch.Tensor:
-    """The one schedule: chunk sums x[i:i+chunk].sum(), added left to right."""
-    sums = [x[i:i + chunk].sum() for i in range(0, x.numel(), chunk)]
+def _chunk_sums(x: torch.Tensor, chunk: int) -> list[torch.Tensor]:
+    return [x[i:i + chunk].sum() for i in range(0, x.numel(), chunk)]
+
+
+def _one_by_one(sums: list[torch.Tensor]) -> torch.Tensor:
     total = sums[0]
     for s in sums[1:]:
         total = total + s
     return total
 
 
-def _split_sum_mistakes(x: torch.Tensor, n_splits: int, chunk: int) -> list[tuple[float, str]]:
-    """The bits the usual wrong schedules give, each with the mistake that gives it."""
-    n = x.numel()
-    size = math.ceil(n / n_splits)
-    equal_pieces = torch.zeros((), dtype=x.dtype)
-    for w in range(n_splits):
-        equal_pieces = equal_pieces + x[w * size:(w + 1) * size].sum()
-    chunk_sums = [x[i:i + chunk].sum() for i in range(0, n, chunk)]
-    per_worker = math.ceil(len(chunk_sums) / n_splits)
-    worker_totals = [sum(chunk_sums[w * per_worker:(w + 1) * per_worker], torch.zeros(()))
-                     for w in range(n_splits) if chunk_sums[w * per_worker:(w + 1) * per_worker]]
-    totals = worker_totals[0]
-    for t in worker_totals[1:]:
-        totals = totals + t
-    full = n // chunk * chunk
-    mistakes = [
-        (totals, "this is what you get when each worker returns the total of its chunks: how "
-                 "the chunk sums are grouped then follows n_splits; workers return their chunk "
-                 "sums, and the merge adds them one by one"),
-        (torch.stack(chunk_sums).sum(), "this is what you get when you merge with "
-                                        "torch.stack(...).sum(): torch adds in its own order; add "
-                                        "the chunk sums one by one, from left to right"),
-        (x.sum(), "this is what you get with x.sum(): its bits do not depend on n_splits here, "
-                  "but it is torch's own order (it may change with the length, the CPU or the "
-                  "threads), not the fixed schedule"),
-    ]
-    if n_splits > 1:  # in one piece it is x.sum(), named above
-        mistakes.insert(0, (equal_pieces, "this is what you get when you cut x into n_splits "
-                                          "equal pieces, as split-KV attention does: the pieces, "
-                                          "and so the order of the additions, follow n_splits; "
-                                          "fix the chunk SIZE instead"))
-    if full < n:
-        mistakes.append((_fixed_schedule_sum(x[:full], chunk) if full else torch.zeros(()),
-                         "this is what you get when you drop the last, shorter chunk: every "
-                         "element is summed once"))
-    return [(float(v), h) for v, h in mistakes]
+def fixed_schedule_sum(x: torch.Tensor, n_splits: int, chunk: int) -> torch.Tensor:
+    """The one schedule, whatever n_splits: chunk sums x[i:i+chunk].sum(), added left to right."""
+    return _one_by_one(_chunk_sums(x, chunk))
 
 
-@guarded
-def check_invariant_split_sum(invariant_split_sum) -> None:
-    """invariant_split_sum(x, n_splits, chunk) is the same float32 bits for every n_splits, and the
-    fixed schedule's."""
-    name = "invariant_split_sum"
+def _equal_pieces(x: torch.Tensor, n_splits: int, chunk: int) -> torch.Tensor:
+    size = math.ceil(x.numel() / n_splits)
+    return _one_by_one([torch.zeros(())] + [x[w * size:(w + 1) * size].sum()
+                                            for w in range(n_splits)])
+
+
+def _worker_totals(x: torch.Tensor, n_splits: int, chunk: int) -> torch.Tensor:
+    sums = _chunk_sums(x, chunk)
+    per = math.ceil(len(sums) / n_splits)
+    return _one_by_one([sum(sums[w * per:(w + 1) * per], torch.zeros(()))
+                        for w in range(n_splits) if sums[w * per:(w + 1) * per]])
+
+
+def _drops_last_chunk(x: torch.Tensor, n_splits: int, chunk: int) -> torch.Tensor:
+    full = x.numel() // chunk * chunk
+    return fixed_schedule_sum(x[:full], n_splits, chunk) if full else torch.zeros(())
+
+
+def _split_sum_otherwise(answers) -> str:
+    """The hint when no usual mistake explains the sums: do they change with n_splits?"""
+    bits: dict[int, set] = {}
+    for (x, _, _), got in answers:
+        bits.setdefault(id(x), set()).add(got.view(torch.int32).item())
+    if any(len(values) > 1 for values in bits.values()):
+        return ("your result depends on the number of splits: fix the chunk size, never the chunk "
+                "count, and merge the chunk sums in one fixed order")
+    return ("the fixed schedule: chunk sums x[i:i+chunk].sum() for i = 0, chunk, 2*chunk, ..., "
+            "added one by one from left to right")
+
+
+def _vectors() -> list[tuple[torch.Tensor, int]]:
+    """(x, chunk): magnitudes from 1e-3 to 1e3, so the summation order shows in the last bits."""
     g = torch.Generator().manual_seed(0)
-    vectors = []
-    for n, chunk in [(1, 16), (15, 16), (16, 16), (17, 16), (100, 16), (257, 16), (1000, 16),
-                     (4096, 16), (103, 5)]:
-        # magnitudes from 1e-3 to 1e3: the summation order shows in the last bits
-        x = torch.randn(n, generator=g) * 10 ** (torch.rand(n, generator=g) * 6 - 3)
-        vectors.append((x.float(), chunk))
-    splits = [1, 2, 3, 4, 7, 8, 13, 64]
-    n_cases = 0
-    for x, chunk in vectors:
-        want = _fixed_schedule_sum(x, chunk)
-        first = None
-        for n_splits in splits:
-            case = f"x of {x.numel()} float32 values, chunk={chunk}, n_splits={n_splits}"
-            given = x.clone()
-            got = call(name, case, invariant_split_sum, given, n_splits, chunk)
-            if not (isinstance(got, torch.Tensor) and got.dim() == 0
-                    and got.dtype == torch.float32):
-                shape = (f"a {got.dtype} tensor of shape {tuple(got.shape)}"
-                         if isinstance(got, torch.Tensor) else f"a {_kind(got)}")
-                fail(name, case, "a 0-d float32 tensor", f"{got!r} ({shape})",
-                     "return the sum as a 0-d float32 tensor, as the chunks' .sum() gives it "
-                     "(no float(), no .item(), no float64)")
-            if not torch.equal(given, x):
-                fail(name, case, "x left as it was", "x changed",
-                     "this is what you get with in-place operations on x; compute new tensors")
-            if not torch.equal(got, want):
-                hints = dict.fromkeys(h for v, h in _split_sum_mistakes(x, n_splits, chunk)
-                                      if v == float(got) and v != float(want))
-                if not hints and first is not None and not torch.equal(got, first):
-                    hints = {"your result depends on the number of splits: fix the chunk size, "
-                             "never the chunk count, and merge the chunk sums in one fixed "
-                             "order": None}
-                fail(name, case, float(want), float(got), "; or ".join(hints) or
-                     "the fixed schedule: chunk sums x[i:i+chunk].sum() for i = 0, chunk, "
-                     "2*chunk, ..., added one by one from left to right")
-            first = got if first is None else first
-            n_cases += 1
-    passed(name, n_cases)
+    return [(torch.randn(n, generator=g) * 10 ** (torch.rand(n, generator=g) * 6 - 3), chunk)
+            for n, chunk in [(1, 16), (15, 16), (16, 16), (17, 16), (100, 16), (257, 16),
+                             (1000, 16), (4096, 16), (103, 5)]]
+
+
+SPLIT_SUM = Exercise(
+    "invariant_split_sum",
+    cases=[(x, n_splits, chunk) for x, chunk in _vectors()
+           for n_splits in (1, 2, 3, 4, 7, 8, 13, 64)],
+    describe=lambda x, n_splits, chunk: (f"x of {x.numel()} float32 values, chunk={chunk}, "
+                                         f"n_splits={n_splits}"),
+    reference=fixed_schedule_sum,
+    returns=tensor("return the sum as a 0-d float32 tensor, as the chunks' .sum() gives it (no "
+                   "float(), no .item(), no float64)", shape=(), dtype=torch.float32),
+    same=torch.equal, show=float,
+    unchanged="this is what you get with in-place operations on x; compute new tensors",
+    mistakes={
+        "this is what you get when you cut x into n_splits equal pieces, as split-KV attention "
+        "does: the pieces, and so the order of the additions, follow n_splits; fix the chunk "
+        "SIZE instead": _equal_pieces,
+        "this is what you get when each worker returns the total of its chunks: how the chunk "
+        "sums are grouped then follows n_splits; workers return their chunk sums, and the merge "
+        "adds them one by one": _worker_totals,
+        "this is what you get when you merge with torch.stack(...).sum(): torch adds in its own "
+        "order; add the chunk sums one by one, from left to right":
+            lambda x, n_splits, chunk: torch.stack(_chunk_sums(x, chunk)).sum(),
+        "this is what you get with x.sum(): its bits do not depend on n_splits here, but it is "
+        "torch's own order (it may change with the length, the CPU or the threads), not the "
+        "fixed schedule": lambda x, n_splits, chunk: x.sum(),
+        "this is what you get when you drop the last, shorter chunk: every element is summed "
+        "once": _drops_last_chunk,
+    },
+    otherwise=_split_sum_otherwise)
+check_invariant_split_sum = SPLIT_SUM.check
 
 
 # --- exercise 3: the verifier's schedule ----------------------------------------------------------
@@ -391,140 +371,107 @@ def reference_schedule(n: int, window: int) -> list[tuple[int, int]]:
     return passes
 
 
-def engine_schedule(out, prompt_len: int) -> list[tuple[int, int]]:
-    """The verifier passes a served request's trace records, as (first, proposals)."""
-    return [(e.cache_len_before - prompt_len, len(e.input_ids))
-            for e in out.trace if e.kind == "verify"]
-
-
-def _schedule_mistakes(n: int, window: int) -> list[tuple[list[tuple[int, int]], str]]:
-    right = reference_schedule(n, window)
-    full = [(f, window - 1) for f, _ in right]
-    return [
-        (full, "this is what you get when every pass judges window - 1 proposals: the last may "
-               "judge fewer, as the request stops at max_new_tokens (the pass's own token is "
-               "the last one)"),
-        ([p for p in right if p[1] == window - 1],
-         "this is what you get when you leave out the last, partial window: the tokens after the "
-         "last full window still need a verifier pass (round the count up, not down)"),
-        (reference_schedule(n + 1, window),
-         "this is what you get when you forget the prefill: it gives T₀ by itself, so the "
-         "windows cover the other max_new_tokens - 1 tokens only"),
-        ([(f + 1, k) for f, k in right],
-         "`first` is the token the pass replays first: the last committed token (T₀ for the "
-         "first pass), not the first proposal"),
-        ([(f, k + 1) for f, k in right],
-         "this counts the pass's own token as a proposal: a pass of `window` rows replays one "
-         "committed token and judges window - 1 proposals, then adds its own token"),
-        (_windows_of(n, window + 1),
-         "this is what you get with window proposals per pass: a pass has `window` rows, the "
-         "first being the last committed token"),
-    ]
-
-
-def _windows_of(n: int, rows: int) -> list[tuple[int, int]]:
-    return reference_schedule(n, rows)
-
-
-def _pairs(value):
-    """`value` as a list of (int, int), else None."""
-    if type(value).__module__ == "numpy" or isinstance(value, torch.Tensor):
-        value = value.tolist() if getattr(value, "ndim", value.dim() if isinstance(
-            value, torch.Tensor) else 0) == 2 else None
-    if not isinstance(value, (list, tuple)):
-        return None
-    out = []
-    for item in value:
-        pair = tuple(as_int(v) for v in item) if isinstance(item, (list, tuple)) else None
-        if pair is None or len(pair) != 2 or None in pair:
-            return None
-        out.append(pair)
-    return out
-
-
-@one_thread
-@guarded
-def check_verify_schedule(verify_schedule) -> None:
-    """verify_schedule(max_new_tokens, window) -> [(first, proposals), ...]: the verifier passes
-    of a deterministic request with no rollback, against real serve() traces."""
-    name = "verify_schedule"
-    model = _tiny()
-    others = [Request([11, 12, 13], 9, temperature=1.0, seed=1),
-              Request([20, 21], 25, temperature=1.0, seed=2)]
-    # (10, 4) first: it tells most of the usual mistakes apart; max_new_tokens = 1 is left out
-    cases = [(10, 4), (9, 4), (30, 4), (2, 4), (4, 4), (5, 4), (6, 4), (13, 4), (10, 1), (7, 2),
-             (2, 1), (8, 3), (20, 8), (5, 16), (33, 16)]
+def served_schedule(n: int, window: int) -> list[tuple[int, int]]:
+    """The verifier passes that serve() runs for a deterministic request of n new tokens, served
+    with two sampled ones, as its trace records them: (first, proposals)."""
     prompt = [1, 2, 3, 4]
-    for n, window in cases:
-        with torch.inference_mode():
-            out = serve(model, [Request(prompt, n, deterministic=True)] + others,
-                        window=window, trace=True)[0]
-        assert out.stats.rollbacks == 0, "checker case with a rollback: the schedule has none"
-        want = engine_schedule(out, len(prompt))
-        assert want == reference_schedule(n, window), (n, window)
-        case = f"max_new_tokens={n}, window={window}"
-        with forbid(name, serve):
-            got = call(name, case, verify_schedule, n, window)
-        passes = _pairs(got)
-        if passes is None:
-            counts = isinstance(got, (tuple, list)) and len(got) == 2 and all(
-                as_int(v) is not None for v in got)
-            fail(name, case, want, got,
-                 "return the list of passes, one (first, proposals) pair each, not the counts"
-                 if counts else "return a list of (first, proposals) pairs of ints"
-                 + (" (did you forget to return it?)" if got is None else ""))
-        if passes != want:
-            hints = dict.fromkeys(h for wrong, h in _schedule_mistakes(n, window)
-                                  if wrong == passes and wrong != want)
-            fail(name, case, want, passes, "; or ".join(hints) or
-                 "the prefill gives T₀; each pass replays the last committed token, judges the "
-                 "fast path's proposals after it (window - 1 at most, fewer if the budget ends "
-                 "first) and adds its own token; the next pass starts at that token")
-    passed(name, len(cases))
+    requests = [Request(prompt, n, deterministic=True),
+                Request([11, 12, 13], 9, temperature=1.0, seed=1),
+                Request([20, 21], 25, temperature=1.0, seed=2)]
+    with torch.inference_mode():
+        out = serve(_tiny(), requests, window=window, trace=True)[0]
+    assert out.stats.rollbacks == 0, "checker case with a rollback: the schedule has none"
+    passes = [(e.cache_len_before - len(prompt), len(e.input_ids))
+              for e in out.trace if e.kind == "verify"]
+    assert passes == reference_schedule(n, window), (n, window)
+    return passes
+
+
+def _pass_list(got, *case) -> list[tuple[int, int]]:
+    """The contract: a list of (int, int) pairs (a 2-D array or tensor will do)."""
+    if isinstance(got, torch.Tensor) or type(got).__module__ == "numpy":
+        got = got.tolist() if got.ndim == 2 else got
+    pairs = [int_list(p) for p in got] if isinstance(got, (list, tuple)) else [None]
+    if any(p is None or len(p) != 2 for p in pairs):
+        counts = isinstance(got, (tuple, list)) and len(got) == 2 and all(
+            as_int(v) is not None for v in got)
+        raise Refused("return the list of passes, one (first, proposals) pair each, not the counts"
+                      if counts else "return a list of (first, proposals) pairs of ints")
+    return [tuple(p) for p in pairs]
+
+
+SCHEDULE = Exercise(
+    "verify_schedule",
+    # (10, 4) first: it tells most of the usual mistakes apart; max_new_tokens = 1 is left out
+    cases=[(10, 4), (9, 4), (30, 4), (2, 4), (4, 4), (5, 4), (6, 4), (13, 4), (10, 1), (7, 2),
+           (2, 1), (8, 3), (20, 8), (5, 16), (33, 16)],
+    describe=lambda n, window: f"max_new_tokens={n}, window={window}",
+    reference=served_schedule, solution=reference_schedule, returns=_pass_list, forbid=(serve,),
+    mistakes={
+        "this is what you get when every pass judges window - 1 proposals: the last may judge "
+        "fewer, as the request stops at max_new_tokens (the pass's own token is the last one)":
+            lambda n, window: [(f, window - 1) for f, _ in reference_schedule(n, window)],
+        "this is what you get when you leave out the last, partial window: the tokens after the "
+        "last full window still need a verifier pass (round the count up, not down)":
+            lambda n, window: [p for p in reference_schedule(n, window) if p[1] == window - 1],
+        "this is what you get when you forget the prefill: it gives T₀ by itself, so the windows "
+        "cover the other max_new_tokens - 1 tokens only":
+            lambda n, window: reference_schedule(n + 1, window),
+        "`first` is the token the pass replays first: the last committed token (T₀ for the first "
+        "pass), not the first proposal":
+            lambda n, window: [(f + 1, k) for f, k in reference_schedule(n, window)],
+        "this counts the pass's own token as a proposal: a pass of `window` rows replays one "
+        "committed token and judges window - 1 proposals, then adds its own token":
+            lambda n, window: [(f, k + 1) for f, k in reference_schedule(n, window)],
+        "this is what you get with window proposals per pass: a pass has `window` rows, the first "
+        "being the last committed token": lambda n, window: reference_schedule(n, window + 1),
+    },
+    otherwise="the prefill gives T₀; each pass replays the last committed token, judges the fast "
+              "path's proposals after it (window - 1 at most, fewer if the budget ends first) and "
+              "adds its own token; the next pass starts at that token")
+check_verify_schedule = SCHEDULE.check
 
 
 # --- exercise 4 (predict, then measure): what verification costs the server -----------------------
 
-SERVER_PROMPTS = [[1, 2, 3, 4, 5], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26], [40, 41]]
+SERVER_PROMPTS = ((1, 2, 3, 4, 5), (11, 12, 13), (20, 21, 22, 23, 24, 25, 26), (40, 41))
 SERVER_NEW, SERVER_WINDOW = 20, 4
 PREDICT_D = (0, 1, 4)
+STEPS = SERVER_NEW - 1                          # decode steps after the prefill
+ROUNDS = math.ceil(STEPS / SERVER_WINDOW)       # verifier windows of a deterministic request
 
 
-def server_passes(n_det: int, prompts=SERVER_PROMPTS, n_new: int = SERVER_NEW,
-                  window: int = SERVER_WINDOW) -> int:
+def server_passes(n_det: int, prompts: tuple = SERVER_PROMPTS) -> int:
     """Forward passes the server runs after the prefills (batched fast-path steps and verifier
     passes) when the first n_det of the requests are deterministic, measured on a tiny model."""
-    requests = [Request(list(p), n_new, deterministic=i < n_det) for i, p in enumerate(prompts)]
+    requests = [Request(list(p), SERVER_NEW, deterministic=i < n_det)
+                for i, p in enumerate(prompts)]
     with torch.inference_mode():
-        outs = serve(_tiny(), requests, window=window, trace=True)
+        outs = serve(_tiny(), requests, window=SERVER_WINDOW, trace=True)
     assert not any(o.stats.rollbacks for o in outs), "a rollback in a checker run (fp32 greedy)"
     batched = {e.step for o in outs for e in o.trace if e.kind == "decode"}
     return len(batched) + sum(e.kind == "verify" for o in outs for e in o.trace)
 
 
-def _passes_mistakes(d: int, n_requests: int) -> list[tuple[int, str]]:
-    steps = SERVER_NEW - 1
-    rounds = math.ceil(steps / SERVER_WINDOW)
-    mistakes = [
-        (SERVER_NEW + d * rounds if d < n_requests else SERVER_NEW - rounds + d * rounds,
-         "the prefill gives every request its first token: 19 decode steps make the other 19"),
-        (n_requests * steps, "one batched pass serves every request at once: count passes, not "
-                             "rows"),
-        (steps, "verification is not free: each verifier pass replays one request alone, a pass "
-                "of its own"),
-        (steps + d * (steps // SERVER_WINDOW),
-         "the last window is partial (19 tokens after T₀ are 4 windows of 4 and one of 3): it "
-         "needs a verifier pass too"),
-        (steps + d * rounds,
-         "when EVERY request is verified at the same step, no batched pass runs at that step: "
-         "the verifier passes replace the batched ones there, instead of adding to them"),
-        (steps + rounds,
-         "the verifier replays each deterministic request ALONE (batch 1, a fixed shape): one "
-         "pass per request per window, not one for all of them"),
-    ]
-    if d == 0:
-        mistakes = mistakes[:3]
-    return mistakes
+_measured = functools.cache(server_passes)  # the checkers' copy: a learner's call still runs serve
+
+
+_N = len(SERVER_PROMPTS)
+# hint -> the passes a prediction with that mistake gives when d of the requests are deterministic
+PASSES_MISTAKES = {
+    "the prefill gives every request its first token: 19 decode steps make the other 19":
+        lambda d: SERVER_NEW + d * ROUNDS if d < _N else SERVER_NEW - ROUNDS + d * ROUNDS,
+    "one batched pass serves every request at once: count passes, not rows": lambda d: _N * STEPS,
+    "verification is not free: each verifier pass replays one request alone, a pass of its own":
+        lambda d: STEPS,
+    "the last window is partial (19 tokens after T₀ are 4 windows of 4 and one of 3): it needs a "
+    "verifier pass too": lambda d: STEPS + d * (STEPS // SERVER_WINDOW),
+    "when EVERY request is verified at the same step, no batched pass runs at that step: the "
+    "verifier passes replace the batched ones there, instead of adding to them":
+        lambda d: STEPS + d * ROUNDS,
+    "the verifier replays each deterministic request ALONE (batch 1, a fixed shape): one pass per "
+    "request per window, not one for all of them": lambda d: STEPS + ROUNDS,
+}
 
 
 @one_thread
@@ -544,20 +491,18 @@ def check_predict_server_passes(predict_server_passes) -> None:
     for d in PREDICT_D:
         if as_int(got[d]) is None:
             fail(name, f"{case}, d = {d}", "an int", got[d], "a count of passes is a whole number")
-    measured = {d: server_passes(d) for d in PREDICT_D}
-    for d in PREDICT_D:
-        you = as_int(got[d])
-        if you != measured[d]:
-            hints = dict.fromkeys(h for w, h in _passes_mistakes(d, len(SERVER_PROMPTS))
-                                  if w == you and w != measured[d])
-            reason = "; or ".join(hints) or (
-                "step by step: after the prefills, every step runs one batched pass for the "
-                "requests that are not being verified (if any), and one verifier pass for each "
-                "request whose window is full")
-            fail(name, f"{case}, d = {d}", measured[d], you,
-                 f"you predicted {you} passes; the engine ran {measured[d]}: {reason}")
+    measured = {d: _measured(d) for d in PREDICT_D}
+    wrong = [((d,), as_int(got[d])) for d in PREDICT_D if as_int(got[d]) != measured[d]]
+    if wrong:
+        (d,), you = wrong[0]
+        reason = diagnose(PASSES_MISTAKES, wrong) or (
+            "step by step: after the prefills, every step runs one batched pass for the requests "
+            "that are not being verified (if any), and one verifier pass for each request whose "
+            "window is full")
+        fail(name, f"{case}, d = {d}", measured[d], you,
+             f"you predicted {you} passes; the engine ran {measured[d]}: {reason}")
     print("  measured: " + ", ".join(f"d = {d}: {measured[d]} passes" for d in PREDICT_D)
-          + f" (d = 2: {server_passes(2)}, d = 3: {server_passes(3)})")
+          + f" (d = 2: {_measured(2)}, d = 3: {_measured(3)})")
     passed(name, len(PREDICT_D))
 
 
@@ -711,68 +656,57 @@ def check_verify_window(verify_window) -> None:
 
 # --- exercise 6 (design): batch-invariant kernels, or verification? -------------------------------
 
-DESIGN_PROMPTS = [[1, 2, 3, 4, 5], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26], [40, 41],
-                  [50, 51, 52, 53], [60], [70, 71, 72, 73, 74, 75], [80, 81, 82]]
-# (deterministic requests of 8, invariant kernels' overhead per pass): nothing to protect, one
-# request, a few, all of them, with overheads on both sides of every crossing
-DESIGN_CASES = [(0, 0.05), (1, 0.05), (1, 0.4), (2, 0.4), (3, 0.4), (3, 0.9), (8, 0.5),
-                (8, 1.9), (7, 1.9), (6, 1.2), (4, 1.2), (2, 0.15)]
+DESIGN_PROMPTS = SERVER_PROMPTS + ((50, 51, 52, 53), (60,), (70, 71, 72, 73, 74, 75), (80, 81, 82))
 
 
-def _design_costs(n_det: int, overhead: float, verify_passes: int, plain: int) -> dict:
-    return {"verify": float(verify_passes), "invariant": plain * (1 + overhead)}
+def _passes(n_det: int) -> int:
+    """The verifying server's passes after the prefills, n_det of the 8 requests deterministic."""
+    return _measured(n_det, DESIGN_PROMPTS)
 
 
-def reference_determinism(n_det: int, overhead: float, verify_passes: int, plain: int) -> str:
-    costs = _design_costs(n_det, overhead, verify_passes, plain)
-    return "verify" if costs["verify"] <= costs["invariant"] else "invariant"
+def _cheaper(verify_passes: int, invariant_passes: float) -> str:
+    return "verify" if verify_passes <= invariant_passes else "invariant"
 
 
-def _design_mistakes(n_det, overhead, plain, rounds, n_requests):
-    def pick(verify):
-        return "verify" if verify <= plain * (1 + overhead) else "invariant"
-    nothing = [("invariant", "with no deterministic request there is nothing to verify: the "
-                             "verifying server is the plain one, and invariant kernels would "
-                             "only slow it down")] if n_det == 0 else []
-    return nothing + [
-        (pick(plain + n_det * rounds),
-         "when EVERY request of the batch is verified at the same step, no batched pass runs at "
-         "that step: the verifier passes replace the batched ones there"),
-        (pick(plain + (rounds if n_det else 0)),
-         "each deterministic request is replayed ALONE: one verifier pass per request per window"),
-        (pick(plain), "verification is not free: each verifier pass is a forward pass of its own"),
-        ("verify" if plain + n_det * rounds <= plain * (1 + overhead * n_det / n_requests)
-         else "invariant",
-         "batch-invariant kernels slow every pass, the ordinary requests' share included: the "
-         "overhead is on all the traffic, not only the deterministic requests'"),
-    ]
+def reference_determinism(n_det: int, overhead: float) -> str:
+    """Verification costs the passes serve() runs; batch-invariant kernels run the plain server's
+    passes, each slower by the overhead."""
+    return _cheaper(_passes(n_det), _passes(0) * (1 + overhead))
 
 
-@one_thread
-@guarded
-def check_choose_determinism(choose_determinism) -> None:
-    """choose_determinism(n_det, overhead) -> "verify" or "invariant": the cheaper way to make
-    n_det of 8 requests batch-invariant, in forward passes after the prefills, the verify side
-    measured with serve()."""
-    name = "choose_determinism"
-    plain = server_passes(0, DESIGN_PROMPTS)
-    rounds = math.ceil((SERVER_NEW - 1) / SERVER_WINDOW)
-    measured: dict[int, int] = {}
-    for n_det, overhead in DESIGN_CASES:
-        if n_det not in measured:
-            measured[n_det] = server_passes(n_det, DESIGN_PROMPTS)
-        costs = _design_costs(n_det, overhead, measured[n_det], plain)
-        want = reference_determinism(n_det, overhead, measured[n_det], plain)
-        case = f"n_det={n_det}, overhead={overhead}"
-        got = call(name, case, choose_determinism, n_det, overhead)
-        if got not in ("verify", "invariant"):
-            fail(name, case, want, got, 'return "verify" or "invariant"'
-                 + (" (did you forget to return it?)" if got is None else ""))
-        if got != want:
-            hints = dict.fromkeys(h for w, h in _design_mistakes(
-                n_det, overhead, plain, rounds, len(DESIGN_PROMPTS)) if w == got)
-            fail(name, case, f"{want!r}: verify takes {measured[n_det]} passes, invariant kernels "
-                 f"{plain} passes × {1 + overhead:g} = {costs['invariant']:g}", repr(got),
-                 "; or ".join(hints) or "price both: the server's passes with verification "
-                 "(measured), and the plain server's passes, each slower by the overhead")
-    passed(name, len(DESIGN_CASES))
+DESIGN = Exercise(
+    "choose_determinism",
+    # (deterministic requests of 8, invariant kernels' overhead per pass): nothing to protect, one
+    # request, a few, all of them, with overheads on both sides of every crossing
+    cases=[(0, 0.05), (1, 0.05), (1, 0.4), (2, 0.4), (3, 0.4), (3, 0.9), (8, 0.5), (8, 1.9),
+           (7, 1.9), (6, 1.2), (4, 1.2), (2, 0.15)],
+    describe=lambda n_det, overhead: f"n_det={n_det}, overhead={overhead}",
+    reference=reference_determinism,
+    explain=lambda n_det, overhead: (
+        f"verify takes {_passes(n_det)} passes, invariant kernels {_passes(0)} passes × "
+        f"{1 + overhead:g} = {_passes(0) * (1 + overhead):g}"),
+    returns=one_of("verify", "invariant", hint='return "verify" or "invariant"'),
+    mistakes={
+        "with no deterministic request there is nothing to verify: the verifying server is the "
+        "plain one, and invariant kernels would only slow it down":
+            lambda n_det, overhead: ("invariant" if n_det == 0
+                                     else reference_determinism(n_det, overhead)),
+        "when EVERY request of the batch is verified at the same step, no batched pass runs at "
+        "that step: the verifier passes replace the batched ones there":
+            lambda n_det, overhead: _cheaper(_passes(0) + n_det * ROUNDS,
+                                             _passes(0) * (1 + overhead)),
+        "each deterministic request is replayed ALONE: one verifier pass per request per window":
+            lambda n_det, overhead: _cheaper(_passes(0) + (ROUNDS if n_det else 0),
+                                             _passes(0) * (1 + overhead)),
+        "verification is not free: each verifier pass is a forward pass of its own":
+            lambda n_det, overhead: _cheaper(_passes(0), _passes(0) * (1 + overhead)),
+        "batch-invariant kernels slow every pass, the ordinary requests' share included: the "
+        "overhead is on all the traffic, not only the deterministic requests'":
+            lambda n_det, overhead: _cheaper(_passes(n_det), _passes(0) * (
+                1 + overhead * n_det / len(DESIGN_PROMPTS))),
+    },
+    otherwise="price both: the server's passes with verification (measured), and the plain "
+              "server's passes, each slower by the overhead")
+check_choose_determinism = DESIGN.check
+
+EXERCISES = (SPLIT_SUM, SCHEDULE, DESIGN)
