@@ -4,7 +4,6 @@ mistake; their cases are sound (the engine decides every expected answer, and ev
 edge it claims to be), and they are quick and leave the caller's random state alone."""
 import copy
 import time
-from collections import deque
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ import minikv
 from minikv.course.checks import CheckFailed, ch06
 from minikv.engine import causal_attention
 from minikv.engine.paged import BlockPool, PagedCache, block_hash
-from minikv.engine.serving import _Sequence, _Server
+from minikv.engine.scheduler import FirstComeFirstServed, Scheduler, Sequence
 
 from conftest import solution_check_cells, stub
 
@@ -117,13 +116,13 @@ def _copy_block(pool, old, new, layers=None, values=True, keys=True):
 
 def reserve(pool, table, n_new, copy_on_write=None, add=None):
     """The solution, with either step replaceable by a wrong one."""
-    bs = pool.block_size
+    bs = pool.page_size
     (copy_on_write or _copy_on_write)(pool, table)
     (add or _add_blocks)(pool, table, -(-(table.length + n_new) // bs))
 
 
 def _copy_on_write(pool, table, copy=_copy_block, release=True):
-    bs = pool.block_size
+    bs = pool.page_size
     if table.length % bs and pool.ref[table.blocks[table.length // bs]] > 1:
         i = table.length // bs
         old, new = table.blocks[i], pool.allocate(table.owner)
@@ -140,14 +139,14 @@ def _add_blocks(pool, table, needed):
 
 def reserve_append_then_copy(pool, table, n_new):
     """Also right: the new blocks first, the copy after (other block ids, the same meaning)."""
-    bs = pool.block_size
+    bs = pool.page_size
     _add_blocks(pool, table, -(-(table.length + n_new) // bs))
     _copy_on_write(pool, table)
 
 
 def reserve_by_hand(pool, table, n_new):
     """Also right: the pool's books kept by hand instead of allocate/release."""
-    bs = pool.block_size
+    bs = pool.page_size
 
     def take():
         block = pool.free.popleft()
@@ -193,7 +192,7 @@ def reserve_copies_every_shared(pool, table, n_new):
 
 def reserve_copies_unshared(pool, table, n_new):
     def cow(pool, table):
-        bs = pool.block_size
+        bs = pool.page_size
         if table.length % bs:
             i = table.length // bs
             old, new = table.blocks[i], pool.allocate(table.owner)
@@ -205,12 +204,12 @@ def reserve_copies_unshared(pool, table, n_new):
 
 def reserve_floor(pool, table, n_new):
     _copy_on_write(pool, table)
-    _add_blocks(pool, table, (table.length + n_new) // pool.block_size)
+    _add_blocks(pool, table, (table.length + n_new) // pool.page_size)
 
 
 def reserve_per_new_token_block(pool, table, n_new):
     _copy_on_write(pool, table)
-    for _ in range(-(-n_new // pool.block_size)):
+    for _ in range(-(-n_new // pool.page_size)):
         table.blocks.append(pool.allocate(table.owner))
 
 
@@ -246,7 +245,7 @@ def reserve_from_the_end(pool, table, n_new):
         if block in pool.hash_of:
             del pool.by_hash[pool.hash_of.pop(block)]
         return block
-    bs = pool.block_size
+    bs = pool.page_size
     i = table.length // bs
     if table.length % bs and pool.ref[table.blocks[i]] > 1:
         new = take()
@@ -262,7 +261,7 @@ def reserve_keeps_hashes(pool, table, n_new):
         block = pool.free.popleft()
         pool.ref[block] = 1
         return block
-    bs = pool.block_size
+    bs = pool.page_size
     i = table.length // bs
     if table.length % bs and pool.ref[table.blocks[i]] > 1:
         new = take()
@@ -280,9 +279,9 @@ def reserve_moves_length(pool, table, n_new):
 
 def reserve_last_block_unguarded(pool, table, n_new):
     last = table.blocks[-1]  # an empty table has none
-    if table.length % pool.block_size and pool.ref[last] > 1:
+    if table.length % pool.page_size and pool.ref[last] > 1:
         _copy_on_write(pool, table)
-    _add_blocks(pool, table, -(-(table.length + n_new) // pool.block_size))
+    _add_blocks(pool, table, -(-(table.length + n_new) // pool.page_size))
 
 
 def reserve_by_the_engine(pool, table, n_new):
@@ -290,7 +289,7 @@ def reserve_by_the_engine(pool, table, n_new):
 
 
 def reserve_with_copy_on_write(pool, table, n_new):
-    bs = pool.block_size
+    bs = pool.page_size
     if table.length % bs and pool.ref[table.blocks[table.length // bs]] > 1:
         i = table.length // bs
         table.blocks[i] = pool.copy_on_write(table.blocks[i], table.owner)
@@ -420,28 +419,28 @@ MATCHING_WRONG = [
     (matching_starts_from_none, "starting from h = '' "),
     (matching_hashes, "these are hashes"),
     (matching_pops, "matching only looks blocks up"),
-    (matching_by_the_engine, "called minikv's own minikv.engine.serving._Server.shared_prefix"),
+    (matching_by_the_engine, "called minikv's own minikv.engine.paged.BlockPool.cached_prefix"),
 ]
 
 # --- exercise 4: can_admit ------------------------------------------------------------------------
 
 
 def can_admit(pool, n_tokens, shared, n_running):
-    bs = pool.block_size
+    bs = pool.page_size
     takes = -(-n_tokens // bs) - sum(1 for b in shared if pool.ref[b] > 0)
     return pool.n_free >= takes + 1 + n_running
 
 
 def can_admit_numpy(pool, n_tokens, shared, n_running):
     """Also right: the free blocks left after taking its blocks, compared in numpy."""
-    left = pool.n_free - (int(np.ceil(n_tokens / pool.block_size))
+    left = pool.n_free - (int(np.ceil(n_tokens / pool.page_size))
                           - int(np.sum(np.array(pool.ref)[shared] > 0)))
     return np.bool_(left > n_running)
 
 
 def _rule(held, blocks=lambda n, bs: -(-n // bs), headroom=lambda r: 1 + r, strict=False):
     def can_admit(pool, n_tokens, shared, n_running):
-        need = blocks(n_tokens, pool.block_size) - held(pool, shared) + headroom(n_running)
+        need = blocks(n_tokens, pool.page_size) - held(pool, shared) + headroom(n_running)
         return pool.n_free > need if strict else pool.n_free >= need
     return can_admit
 
@@ -476,8 +475,10 @@ def admit_takes_the_blocks(pool, n_tokens, shared, n_running):
 
 
 def admit_by_the_engine(pool, n_tokens, shared, n_running):
-    server = _Server(None, copy.deepcopy(pool), 4, False, False, [None] * n_running, deque())
-    return server.admit(_Sequence(0, minikv.Request([1] * n_tokens, 1), [1] * n_tokens, False))
+    scheduler = Scheduler(copy.deepcopy(pool), prefix_caching=False)
+    scheduler.running = [None] * n_running
+    s = Sequence(0, minikv.Request([1] * n_tokens, 1), [1] * n_tokens, False)
+    return scheduler.policy.fits(scheduler, s, scheduler.admission(s))
 
 
 ADMIT_WRONG = [
@@ -492,7 +493,7 @@ ADMIT_WRONG = [
     (admit_int, "return True or False"),
     (admit_forgets_to_return, "did you forget to return it"),
     (admit_takes_the_blocks, "can_admit only decides"),
-    (admit_by_the_engine, "called minikv's own minikv.engine.serving._Server.admit"),
+    (admit_by_the_engine, "called minikv's own minikv.engine.scheduler.Scheduler.admission"),
 ]
 
 # --- exercise 5 (predict, then measure): blocks in use when requests share a prompt -------------
@@ -532,7 +533,7 @@ PEAK_WRONG = [
 def test_peak_blocks_replayed_from_the_log_match_the_pool_steps():
     for prompt, caching in ch06.PEAK_KEYS:
         requests = [minikv.Request(list(range(100, 100 + prompt)), 7) for _ in range(4)]
-        outs = minikv.serve(ch06._tiny_model(), requests, block_size=4, prefix_caching=caching,
+        outs = minikv.serve(ch06._tiny_model(), requests, page_size=4, prefix_caching=caching,
                             trace=True)
         steps = max(sum(r > 0 for r in s.ref) for s in outs.pool_steps)
         assert ch06.peak_blocks_in_use(outs.pool) == steps == ch06.measure_peak(prompt, caching)
@@ -542,45 +543,33 @@ def test_peak_blocks_replayed_from_the_log_match_the_pool_steps():
 
 class PagedCacheFixed(ch06.BuggyPagedCache):
     def crop(self, max_length):
-        t, bs = self.tables[0], self.pool.block_size
+        t, bs = self.tables[0], self.pool.page_size
         t.length = max_length
         while (len(t.blocks) - 1) * bs >= max_length:
             self.pool.release(t.blocks.pop(), t.owner)
-        del t.hashes[max_length // bs:]
 
 
 class CropKeepsEverything(ch06.BuggyPagedCache):
     def crop(self, max_length):
         self.tables[0].length = max_length
-        del self.tables[0].hashes[max_length // self.pool.block_size:]
 
 
 class CropLeaks(ch06.BuggyPagedCache):  # drops the blocks from the table, never gives them back
     def crop(self, max_length):
-        t, bs = self.tables[0], self.pool.block_size
+        t, bs = self.tables[0], self.pool.page_size
         t.length = max_length
         while (len(t.blocks) - 1) * bs >= max_length:
             t.blocks.pop()
-        del t.hashes[max_length // bs:]
 
 
 class CropFreesShared(ch06.BuggyPagedCache):  # frees a block whoever else holds it
     def crop(self, max_length):
-        t, bs = self.tables[0], self.pool.block_size
+        t, bs = self.tables[0], self.pool.page_size
         t.length = max_length
         while (len(t.blocks) - 1) * bs >= max_length:
             block = t.blocks.pop()
             self.pool.ref[block] = 0
             self.pool.free.append(block)
-        del t.hashes[max_length // bs:]
-
-
-class CropKeepsHashes(ch06.BuggyPagedCache):
-    def crop(self, max_length):
-        t, bs = self.tables[0], self.pool.block_size
-        t.length = max_length
-        while (len(t.blocks) - 1) * bs >= max_length:
-            self.pool.release(t.blocks.pop(), t.owner)
 
 
 class CropByTheEngine(ch06.BuggyPagedCache):
@@ -597,7 +586,6 @@ CROP_WRONG = [
     (CropKeepsEverything, "give it back"),
     (CropLeaks, "give blocks back with pool.release"),
     (CropFreesShared, "is shared"),
-    (CropKeepsHashes, "keep the hashes of the blocks still full"),
     (CropByTheEngine, "called minikv's own"),
     (CropNotACache, "a subclass of PagedCache"),
 ]
@@ -742,7 +730,7 @@ def test_gather_reference_is_what_attention_reads():
     a table of scattered blocks), and the keys a contiguous KVCache holds for the same tokens."""
     model = minikv.GPT(minikv.GPTConfig.preset("tiny")).eval()
     ids = torch.arange(1, 12)[None]                                       # 11 tokens
-    pool = BlockPool(model.config, num_blocks=8, block_size=4)
+    pool = BlockPool(model.config, num_blocks=8, page_size=4)
     pool.free.rotate(3)                                # the table will not be blocks 0, 1, 2
     table = minikv.engine.paged.BlockTable(owner=0)
     cache, seen = PagedCache(pool, [table]), []
@@ -815,7 +803,7 @@ def test_admission_cases_sit_at_the_edges_and_the_mistakes_differ():
     answers = []
     for case in cases:
         pool, seq, shared, n_running = ch06.admission_state(case)
-        need = (-(-len(seq) // pool.block_size) - sum(pool.ref[b] > 0 for b in shared) + 1
+        need = (-(-len(seq) // pool.page_size) - sum(pool.ref[b] > 0 for b in shared) + 1
                 + n_running)
         assert pool.n_free - need == case[-1], case[0]
         answers.append(ch06.engine_admits(case))
@@ -837,19 +825,19 @@ def test_the_admission_rule_is_what_serve_applies(monkeypatch):
     admission, gives the server's own decision (a small pool, a shared prefix: some wait)."""
     model = minikv.GPT(minikv.GPTConfig.preset("tiny")).eval()
     decisions = []
-    original = ch06._Server.admit
+    original = FirstComeFirstServed.fits
 
-    def watch(self, s):
-        shared = self.shared_prefix(s)
-        mine = can_admit(copy.deepcopy(self.pool), len(s.seq), shared, len(self.running))
-        decisions.append((mine, original(self, s)))
+    def watch(self, sched, s, admission):
+        mine = can_admit(copy.deepcopy(sched.pool), len(s.tokens), admission.shared,
+                         len(sched.running))
+        decisions.append((mine, original(self, sched, s, admission)))
         return decisions[-1][1]
-    monkeypatch.setattr(ch06._Server, "admit", watch)
+    monkeypatch.setattr(FirstComeFirstServed, "fits", watch)
     prefix = list(range(1, 14))
     requests = [minikv.Request(prefix + [20 + i] * (i % 3 + 1), 6 + 3 * i, arrival=i // 2)
                 for i in range(8)]
     with torch.no_grad():
-        minikv.serve(model, requests, block_size=4, num_blocks=14)
+        minikv.serve(model, requests, page_size=4, num_blocks=14)
     assert decisions and all(mine == got for mine, got in decisions), decisions
     assert {True, False} <= {got for _, got in decisions}
 

@@ -76,7 +76,7 @@ def test_copy_on_write_leaves_the_other_sharer_alone():
         MODEL(torch.tensor([[9]]), cache=b)
     after = [t[a.tables[0].blocks] for t in pool.keys + pool.values]
     assert all(torch.equal(x, y) for x, y in zip(before, after))  # a's K/V untouched
-    assert [entry[1] for entry in pool.log].count("copy") == 1
+    assert [what for what, _, _ in pool.log].count("copy") == 1
 
 
 def requests_from(seed, n, vocab=512, max_prompt=20, max_new=12, spread=6, det=False):
@@ -89,13 +89,13 @@ def requests_from(seed, n, vocab=512, max_prompt=20, max_new=12, spread=6, det=F
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10_000), n=st.integers(1, 7), block_size=st.sampled_from([1, 2, 4, 8]),
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 7), page_size=st.sampled_from([1, 2, 4, 8]),
        tight=st.booleans(), prefix=st.booleans())
-def test_every_request_gets_what_it_would_get_alone(seed, n, block_size, tight, prefix):
+def test_every_request_gets_what_it_would_get_alone(seed, n, page_size, tight, prefix):
     requests = requests_from(seed, n)
-    biggest = max(-(-(len(r.prompt) + r.max_new_tokens + 4) // block_size) + 1 for r in requests)
+    biggest = max(-(-(len(r.prompt) + r.max_new_tokens + 4) // page_size) + 1 for r in requests)
     num_blocks = biggest if tight else None  # tight: only the largest request fits at once
-    outs = minikv.serve(MODEL, requests, block_size=block_size, num_blocks=num_blocks,
+    outs = minikv.serve(MODEL, requests, page_size=page_size, num_blocks=num_blocks,
                         prefix_caching=prefix)
     for r, out in zip(requests, outs):
         assert out.tokens == alone(MODEL, r)
@@ -104,7 +104,7 @@ def test_every_request_gets_what_it_would_get_alone(seed, n, block_size, tight, 
 
 def test_a_small_pool_preempts_and_still_gets_every_output_right():
     requests = requests_from(3, 6, max_prompt=30, max_new=20, spread=2)
-    outs = minikv.serve(MODEL, requests, block_size=4, num_blocks=16)
+    outs = minikv.serve(MODEL, requests, page_size=4, num_blocks=16)
     assert sum(o.stats.preempted for o in outs) > 0
     assert [o.tokens for o in outs] == [alone(MODEL, r) for r in requests]
     assert outs.pool.n_free == 16
@@ -113,11 +113,11 @@ def test_a_small_pool_preempts_and_still_gets_every_output_right():
 def test_prefix_caching_reuses_a_shared_prompt():
     system = list(range(1, 41))                     # a 40-token "system prompt"
     requests = [minikv.Request(system + [50 + k, 60 + k], 6, arrival=k) for k in range(4)]
-    with_cache = minikv.serve(MODEL, requests, block_size=8, prefix_caching=True)
-    without = minikv.serve(MODEL, requests, block_size=8, prefix_caching=False)
+    with_cache = minikv.serve(MODEL, requests, page_size=8, prefix_caching=True)
+    without = minikv.serve(MODEL, requests, page_size=8, prefix_caching=False)
     assert [o.tokens for o in with_cache] == [o.tokens for o in without]
     assert [o.stats.reused for o in with_cache] == [0, 40, 40, 40]  # 5 full blocks shared
-    assert "share" in [entry[1] for entry in with_cache.pool.log]
+    assert "share" in [what for what, _, _ in with_cache.pool.log]
     assert with_cache.pool.n_free == with_cache.pool.num_blocks
 
 
@@ -129,7 +129,7 @@ def test_deterministic_requests_are_bit_identical_whatever_the_arrivals():
                                spread=8)
         det.arrival = pattern % 4
         blocks = None if pattern % 3 else 14  # some patterns with a pool small enough to preempt
-        out = minikv.serve(MODEL32, [det] + others, window=4, block_size=4, num_blocks=blocks)
+        out = minikv.serve(MODEL32, [det] + others, window=4, page_size=4, num_blocks=blocks)
         outputs.add(tuple(out[0].tokens))
     assert len(outputs) == 1
 
@@ -138,13 +138,13 @@ def test_a_preempted_deterministic_request_is_recomputed_exactly():
     """Found by search: a crowd and a pool size in which the deterministic request itself is
     preempted (and later recomputed); its output is still the one it gets alone."""
     det = minikv.Request([5, 6, 7, 8], 24, deterministic=True, temperature=0.8, seed=2)
-    alone_out = minikv.serve(MODEL32, [det], block_size=4)[0]
+    alone_out = minikv.serve(MODEL32, [det], page_size=4)[0]
     for seed in range(40):
         crowd = requests_from(seed, 4, vocab=2048, max_prompt=16, max_new=20, spread=1)
         det.arrival = 1  # after the first others: the newest running request when the pool fills
         for num_blocks in (10, 12, 14):
             try:
-                out = minikv.serve(MODEL32, crowd + [det], block_size=4, num_blocks=num_blocks)
+                out = minikv.serve(MODEL32, crowd + [det], page_size=4, num_blocks=num_blocks)
             except ValueError:  # a request larger than this pool
                 continue
             if out[-1].stats.preempted:
@@ -155,11 +155,11 @@ def test_a_preempted_deterministic_request_is_recomputed_exactly():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(block_size=0), "block_size must be a positive int"),
+    (dict(page_size=0), "page_size must be a positive int"),
     (dict(num_blocks=0), "num_blocks must be a positive int"),
     (dict(num_blocks=1), "more than the whole pool"),
     (dict(requests=[minikv.Request([1, 2], 3, arrival=-1)]), "arrival must be an int >= 0"),
-    (dict(requests=[minikv.Request([1] * 60, 3)], num_blocks=3, block_size=8),
+    (dict(requests=[minikv.Request([1] * 60, 3)], num_blocks=3, page_size=8),
      "more than the whole pool"),
 ])
 def test_bad_input(kwargs, message):
@@ -168,21 +168,21 @@ def test_bad_input(kwargs, message):
         minikv.serve(MODEL32, **args)
 
 
-@pytest.mark.parametrize("block_size", [1, 4, 12, 16])
+@pytest.mark.parametrize("page_size", [1, 4, 12, 16])
 @pytest.mark.parametrize("n_splits", [1, 2, 5])
-def test_paged_attention_is_attention_read_through_the_tables(block_size, n_splits):
+def test_paged_attention_is_attention_read_through_the_tables(page_size, n_splits):
     """Rows of different lengths in scattered blocks: the same numbers as plain attention over
     each row's own keys, whatever the split count (fp64: up to rounding)."""
-    g = torch.Generator().manual_seed(block_size * 10 + n_splits)
+    g = torch.Generator().manual_seed(page_size * 10 + n_splits)
     nh, hs, lengths = 3, 8, [1, 7, 23, 16]
-    nb = [-(-n // block_size) for n in lengths]
+    nb = [-(-n // page_size) for n in lengths]
     order = torch.randperm(sum(nb), generator=g).tolist()  # blocks in no particular order
     tables, k = [], 0
     for n in nb:
         tables.append(order[k:k + n] + [-1] * (max(nb) - n))
         k += n
-    keys = torch.randn(sum(nb), nh, block_size, hs, generator=g, dtype=torch.float64)
-    values = torch.randn(sum(nb), nh, block_size, hs, generator=g, dtype=torch.float64)
+    keys = torch.randn(sum(nb), nh, page_size, hs, generator=g, dtype=torch.float64)
+    values = torch.randn(sum(nb), nh, page_size, hs, generator=g, dtype=torch.float64)
     q = torch.randn(len(lengths), nh, 1, hs, generator=g, dtype=torch.float64)
     out = paged_attention(q, keys, values, torch.tensor(tables), torch.tensor(lengths), n_splits)
     for b, n in enumerate(lengths):
@@ -222,7 +222,7 @@ def test_packed_prefill_equals_prompts_computed_one_by_one():
 def test_a_freed_prompt_block_is_reused_until_it_is_reallocated():
     system = list(range(1, 17))  # two full blocks of 8
     first = minikv.serve(MODEL, [minikv.Request(system + [40], 2),
-                                 minikv.Request(system + [41], 2, arrival=5)], block_size=8)
+                                 minikv.Request(system + [41], 2, arrival=5)], page_size=8)
     assert [o.stats.reused for o in first] == [0, 16]  # the first had left: its blocks were kept
     # a pool so small that the requests in between take all but one of the freed blocks: the
     # longest free go first, and a sequence frees its blocks last to first, so the prefix's first
@@ -231,7 +231,7 @@ def test_a_freed_prompt_block_is_reused_until_it_is_reallocated():
                                    minikv.Request([7] * 20, 2, arrival=3),
                                    minikv.Request([8] * 12, 2, arrival=3),
                                    minikv.Request(system + [41], 2, arrival=8)],
-                           block_size=8, num_blocks=6)
+                           page_size=8, num_blocks=6)
     assert [o.stats.reused for o in crowded] == [0, 0, 0, 8]
     assert [o.tokens for o in crowded][0::3] == [o.tokens for o in first]
 
@@ -242,7 +242,7 @@ def test_a_preempted_deterministic_request_comes_back_with_room_for_its_recomput
     finds the pool empty (MemoryError before the fix; these crowds and pools were found so)."""
     model = random_model("tiny", "cpu")
     det = minikv.Request(list(range(1, 20)), 30, deterministic=True, temperature=1.0, seed=3)
-    alone_out = minikv.serve(model, [det], block_size=4)[0].tokens
+    alone_out = minikv.serve(model, [det], page_size=4)[0].tokens
     preempted = 0
     for seed in range(12):
         rng = random.Random(seed)
@@ -250,7 +250,35 @@ def test_a_preempted_deterministic_request_comes_back_with_room_for_its_recomput
                                 rng.randint(4, 30), arrival=i % 3) for i in range(6)]
         det.arrival = seed % 3
         for num_blocks in (20, 24):
-            out = minikv.serve(model, crowd + [det], block_size=4, num_blocks=num_blocks)
+            out = minikv.serve(model, crowd + [det], page_size=4, num_blocks=num_blocks)
             assert out[-1].tokens == alone_out and out.pool.n_free == num_blocks
             preempted += out[-1].stats.preempted
     assert preempted > 0  # the case under test happened
+
+
+def test_the_old_block_size_keyword_still_works_with_a_warning():
+    requests = [minikv.Request([1, 2, 3], 4), minikv.Request([4, 5], 3)]
+    with pytest.warns(DeprecationWarning, match="use page_size"):
+        old = minikv.serve(MODEL32, requests, block_size=4)
+    assert old.pool.page_size == 4
+    assert [o.tokens for o in old] == [o.tokens for o in minikv.serve(MODEL32, requests,
+                                                                       page_size=4)]
+
+
+def test_the_pool_keeps_the_books_of_a_table():
+    """reserve, crop and blocks_needed on a table; publish and cached_prefix on a prompt."""
+    pool = BlockPool(MODEL32.config, 8, 4)
+    table = BlockTable(owner=0)
+    assert pool.blocks_needed(table, 9) == 3
+    pool.reserve(table, 9)
+    table.length = 9
+    assert len(table.blocks) == 3 and pool.n_free == 5 and pool.blocks_needed(table, 3) == 0
+    prompt = list(range(10, 19))
+    pool.publish(prompt, table)                         # two full blocks findable
+    assert pool.cached_prefix(prompt + [7]) == table.blocks[:2]
+    assert pool.cached_prefix(prompt[:8]) == table.blocks[:1]  # one token left to compute
+    pool.crop(table, 5)
+    assert len(table.blocks) == 2 and pool.n_free == 6
+    pool.free_table(table, preempted=True)
+    assert pool.n_free == 8 and pool.log[-3] == ("preempt", -1, 0)
+    assert pool.cached_prefix(prompt + [7]) == [0, 1]  # freed, still findable until reallocated

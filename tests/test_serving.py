@@ -1,11 +1,13 @@
 """Deterministic requests: the fast path depends on the batch, the verified output does not."""
 import random
+from collections import defaultdict
 
 import pytest
 import torch
 
 import minikv
 from minikv.engine.attention import num_kv_splits, split_kv_attention
+from minikv.engine.scheduler import FirstComeFirstServed, TokenBudget
 
 from conftest import varied_model
 
@@ -192,3 +194,113 @@ def test_max_running_fills_the_batch_up_to_the_cap():
 def test_max_running_must_be_a_positive_int(cap):
     with pytest.raises((ValueError, TypeError), match="max_running"):
         minikv.serve(varied_model(), [minikv.Request([1, 2], 3)], max_running=cap)
+
+
+# --- the scheduler's policy -----------------------------------------------------------------------
+
+MODEL64 = varied_model().double()  # float64: a different batch flips no greedy token
+
+
+def mixed_requests(n=12):
+    """Prompts of 3 to 24 tokens, budgets of 4 to 8, arriving over 4 steps."""
+    return [minikv.Request([1 + i] * (3 + 7 * (i % 4)), 4 + i % 5, arrival=i % 4)
+            for i in range(n)]
+
+
+def step_tokens(outs):
+    """Per engine step: the tokens its prefill and decode passes computed, and who ran in them."""
+    tokens, who = defaultdict(int), defaultdict(set)
+    for i, o in enumerate(outs):
+        for e in o.trace:
+            if e.kind in ("prefill", "recompute", "decode"):
+                tokens[e.step] += e.kv_computed
+                who[e.step].add(i)
+    return tokens, who
+
+
+def test_a_token_budget_bounds_every_step_and_changes_no_token():
+    """TokenBudget (vLLM's max_num_batched_tokens): no step computes more than the budget,
+    except a request longer than it that runs alone; every request's tokens are unchanged."""
+    requests = mixed_requests()
+    free = minikv.serve(MODEL64, requests, trace=True)
+    for budget in (8, 20, 40):
+        outs = minikv.serve(MODEL64, requests, trace=True, policy=TokenBudget(budget))
+        tokens, who = step_tokens(outs)
+        assert all(n <= budget or len(who[step]) == 1 for step, n in tokens.items())
+        assert [o.tokens for o in outs] == [o.tokens for o in free]
+    assert max(step_tokens(free)[0].values()) > 40  # first come, first served: some step more
+
+
+def test_a_budget_that_never_binds_is_first_come_first_served():
+    requests = mixed_requests() + [det_request()]
+    fcfs = minikv.serve(MODEL32, requests, trace=True, page_size=4, num_blocks=40)
+    budget = minikv.serve(MODEL32, requests, trace=True, page_size=4, num_blocks=40,
+                          policy=TokenBudget(10_000))
+    assert [o.trace for o in budget] == [o.trace for o in fcfs]
+    assert budget.pool_steps == fcfs.pool_steps
+
+
+class ShortestPromptFirst(FirstComeFirstServed):
+    """A policy in four lines: of the requests that have arrived, the shortest prompt first."""
+
+    def next_waiting(self, sched):
+        arrived = [s for s in sched.waiting if s.request.arrival <= sched.now]
+        return min(arrived, key=lambda s: len(s.tokens), default=None)
+
+
+def test_a_new_policy_is_a_subclass_that_answers_one_question():
+    requests = [minikv.Request([i + 1] * n, 3) for i, n in enumerate([9, 2, 14, 5])]
+    outs = minikv.serve(MODEL64, requests, trace=True, max_running=1,
+                        policy=ShortestPromptFirst())
+    admitted = sorted(range(4), key=lambda i: outs[i].trace[0].step)
+    assert admitted == [1, 3, 0, 2]
+    assert [o.tokens for o in outs] == [minikv.generate(MODEL64, r.prompt, 3).tokens
+                                        for r in requests]
+
+
+def test_a_request_preempted_while_its_window_is_due_is_not_verified():
+    """Two deterministic requests due for verification in the same step; making room for the
+    first preempts the second, which must wait for readmission (before, it was verified with
+    no blocks left, and crashed). Found by search."""
+    requests = [
+        minikv.Request([296, 30, 215, 263, 49, 406, 385, 137, 83, 472, 7, 248, 26, 74, 163, 411,
+                        356, 69], 4, deterministic=True, temperature=0.8, seed=30),
+        minikv.Request([286, 439, 97, 285, 114, 506, 316, 132], 3, deterministic=True,
+                       temperature=0.8, seed=31, eos_id=258, arrival=1),
+        minikv.Request([82, 141, 249, 322, 121, 29, 419, 308, 183, 190, 483, 339, 462, 340, 345,
+                        69, 20], 1, arrival=1)]
+    outs = minikv.serve(MODEL64, requests, page_size=1, num_blocks=29, prefix_caching=False,
+                        max_running=2)
+    assert outs[1].stats.preempted == 1
+    assert [o.tokens for o in outs] == [minikv.serve(MODEL64, [r], page_size=1)[0].tokens
+                                        for r in requests]
+
+
+def test_a_policy_that_admits_nothing_is_an_error_not_a_hang():
+    class Never(FirstComeFirstServed):
+        def fits(self, sched, s, admission):
+            return False
+    with pytest.raises(RuntimeError, match="admits nothing while nothing runs"):
+        minikv.serve(MODEL32, [det_request()], policy=Never())
+
+
+@pytest.mark.parametrize("policy, error, message", [
+    (TokenBudget, TypeError, "policy must be a scheduling policy"),
+    ("fcfs", TypeError, "policy must be a scheduling policy"),
+])
+def test_policy_must_be_a_policy(policy, error, message):
+    with pytest.raises(error, match=message):
+        minikv.serve(MODEL32, [det_request()], policy=policy)
+
+
+@pytest.mark.parametrize("budget", [0, -3, 2.5, True])
+def test_a_token_budget_is_a_positive_int(budget):
+    with pytest.raises(ValueError, match="max_tokens must be a positive int"):
+        TokenBudget(budget)
+
+
+def test_the_outputs_read_as_a_list():
+    outs = minikv.serve(MODEL32, [det_request(n=3), minikv.Request([1, 2], 2)])
+    assert len(outs) == 2 and [o.tokens for o in outs] == [outs[0].tokens, outs[-1].tokens]
+    assert outs[:1] == [outs[0]] and list(reversed(outs)) == [outs[1], outs[0]]
+    assert outs.pool.n_free == outs.pool.num_blocks and outs.pool_steps == []

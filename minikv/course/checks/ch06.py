@@ -8,19 +8,20 @@
   partly filled block before it is written; against the engine's PagedCache.reserve on a copy of
   the same pool, by what the result means (any blocks from the front of the free list, in any
   order): the table, every reference count, the free list, the hashes of reallocated blocks, and
-  every table's K/V read through it (every layer, keys and values). PagedCache.reserve,
-  blocks_needed and BlockPool.copy_on_write are forbidden.
-- matching_blocks: a prompt's cached prefix blocks, against the server's own shared_prefix on the
+  every table's K/V read through it (every layer, keys and values). PagedCache.reserve and
+  BlockPool's reserve, blocks_needed and copy_on_write are forbidden.
+- matching_blocks: a prompt's cached prefix blocks, against the pool's own cached_prefix on the
   same hashes: chained hashes, full blocks only, at least one prompt token left, nothing after the
-  first miss (a hole left by a reallocated block). shared_prefix is forbidden.
-- can_admit: the server's admission rule, against _Server.admit on a copy of the same pool, at
-  the rule's edges (exactly enough free blocks, one short), with shared blocks that running
-  requests hold and shared blocks that are free but cached. admit is forbidden.
+  first miss (a hole left by a reallocated block). cached_prefix is forbidden.
+- can_admit: the server's admission rule, against the scheduler's (Scheduler.admission and
+  FirstComeFirstServed.fits) on a copy of the same pool, at the rule's edges (exactly enough free
+  blocks, one short), with shared blocks that running requests hold and shared blocks that are
+  free but cached. Those two are forbidden.
 
 - predict_peak_blocks (predict, then measure): the most blocks in use when 4 requests share a
   prompt, with and without prefix caching, against serve() on a tiny model.
 - crop (debug): a paged rollback, against PagedCache.crop on a copy of the same pool (blocks,
-  length, hashes, reference counts, free list), then as the cache of a greedy verify-and-rollback
+  length, reference counts, free list), then as the cache of a greedy verify-and-rollback
   decode against target-only decoding; the buggy class must not come back unchanged.
 - choose_block_size (design): the largest block size within a waste budget for a snapshot of
   running sequences, measured with the engine's reserve.
@@ -40,7 +41,7 @@ import torch
 
 from ...engine import GPTConfig, Request, SamplingParams, generate, serve
 from ...engine.paged import BlockPool, BlockTable, PagedCache, block_hash
-from ...engine.serving import _Sequence, _Server
+from ...engine.scheduler import FirstComeFirstServed, Scheduler, Sequence
 from ...engine.verify import accept_matching, verify_and_commit
 from . import (
     CheckFailed,
@@ -285,7 +286,7 @@ def reserve_pool(case: tuple, seed: int) -> tuple[BlockPool, list[BlockTable], B
 def _read(pool: BlockPool, table: BlockTable, layer: int, values: bool) -> torch.Tensor:
     """(nh, length, hs): the table's K (or V) of one layer, read through its blocks."""
     src = (pool.values if values else pool.keys)[layer]
-    bs = pool.block_size
+    bs = pool.page_size
     return _slots(src, [(table.blocks[p // bs], p % bs) for p in range(table.length)]) \
         if table.length else src[:0, :, 0].transpose(0, 1)
 
@@ -344,7 +345,8 @@ def _check_reserve_case(name: str, case_id: int, case: tuple, reserve) -> None:
     ref0, free0 = list(pool.ref), list(pool.free)
     want_pool, want = copy.deepcopy(pool), copy.deepcopy(mine)
     PagedCache(want_pool, [want]).reserve(n_new)  # the engine, on a copy
-    with forbid(name, PagedCache.reserve, PagedCache.blocks_needed, BlockPool.copy_on_write):
+    with forbid(name, PagedCache.reserve, BlockPool.reserve, BlockPool.blocks_needed,
+                BlockPool.copy_on_write):
         call_hinted(name, where, _reserve_crash_hint(not blocks0), reserve, pool, mine, n_new)
     got, n_want = mine.blocks, len(want.blocks)
     if mine.length != length:
@@ -503,11 +505,10 @@ def _matching_cases() -> list[tuple[str, list[int], int, dict[str, int]]]:
 
 
 def engine_shared_prefix(prompt: list[int], bs: int, by_hash: dict[str, int]) -> list[int]:
-    """The server's own answer: _Server.shared_prefix on a pool holding these hashes."""
+    """The server's own answer: BlockPool.cached_prefix on a pool holding these hashes."""
     pool = BlockPool(_config(1, 1, 1), 1 + max(by_hash.values(), default=0), bs)
     pool.by_hash = dict(by_hash)
-    server = _Server(None, pool, 4, True, False, [], deque())
-    return server.shared_prefix(_Sequence(0, Request(list(prompt), 1), list(prompt), False))
+    return pool.cached_prefix(list(prompt))
 
 
 def _match(prompt, bs, by_hash, n_blocks=None, chained=True, stop=True, cumulative=False):
@@ -566,7 +567,7 @@ def _show_prompt(prompt: list[int]) -> str:
 @guarded
 def check_matching_blocks(matching_blocks) -> None:
     """matching_blocks(prompt, block_size, by_hash) -> the blocks holding the prompt's first full
-    blocks, found by chained hashes, as the server's shared_prefix finds them."""
+    blocks, found by chained hashes, as the pool's cached_prefix finds them."""
     name = "matching_blocks"
     cases = _matching_cases()
     ruled_out: set[int] = set()  # mistakes an earlier case, which the function passed, tells apart
@@ -574,7 +575,7 @@ def check_matching_blocks(matching_blocks) -> None:
         case = f"{label}: prompt={_show_prompt(prompt)}, block_size={bs}"
         want = engine_shared_prefix(prompt, bs, by_hash)
         given_prompt, given = list(prompt), dict(by_hash)
-        with forbid(name, _Server.shared_prefix):
+        with forbid(name, BlockPool.cached_prefix):
             got = call_hinted(name, case, lambda e: "your function raised on this input",
                                matching_blocks, given_prompt, bs, given)
         if given != by_hash or given_prompt != prompt:
@@ -679,18 +680,19 @@ def _shared_blocks(prompt: list[int], bs: int, by_hash: dict[str, int]) -> list[
 
 
 def engine_admits(case: tuple) -> bool:
-    """The server's answer: _Server.admit on the case's pool, with len(running) requests
-    running."""
+    """The server's answer: its scheduler's admission rule on the case's pool, with
+    len(running) requests running."""
     pool, seq, _, n_running = admission_state(case)
     prompt = list(case[4])
-    s = _Sequence(99, Request(prompt, 1), prompt, False)
-    s.seq = list(seq)
-    server = _Server(None, pool, 4, True, False, [object()] * n_running, deque())
-    return server.admit(s)
+    s = Sequence(99, Request(prompt, 1), prompt, False)
+    s.tokens = list(seq)
+    scheduler = Scheduler(pool)
+    scheduler.running = [object()] * n_running
+    return scheduler.policy.fits(scheduler, s, scheduler.admission(s))
 
 
 def _admission_numbers(pool: BlockPool, n_tokens: int, shared: list[int]) -> dict:
-    bs = pool.block_size
+    bs = pool.page_size
     return dict(free=pool.n_free, ceil=_ceil(n_tokens, bs), floor=n_tokens // bs,
                 held=sum(pool.ref[b] > 0 for b in shared), shared=len(shared),
                 refs=sum(pool.ref[b] for b in shared))
@@ -750,11 +752,12 @@ def check_can_admit(can_admit) -> None:
         pool, seq, shared, n_running = admission_state(case)
         want = engine_admits(case)
         refs = [pool.ref[b] for b in shared]
-        where = (f"{label}: block_size={pool.block_size}, pool.n_free={pool.n_free}, "
+        where = (f"{label}: pool.page_size={pool.page_size}, pool.n_free={pool.n_free}, "
                  f"n_tokens={len(seq)}, shared={shared} (reference counts {refs}), "
                  f"n_running={n_running}")
         books = (list(pool.ref), list(pool.free), dict(pool.by_hash))
-        with forbid(name, _Server.admit, _Server.shared_prefix):
+        with forbid(name, Scheduler.admission, FirstComeFirstServed.fits,
+                    BlockPool.cached_prefix):
             got = call_hinted(name, where, lambda e: "your function raised on this input",
                                can_admit, pool, len(seq), list(shared), n_running)
         if (list(pool.ref), list(pool.free), dict(pool.by_hash)) != books:
@@ -796,7 +799,7 @@ def peak_blocks_in_use(pool: BlockPool) -> int:
     """The most blocks held at once (reference count above 0), replayed from the pool's log."""
     ref: dict[int, int] = {}
     peak = 0
-    for _, what, block, _ in pool.log:
+    for what, block, _ in pool.log:
         if what == "allocate":
             ref[block] = 1
         elif what == "share":
@@ -815,7 +818,7 @@ def measure_peak(prompt_len: int, prefix_caching: bool) -> int:
     prompt = list(range(100, 100 + prompt_len))
     requests = [Request(list(prompt), PEAK_NEW) for _ in range(PEAK_SAMPLES)]
     with torch.inference_mode():
-        outs = serve(_tiny_model(), requests, block_size=PEAK_BLOCK, prefix_caching=prefix_caching)
+        outs = serve(_tiny_model(), requests, page_size=PEAK_BLOCK, prefix_caching=prefix_caching)
     return peak_blocks_in_use(outs.pool)
 
 
@@ -907,38 +910,36 @@ class BuggyPagedCache(PagedCache):
     sequence's last positions whenever the new length is not a multiple of block_size."""
 
     def crop(self, max_length):
-        t, bs = self.tables[0], self.pool.block_size
+        t, bs = self.tables[0], self.pool.page_size
         t.length = max_length
         while len(t.blocks) * bs > max_length:        # a block past the end goes back
             self.pool.release(t.blocks.pop(), t.owner)
-        del t.hashes[max_length // bs:]
 
 
 # (what the case is about, block_size, this table (blocks, length), the others' blocks, new
-# length, blocks holding a hash)
+# length)
 CROP_CASES = [
-    ("a rollback to the middle of a block", 4, ([3, 0, 5], 11), [], 6, []),
-    ("a rollback to a block boundary", 4, ([3, 0, 5], 11), [], 8, []),
-    ("a rollback that keeps every block", 4, ([2, 6], 8), [], 7, []),
-    ("a rollback to one position", 4, ([1, 4, 2], 12), [], 1, []),
+    ("a rollback to the middle of a block", 4, ([3, 0, 5], 11), [], 6),
+    ("a rollback to a block boundary", 4, ([3, 0, 5], 11), [], 8),
+    ("a rollback that keeps every block", 4, ([2, 6], 8), [], 7),
+    ("a rollback to one position", 4, ([1, 4, 2], 12), [], 1),
     ("a rollback past a block another sequence shares (reference count 2)", 4,
-     ([0, 1, 2, 3], 14), [[0, 1, 2, 5]], 5, []),
+     ([0, 1, 2, 3], 14), [[0, 1, 2, 5]], 5),
     ("a rollback in blocks of 16, through a reserved block past the end", 16,
-     ([4, 1, 7], 33), [], 20, []),
-    ("a rollback that forgets a full block's hash", 4, ([3, 0, 5], 12), [], 6, [3, 0]),
-    ("blocks of 1 position", 1, ([5, 2, 7, 1], 4), [], 2, []),
+     ([4, 1, 7], 33), [], 20),
+    ("a rollback from full blocks to the middle of one", 4, ([3, 0, 5], 12), [], 6),
+    ("blocks of 1 position", 1, ([5, 2, 7, 1], 4), [], 2),
 ]
 
 
 def crop_pool(case):
     """The case's pool (just the books), the tables of the others, and this table."""
-    _, bs, (blocks, length), others, _, hashed = case
+    _, bs, (blocks, length), others, _ = case
     used = set(blocks) | {b for o in others for b in o}
     num_blocks = max(used) + 3
     pool = BlockPool(_config(1, 1, 1), num_blocks, bs)
     tables = [BlockTable(i + 1, list(o), len(o) * bs) for i, o in enumerate(others)]
-    mine = BlockTable(0, list(blocks), length,
-                      hashes=[_hash_of(b) for b in blocks[:length // bs] if b in hashed])
+    mine = BlockTable(0, list(blocks), length)
     pool.ref = [sum(b in t.blocks for t in tables + [mine]) for b in range(num_blocks)]
     pool.free = deque(b for b in range(num_blocks) if pool.ref[b] == 0)
     return pool, tables, mine
@@ -959,9 +960,6 @@ def _crop_hint(got: BlockTable, want: BlockTable, pool, want_pool, blocks0) -> s
                 "more: give it back (pool.release), or it is lost to every other request")
     if got.length != want.length:
         return "the table's length is the new length"
-    if got.hashes != want.hashes:
-        return ("a full block the rollback cuts into (or drops) is no longer a full prompt block: "
-                "keep the hashes of the blocks still full, max_length // block_size of them")
     return "give back the blocks past the end with pool.release(block, owner), last first"
 
 
@@ -976,28 +974,27 @@ def check_crop(cache_class) -> None:
              "pass the class itself, with its crop method fixed")
     same_as_buggy = 0
     for case in CROP_CASES:
-        label, bs, (blocks0, length), others, n, _ = case
+        label, bs, (blocks0, length), others, n = case
         where = f"{label}: block_size={bs}, table.blocks={blocks0}, length {length} → {n}"
         pool, tables, mine = crop_pool(case)
         want_pool, want = copy.deepcopy(pool), copy.deepcopy(mine)
         PagedCache(want_pool, [want]).crop(n)
         buggy_pool, buggy = copy.deepcopy(pool), copy.deepcopy(mine)
         BuggyPagedCache(buggy_pool, [buggy]).crop(n)
-        with forbid(name, PagedCache.crop):
+        with forbid(name, PagedCache.crop, BlockPool.crop):
             call_hinted(name, where, lambda e: "your crop raised on this input",
                         lambda: cache_class(pool, [mine]).crop(n))
-        state = (mine.blocks, mine.length, mine.hashes, pool.ref, list(pool.free))
-        wanted = (want.blocks, want.length, want.hashes, want_pool.ref, list(want_pool.free))
-        same_as_buggy += state == (buggy.blocks, buggy.length, buggy.hashes, buggy_pool.ref,
+        state = (mine.blocks, mine.length, pool.ref, list(pool.free))
+        wanted = (want.blocks, want.length, want_pool.ref, list(want_pool.free))
+        same_as_buggy += state == (buggy.blocks, buggy.length, buggy_pool.ref,
                                    list(buggy_pool.free))
-        if state[:3] != wanted[:3]:
+        if state[:2] != wanted[:2]:
             hint = _crop_hint(mine, want, pool, want_pool, blocks0)
-            if state[:3] == (buggy.blocks, buggy.length, buggy.hashes):
+            if state[:2] == (buggy.blocks, buggy.length):
                 hint = "this is BuggyPagedCache's crop unchanged: " + CROP_SYMPTOM
-            fail(name, where, f"table.blocks={want.blocks}, length {want.length}, hashes "
-                 f"{len(want.hashes)}", f"table.blocks={mine.blocks}, length {mine.length}, "
-                 f"hashes {len(mine.hashes)}", hint)
-        if state[3:] != wanted[3:]:
+            fail(name, where, f"table.blocks={want.blocks}, length {want.length}",
+                 f"table.blocks={mine.blocks}, length {mine.length}", hint)
+        if state[2:] != wanted[2:]:
             freed = [b for b in blocks0 if b not in mine.blocks]
             shared = [b for b in freed if want_pool.ref[b] > 0]
             hint = ("block {b} is shared (another sequence holds it too): giving it back drops "
