@@ -49,13 +49,12 @@ def generate(argv: list[str]) -> int:
     from .course.tokenizer import load_tokenizer
     from .engine import GPT, PRESETS, GPTConfig
     from .engine import generate as run
-    from .engine.validate import MODES
 
     parser = argparse.ArgumentParser(prog="python -m minikv generate",
                                      description="generate tokens and print them with the "
                                                  "engine's stats")
     parser.add_argument("--prompt", required=True, help="text to continue")
-    parser.add_argument("--mode", choices=MODES, default="cached")
+    parser.add_argument("--mode", choices=("naive", "cached"), default="cached")
     parser.add_argument("--max-new-tokens", type=int, default=20)
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--model", choices=COURSE_MODELS, default=None,

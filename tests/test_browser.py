@@ -329,7 +329,7 @@ def chapter_06_pool_steps():
                             arrival=1),
              minikv.Request(tok.encode("Once upon a time"), 24, arrival=2),
              minikv.Request(tok.encode("The color of dog"), 12, arrival=2)]
-    return minikv.serve(target, small, block_size=4, num_blocks=10, trace=True).pool_steps
+    return minikv.serve(target, small, page_size=4, num_blocks=10, trace=True).pool_steps
 
 
 def test_many_requests_chapter_in_jupyterlab(session):

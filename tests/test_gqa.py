@@ -59,7 +59,7 @@ def test_every_decoder_runs_a_gqa_model(n_kv_head):
         want, minikv.generate(model, [9, 8, 7, 6, 5], n).tokens]
     requests = [minikv.Request(prompt, n), minikv.Request([1, 2] * 10, 9, arrival=2),
                 minikv.Request([4] * 5, 30, arrival=1)]
-    outs = minikv.serve(model, requests, block_size=4, num_blocks=30)
+    outs = minikv.serve(model, requests, page_size=4, num_blocks=30)
     assert [o.tokens for o in outs] == [minikv.generate(model, r.prompt, r.max_new_tokens).tokens
                                         for r in requests]
     assert outs.pool.keys[0].shape[1] == n_kv_head

@@ -13,12 +13,12 @@ TOOLING = ("viz", "course", "bench")
 # to the column limit). Each feature added after the seams issue brings its own allowance, so
 # growth is a decision, not a drift.
 ENGINE_STATEMENT_BUDGET = sum({
-    "the engine as the seams issue (30) left it: model, caches, decoders, server": 1560,
+    "the engine as the seams issue (30) left it: model, caches, decoders, server": 1570,
 }.values())
 # The shape of readable code, measured as code-review-2026-11-25.md measured it (section 2).
 LONGEST_FUNCTION = 45       # lines, signature and docstring included (nano-vllm's engine: 49)
-WIDE_SHARE = 0.14           # of non-blank lines at 90 columns or more (the anchors: 5-13%)
-VALIDATION_SHARE = 0.18     # of code lines that only check input (the anchors: 1-11%)
+WIDE_SHARE = 0.10           # of non-blank lines at 90 columns or more (the anchors: 5-13%)
+VALIDATION_SHARE = 0.14     # of code lines that only check input (the anchors: 1-11%)
 
 
 def imported_modules(source: str, package: str) -> list[tuple[int, str]]:
@@ -158,6 +158,10 @@ SEAMS = {  # file -> the names ARCHITECTURE.md tells a newcomer to use there
     "lookup.py": ["propose_by_lookup"],
     "verify.py": ["verify_and_commit"],
     "attention.py": [],
+    "scheduler.py": ["Scheduler", "FirstComeFirstServed", "next_waiting", "fits", "victim",
+                     "TokenBudget", "step"],
+    "serving.py": ["Runner"],
+    "paged.py": ["BlockPool"],
     "model.py": ["causal_attention"],
     "records.py": ["GenerationOutput", "TraceEvent"],
     "validate.py": ["int_at_least", "token_ids", "fits"],
@@ -196,3 +200,13 @@ def test_the_cache_contract_is_what_architecture_says():
     assert {"check_fits", "crop", "restored_on_error", "max_len"} <= set(vars(Cache))
     assert "propose" in inspect.signature(speculate).parameters
     assert "attention" in inspect.signature(GPT.forward).parameters
+
+
+def test_the_readme_reads_the_engine_in_the_order_the_engine_gives():
+    order = re.sub(r"\s+", " ", ast.get_docstring(ast.parse((ENGINE / "__init__.py").read_text())))
+    given = re.findall(r"\b([a-z]+)\b", order.split("Read ", 1)[1].split(";")[0])
+    readme = (PACKAGE.parent / "README.md").read_text()
+    listed = re.findall(r"^\| \[`([a-z_]+)\.py`\]\(minikv/engine/", readme, flags=re.M)
+    files = sorted(p.stem for p in ENGINE.glob("*.py") if p.stem != "__init__")
+    assert sorted(listed) == files, "README's engine table must list every engine file once"
+    assert listed == [w for w in given if w in files], "README's order differs from the engine's"

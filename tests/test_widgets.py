@@ -167,7 +167,7 @@ def pool_steps():
                 minikv.Request([50, 51, 52, 53], 24, arrival=2),
                 minikv.Request([60, 61, 62, 63], 12, arrival=2),
                 minikv.Request([70, 71, 72], 20, arrival=3)]
-    return minikv.serve(varied_model(), requests, block_size=4, num_blocks=10,
+    return minikv.serve(varied_model(), requests, page_size=4, num_blocks=10,
                         trace=True).pool_steps
 
 

@@ -100,7 +100,7 @@ def continuous_batching(model, requests: list[Request], block_size: int, num_blo
     model. Waste: the most unused positions a request ever held in its blocks. Batch: the mean
     and the largest number of requests in a decode pass."""
     with PassCount(model) as passes:
-        outs = serve(model, requests, block_size=block_size, num_blocks=num_blocks, trace=True,
+        outs = serve(model, requests, page_size=block_size, num_blocks=num_blocks, trace=True,
                      prefix_caching=prefix_caching, max_running=max_running)
     waste = max((len(blocks) * block_size - step.lengths[r]
                  for step in outs.pool_steps for r, blocks in step.tables.items()), default=0)
@@ -195,7 +195,7 @@ def prefix_caching_run(model, shared: list[int], suffixes: list[list[int]], bloc
     one token: every step is one request's prefill, so its time is that request's time to first
     token. K/V computed and reused positions, with or without prefix caching."""
     requests = [Request(shared + s, 1, arrival=i) for i, s in enumerate(suffixes)]
-    outs = serve(model, requests, block_size=block_size, prefix_caching=prefix_caching)
+    outs = serve(model, requests, page_size=block_size, prefix_caching=prefix_caching)
     reused = sum(o.stats.reused for o in outs)
     return {"kv_computed": sum(len(r.prompt) for r in requests) - reused, "reused": reused,
             "reused_each": [o.stats.reused for o in outs], "tokens": [o.tokens for o in outs]}

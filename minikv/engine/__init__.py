@@ -1,7 +1,7 @@
 """The engine: a GPT-2 and the ways it decodes with a KV cache. Read config, model,
-cache, sampling, generate, records, verify, speculative, lookup, batch, paged, serving,
-then the caches that hold less (quantized, window), then validate; it imports no tooling.
-"""
+cache, sampling, generate, records, verify, speculative, lookup, attention, batch, paged,
+scheduler, serving, then the caches that hold less (quantized, window), then validate; it
+imports no tooling."""
 from .batch import generate_batch
 from .cache import Cache, KVCache, kv_cache_bytes
 from .config import PRESETS, GPTConfig
@@ -11,6 +11,7 @@ from .model import GPT, causal_attention
 from .quantized import QuantizedKVCache
 from .records import GenerationOutput, KVCounter, Stats, TraceEvent
 from .sampling import SamplingParams
+from .scheduler import FirstComeFirstServed, Scheduler, TokenBudget
 from .serving import Request, RequestOutput, serve
 from .speculative import Proposal, speculate, speculative_generate
 from .verify import Verdict, verify_and_commit
@@ -20,4 +21,5 @@ __all__ = ["Cache", "KVCache", "kv_cache_bytes", "PRESETS", "GPTConfig", "Genera
            "generate", "GPT", "causal_attention", "KVCounter", "Stats", "TraceEvent",
            "SamplingParams", "Request", "RequestOutput", "serve", "speculative_generate",
            "speculate", "Proposal", "lookup_generate", "generate_batch", "QuantizedKVCache",
-           "SinkWindowCache", "Verdict", "verify_and_commit"]
+           "SinkWindowCache", "Verdict", "verify_and_commit", "Scheduler",
+           "FirstComeFirstServed", "TokenBudget"]

@@ -73,23 +73,37 @@ class KVCache(Cache):
                      max_len=max_len)
         for name, value in sizes.items():
             int_at_least(f"KVCache {name}", value)
-        self.n_layer = n_layer
-        self.batch_size = batch_size
-        self.n_head = n_head
         self.head_dim = head_dim
-        self.max_len = max_len
-        self.device = torch.empty(0, device=device).device  # as tensors name it: cuda:0
         self.dtype = dtype
         self._length = 0
-        self._allocate()
+        self._allocate(n_layer, batch_size, n_head, max_len, device)
 
-    def _allocate(self) -> None:
-        shape = (self.batch_size, self.n_head, self.max_len, self.head_dim)
-        self.keys = [self._zeros(shape) for _ in range(self.n_layer)]
-        self.values = [self._zeros(shape) for _ in range(self.n_layer)]
+    def _allocate(self, n_layer: int, batch_size: int, n_head: int, max_len: int,
+                  device) -> None:
+        shape = (batch_size, n_head, max_len, self.head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=self.dtype) for _ in range(n_layer)]
+        self.values = [torch.zeros_like(k) for k in self.keys]
 
-    def _zeros(self, shape: tuple, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return torch.zeros(shape, device=self.device, dtype=dtype or self.dtype)
+    # --- sizes, read off the buffers: what the slots can really hold -------------------
+    @property
+    def n_layer(self) -> int:
+        return len(self.keys)
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def n_head(self) -> int:
+        return self.keys[0].shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.keys[0].shape[2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys[0].device
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, batch_size: int = 1, max_len: int | None = None,
@@ -140,8 +154,8 @@ class KVCache(Cache):
     def fork(self) -> KVCache:
         """An independent copy of the live prefix, for branching (e.g. asking a question
         mid-sequence). It copies every layer's keys and values."""
-        twin = copy.copy(self)  # the same sizes and settings; new buffers below
-        twin._allocate()
+        twin = copy.copy(self)  # the same settings; new buffers below
+        twin._allocate(self.n_layer, self.batch_size, self.n_head, self.max_len, self.device)
         for src, dst in zip(self._buffers(), twin._buffers()):
             dst[:, :, :self._length] = src[:, :, :self._length]
         return twin

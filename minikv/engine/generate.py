@@ -26,7 +26,7 @@ def generate(model, ids, max_new_tokens: int, mode: str = "cached", temperature:
     int_at_least("max_new_tokens", max_new_tokens, 0)
     past = 0 if cache is None else cache.get_seq_length()
     needed = past + len(prompt) + max_new_tokens - 1  # the last new token is never fed back
-    _check_call(model, needed, mode, sp, cache, position_offset_bug)
+    _check_call(model, prompt, max_new_tokens, needed, mode, sp, cache, position_offset_bug)
     if mode == "cached" and cache is None and max_new_tokens > 0:
         cache = KVCache.for_model(model, max_len=needed)
     device = model.device
@@ -83,13 +83,16 @@ def _finish(out: GenerationOutput, kv_computed: int) -> GenerationOutput:
     return out
 
 
-def _check_call(model, needed, mode, sp, cache, position_offset_bug) -> None:
+def _check_call(model, prompt, max_new_tokens, needed, mode, sp, cache,
+                position_offset_bug) -> None:
     if mode not in ("naive", "cached"):
         raise ValueError(f"unknown mode {mode!r}; choose one of ('naive', 'cached')")
     if mode == "naive" and (cache is not None or position_offset_bug):
         raise ValueError("cache= and position_offset_bug= only apply to mode='cached'")
     sp.check_vocab(model.config.vocab_size)
-    fits(needed, model.config.block_size, "this call", "max_new_tokens or shorten the prompt")
+    past = needed + 1 - len(prompt) - max_new_tokens
+    fits(needed, model.config.block_size, f"{past} cached + {len(prompt)} prompt + "
+         f"{max_new_tokens} new tokens", "max_new_tokens or shorten the prompt")
     if cache is not None and cache.max_len is not None and needed > cache.max_len:
         raise ValueError(f"the cache holds {cache.max_len} positions but this call needs "
                          f"{needed}; pass a larger cache or lower max_new_tokens")

@@ -171,7 +171,7 @@ def _check_inputs(model: GPT, idx, cache, positions) -> None:
         raise TypeError(f"idx must be an integer tensor of token ids, got {got}; "
                         f"use torch.tensor([ids], dtype=torch.long)")
     if idx.dim() != 2 or idx.shape[1] == 0 or idx.device != model.device:
-        raise ValueError(f"idx must be (batch, T) with T >= 1 on {model.device}, got "
+        raise ValueError(f"idx must have shape (batch, T), T >= 1, on {model.device}; got "
                          f"{tuple(idx.shape)} on {idx.device}; add a batch dimension with "
                          f"idx[None], move it with idx.to(model.device)")
     outside = idx[(idx < 0) | (idx >= cfg.vocab_size)]

@@ -50,14 +50,17 @@ class QuantizedKVCache(KVCache):
         super().__init__(n_layer, batch_size, n_head, head_dim, max_len, device=device,
                          dtype=dtype)
 
-    def _allocate(self) -> None:
+    def _allocate(self, n_layer: int, batch_size: int, n_head: int, max_len: int,
+                  device) -> None:
         width = self.head_dim if self.bits == 8 else -(-self.head_dim // 2)  # 2 codes a byte
-        codes = (self.batch_size, self.n_head, self.max_len, width)
-        scales = (self.batch_size, self.n_head, self.max_len, 1)
-        self.keys = [self._zeros(codes, torch.uint8) for _ in range(self.n_layer)]
-        self.values = [self._zeros(codes, torch.uint8) for _ in range(self.n_layer)]
-        self.key_scales = [self._zeros(scales) for _ in range(self.n_layer)]
-        self.value_scales = [self._zeros(scales) for _ in range(self.n_layer)]
+        codes = (batch_size, n_head, max_len, width)
+        scales = (batch_size, n_head, max_len, 1)
+        self.keys = [torch.zeros(codes, device=device, dtype=torch.uint8)
+                     for _ in range(n_layer)]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.key_scales = [torch.zeros(scales, device=device, dtype=self.dtype)
+                           for _ in range(n_layer)]
+        self.value_scales = [torch.zeros_like(s) for s in self.key_scales]
 
     def _buffers(self) -> list[torch.Tensor]:
         return self.keys + self.values + self.key_scales + self.value_scales
