@@ -31,7 +31,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.n_head = cfg.n_head
+        self.n_kv_head = cfg.kv_heads
+        self.head_dim = cfg.head_dim
         kv = cfg.kv_heads * cfg.head_dim  # = n_embd in GPT-2; less with grouped-query attention
         self.c_attn = nn.Linear(cfg.n_embd, cfg.n_embd + 2 * kv)  # Q, K and V, every head at once
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
