@@ -14,46 +14,8 @@ from minikv.engine.cache import Cache
 
 from conftest import solution_check_cells, stub
 
-
-# --- exercise 1: cache bytes ---------------------------------------------------------------------
-def cache_bytes(cfg, seq_len, batch_size=1, bytes_per_value=2, n_kv_head=None):
-    heads = cfg.n_head if n_kv_head is None else n_kv_head
-    return cfg.n_layer * 2 * batch_size * heads * seq_len * cfg.head_dim * bytes_per_value
-
-
-def cache_bytes_no_v(cfg, seq_len, batch_size=1, bytes_per_value=2, n_kv_head=None):  # keys only
-    heads = cfg.n_head if n_kv_head is None else n_kv_head
-    return cfg.n_layer * batch_size * heads * seq_len * cfg.head_dim * bytes_per_value
-
-
-def cache_bytes_ignores_gqa(cfg, seq_len, batch_size=1, bytes_per_value=2, n_kv_head=None):
-    return cfg.n_layer * 2 * batch_size * cfg.n_head * seq_len * cfg.head_dim * bytes_per_value
-
-
-def cache_bytes_group_size(cfg, seq_len, batch_size=1, bytes_per_value=2, n_kv_head=None):
-    heads = cfg.n_head if n_kv_head is None else cfg.n_head // n_kv_head
-    return cfg.n_layer * 2 * batch_size * heads * seq_len * cfg.head_dim * bytes_per_value
-
-
-def cache_bytes_no_batch(cfg, seq_len, batch_size=1, bytes_per_value=2, n_kv_head=None):
-    return cache_bytes(cfg, seq_len, 1, bytes_per_value, n_kv_head)
-
-
-def cache_bytes_one_layer(cfg, seq_len, batch_size=1, bytes_per_value=2, n_kv_head=None):
-    return cache_bytes(cfg, seq_len, batch_size, bytes_per_value, n_kv_head) // cfg.n_layer
-
-
-def cache_bytes_values_not_bytes(cfg, seq_len, batch_size=1, bytes_per_value=2, n_kv_head=None):
-    return cache_bytes(cfg, seq_len, batch_size, 1, n_kv_head)
-
-
-def cache_bytes_bits(cfg, seq_len, batch_size=1, bytes_per_value=2, n_kv_head=None):
-    return 8 * cache_bytes(cfg, seq_len, batch_size, bytes_per_value, n_kv_head)
-
-
-def cache_bytes_n_embd(cfg, seq_len, batch_size=1, bytes_per_value=2, n_kv_head=None):
-    heads = cfg.n_head if n_kv_head is None else n_kv_head
-    return cfg.n_layer * 2 * batch_size * heads * seq_len * cfg.n_embd * bytes_per_value
+# --- exercises 1 and 2, tables (tests/test_checks_table.py): what a table cannot state ----------
+cache_bytes, kv_work = ch02._bytes, ch02._kv_work
 
 
 def cache_bytes_mib(cfg, seq_len, batch_size=1, bytes_per_value=2, n_kv_head=None):
@@ -75,66 +37,18 @@ def cache_bytes_engine(cfg, seq_len, batch_size=1, bytes_per_value=2, n_kv_head=
     return minikv.kv_cache_bytes(cfg, seq_len, batch_size, dtype, n_kv_head)
 
 
-# --- exercise 2: K/V work ------------------------------------------------------------------------
-def kv_work(prompt_len, new_tokens):
-    if new_tokens == 0:
-        return 0, 0
-    naive = sum(prompt_len + i for i in range(new_tokens))
-    return naive, prompt_len + new_tokens - 1
-
-
-def kv_work_seed_formula(prompt_len, new_tokens):  # N(N+1)/2 and N: right only for a 1-token prompt
-    return new_tokens * (new_tokens + 1) // 2, new_tokens
-
-
-def kv_work_feeds_last(prompt_len, new_tokens):  # one pass too many: the last new token fed too
-    n = new_tokens
-    return n * prompt_len + n * (n + 1) // 2, prompt_len + n
-
-
-def kv_work_prefill_one(prompt_len, new_tokens):  # the prefill counted as one vector
-    n = new_tokens
-    return (n * prompt_len + n * (n - 1) // 2, n) if n else (0, 0)
-
-
-def kv_work_no_growth(prompt_len, new_tokens):  # naive recomputes the prompt only
-    n = new_tokens
-    return (n * prompt_len, prompt_len + n - 1) if n else (0, 0)
-
-
-def kv_work_swapped(prompt_len, new_tokens):
-    return tuple(reversed(kv_work(prompt_len, new_tokens)))
-
-
-def kv_work_no_zero_case(prompt_len, new_tokens):  # no special case for new_tokens = 0
-    n = new_tokens
-    return n * prompt_len + n * (n - 1) // 2, prompt_len + n - 1
+def cache_bytes_real_off(cfg, seq_len, batch_size=1, bytes_per_value=2, n_kv_head=None):
+    return cache_bytes(cfg, seq_len, batch_size, bytes_per_value, n_kv_head) + (seq_len == 37)
 
 
 def kv_work_float(prompt_len, new_tokens):  # "/ 2": (25.0, 7.0) for the seed's table
-    if new_tokens == 0:
-        return 0, 0
     n = new_tokens
-    return n * prompt_len + n * (n - 1) / 2, prompt_len + n - 1
+    return (n * prompt_len + n * (n - 1) / 2, prompt_len + n - 1) if n else (0, 0)
 
 
 def kv_work_half_off(prompt_len, new_tokens):  # 25.5 for 25: int() truncation would let it pass
     naive, cached = kv_work(prompt_len, new_tokens)
     return naive + 0.5, cached
-
-
-def kv_work_numpy(prompt_len, new_tokens):
-    return np.array(kv_work(prompt_len, new_tokens), dtype=np.float32)
-
-
-def kv_work_one_number(prompt_len, new_tokens):  # only the saving
-    naive, cached = kv_work(prompt_len, new_tokens)
-    return naive - cached
-
-
-def kv_work_triple(prompt_len, new_tokens):  # the saving appended
-    naive, cached = kv_work(prompt_len, new_tokens)
-    return naive, cached, naive - cached
 
 
 def kv_work_engine(prompt_len, new_tokens):  # asks the engine instead of counting
@@ -526,16 +440,12 @@ class CacheWrapsEngine(MyKVCache):  # the engine's KVCache inside, built on the 
 
 # --- what the checkers must say ------------------------------------------------------------------
 SOLUTIONS = [
-    (ch02.check_cache_bytes, (cache_bytes,), "cache_bytes"),
-    (ch02.check_kv_work, (kv_work,), "kv_work"),
     (ch02.check_cached_attention, (cached_attention,), "cached_attention"),
     (ch02.check_cached_attention, (cached_attention_sdpa,), "cached_attention"),
     (ch02.check_my_kv_cache, (MyKVCache, cached_attention), "MyKVCache"),
 ]
 
 STUBS = [
-    (ch02.check_cache_bytes, (stub,)),
-    (ch02.check_kv_work, (stub,)),
     (ch02.check_cached_attention, (stub,)),
     (ch02.check_my_kv_cache, (StubCache, stub)),
     (ch02.check_my_kv_cache, (StubCache, cached_attention)),
@@ -543,29 +453,19 @@ STUBS = [
 ]
 
 WRONG = [  # (checker, arguments, a fragment of the message that names the mistake)
-    (ch02.check_cache_bytes, (cache_bytes_no_v,), "only the keys"),
-    (ch02.check_cache_bytes, (cache_bytes_ignores_gqa,), "ignore n_kv_head"),
-    (ch02.check_cache_bytes, (cache_bytes_group_size,), "group size"),
-    (ch02.check_cache_bytes, (cache_bytes_no_batch,), "forget batch_size"),
-    (ch02.check_cache_bytes, (cache_bytes_one_layer,), "forget the layers"),
-    (ch02.check_cache_bytes, (cache_bytes_values_not_bytes,), "count values, not bytes"),
-    (ch02.check_cache_bytes, (cache_bytes_bits,), "count bits"),
-    (ch02.check_cache_bytes, (cache_bytes_n_embd,), "n_embd AND the heads"),
     (ch02.check_cache_bytes, (cache_bytes_mib,), "a float"),
     (ch02.check_cache_bytes, (cache_bytes_float,), "a float (even 3686400.0) is refused"),
-    (ch02.check_cache_bytes, (cache_bytes_numpy,), "numpy float64"),
+    (ch02.check_cache_bytes, (cache_bytes_numpy,), "a float (even 3686400.0) is refused"),
     (ch02.check_cache_bytes, (cache_bytes_engine,), "called minikv's own"),
-    (ch02.check_kv_work, (kv_work_seed_formula,), "seed 003's N(N+1)/2"),
-    (ch02.check_kv_work, (kv_work_feeds_last,), "also feed the last new token"),
-    (ch02.check_kv_work, (kv_work_prefill_one,), "prefill computes the prompt's"),
-    (ch02.check_kv_work, (kv_work_no_growth,), "tokens generated so far"),
-    (ch02.check_kv_work, (kv_work_swapped,), "swapped"),
-    (ch02.check_kv_work, (kv_work_no_zero_case,), "new_tokens=0 means no forward pass"),
+    (ch02.check_cache_bytes, (cache_bytes_real_off,), "hint: compare with KVCache.nbytes"),
+    (ch02.check_cache_bytes, (lambda *a: None,), "did you forget to return it?"),
     (ch02.check_kv_work, (kv_work_float,), "25.0 as much as 25.5"),
-    (ch02.check_kv_work, (kv_work_half_off,), "got:      'tuple (25.5, 7)'"),
-    (ch02.check_kv_work, (kv_work_numpy,), "numpy ndarray"),
-    (ch02.check_kv_work, (kv_work_one_number,), "a pair (naive, cached) of two ints"),
-    (ch02.check_kv_work, (kv_work_triple,), "a pair (naive, cached) of two ints"),
+    (ch02.check_kv_work, (kv_work_half_off,), "got:      (25.5, 7)"),
+    (ch02.check_kv_work, (lambda p, n: np.array(kv_work(p, n), dtype=np.float32),),
+     "a pair (naive, cached) of two ints"),
+    (ch02.check_kv_work, (lambda p, n: kv_work(p, n)[0] - kv_work(p, n)[1],),
+     "a pair (naive, cached) of two ints"),
+    (ch02.check_kv_work, (lambda p, n: (*kv_work(p, n), 0),), "a pair (naive, cached) of two"),
     (ch02.check_kv_work, (kv_work_engine,), "called minikv's own"),
     (ch02.check_cached_attention, (cached_attention_is_causal,), "is_causal=True"),
     (ch02.check_cached_attention, (cached_attention_is_causal_for_chunks,), "top-left corner"),
@@ -665,19 +565,6 @@ def test_a_learner_drawing_random_numbers_leaves_the_rng_alone():
     torch.manual_seed(5)
     ch02.check_kv_work(noisy)
     assert torch.equal(torch.rand(3), expected)
-
-
-def test_a_patched_checker_does_not_silence_the_check_cell(monkeypatch):
-    """One line in an exercise cell that replaces the checker must not make a wrong answer pass:
-    the check cells run a fresh copy of ch02, loaded from the package's file."""
-    import minikv.course.checks as checks
-
-    def silent(fn):
-        print("✓ kv_work: all 9 cases pass")
-    monkeypatch.setattr(ch02, "check_kv_work", silent)
-    monkeypatch.setattr(ch02, "_KV_WORK_MISTAKES", [])
-    with pytest.raises(CheckFailed, match="seed 003's N"):
-        checks.fresh("ch02").check_kv_work(kv_work_seed_formula)
 
 
 def test_a_replaced_engine_function_is_refused(monkeypatch):

@@ -35,14 +35,16 @@ from ...engine import (
 from ..checkpoint import load_course_model
 from . import (
     CheckFailed,
+    Exercise,
     as_int,
     call_hinted,
-    diagnose,
     expect,
     fail,
     forbid,
     guarded,
     int_list,
+    integer,
+    ints,
     passed,
     prediction,
     same_cache_prefix,
@@ -66,142 +68,109 @@ def _what(value) -> str:
 
 # --- exercise 1: cache bytes ----------------------------------------------------------------------
 
-def _bytes_mistakes():
-    def heads(cfg, kvh):
-        return cfg.n_head if kvh is None else kvh
-
-    def right(cfg, s, b, nb, kvh):
-        return cfg.n_layer * 2 * b * heads(cfg, kvh) * s * cfg.head_dim * nb
-    return [
-        (lambda cfg, s, b, nb, kvh: right(cfg, s, b, nb, kvh) // 2,
-         "this is what you get when you count only the keys (or only the values): the cache "
-         "holds both, so x 2"),
-        (lambda cfg, s, b, nb, kvh: right(cfg, s, b, nb, None),
-         "this is what you get when you ignore n_kv_head: with grouped-query attention only "
-         "n_kv_head K/V heads are cached, not n_head"),
-        (lambda cfg, s, b, nb, kvh: right(cfg, s, b, nb, cfg.n_head // kvh if kvh else None),
-         "this is what you get when you use the group size n_head // n_kv_head: n_kv_head is "
-         "itself the number of cached K/V heads"),
-        (lambda cfg, s, b, nb, kvh: right(cfg, s, 1, nb, kvh),
-         "this is what you get when you forget batch_size: every sequence has its own cache"),
-        (lambda cfg, s, b, nb, kvh: right(cfg, s, b, nb, kvh) // cfg.n_layer,
-         "this is what you get when you forget the layers: every layer caches its own K and V"),
-        (lambda cfg, s, b, nb, kvh: right(cfg, s, b, 1, kvh),
-         "this is what you get when you count values, not bytes: multiply by bytes_per_value"),
-        (lambda cfg, s, b, nb, kvh: right(cfg, s, b, nb, kvh) * 8,
-         "this is what you get when you count bits: the answer is in bytes"),
-        (lambda cfg, s, b, nb, kvh: right(cfg, s, b, nb, kvh) * cfg.n_head,
-         "this is what you get when you multiply by n_embd AND the heads: n_embd = n_head x "
-         "head_dim already counts every head"),
-    ]
+def _bytes(cfg, s, b, nb, kvh):
+    """The right count, in the learner's form (kv_cache_bytes, which the exercise forbids, is the
+    reference)."""
+    return cfg.n_layer * 2 * b * (cfg.n_head if kvh is None else kvh) * s * cfg.head_dim * nb
 
 
-@guarded
-def check_cache_bytes(cache_bytes) -> None:
-    """cache_bytes(cfg, seq_len, batch_size, bytes_per_value, n_kv_head) -> an int, against
-    kv_cache_bytes and a real cache's nbytes."""
-    name = "cache_bytes"
-    gpt2 = GPTConfig.preset("gpt2")
-    llama = GPTConfig(vocab_size=32000, block_size=4096, n_layer=32, n_head=32, n_embd=4096)
-    dtypes = {1: torch.float8_e4m3fn, 2: torch.float16, 4: torch.float32}
-    cases = [  # cfg, seq_len, batch_size, bytes_per_value, n_kv_head
-        (gpt2, 100, 1, 2, None), (gpt2, 100, 3, 4, None), (gpt2, 1024, 1, 2, None),
-        (gpt2, 0, 1, 2, None), (gpt2, 100, 1, 2, 4), (llama, 4096, 1, 2, 8),
-        (llama, 4096, 8, 1, 8), (llama, 1, 1, 2, 1), (GPTConfig.preset("target"), 256, 2, 4, None),
-    ]
-    rows = []
-    with forbid(name, kv_cache_bytes):
-        for cfg, seq_len, batch, nbytes, kvh in cases:
-            case = (f"n_layer={cfg.n_layer}, n_head={cfg.n_head}, head_dim={cfg.head_dim}, "
-                    f"seq_len={seq_len}, batch_size={batch}, bytes_per_value={nbytes}, "
-                    f"n_kv_head={kvh}")
-            got = _call(name, case, cache_bytes, cfg, seq_len, batch_size=batch,
-                        bytes_per_value=nbytes, n_kv_head=kvh)
-            rows.append(((cfg, seq_len, batch, nbytes, kvh), case, got))
-    wants = [kv_cache_bytes(cfg, s, b, dtypes[nb], n_kv_head=kvh) for cfg, s, b, nb, kvh in cases]
-    wrong = [(args, as_int(got)) for (args, _, got), want in zip(rows, wants)
-             if as_int(got) != want]
-    for (args, case, got), want in zip(rows, wants):
-        value = as_int(got)
-        if value is None:
-            hint = ("a number of bytes is an int: a float (even 3686400.0) is refused; use "
-                    "integer arithmetic and do not convert to MB or MiB"
-                    if isinstance(got, float) else "return one Python int")
-            fail(name, case, want, _what(got), hint)
-        if value != want:
-            fail(name, case, want, value, diagnose({h: m for m, h in _bytes_mistakes()}, wrong)
-                 or "count what the cache holds: in every layer, for every sequence of the batch "
-                    "and every cached position, a key and a value per cached head, each "
-                    "head_dim numbers of bytes_per_value bytes")
-    # and what a real cache holds: a tiny model's fp32 cache after 37 positions
-    model = tiny_model(0)
-    cache = KVCache.for_model(model, max_len=64)
-    with torch.no_grad():
-        model(torch.arange(1, 38)[None], cache=cache)
-    case = "the tiny model's real cache holding 37 positions (fp32)"
-    with forbid(name, kv_cache_bytes):
-        got = _call(name, case, cache_bytes, model.config, 37, batch_size=1, bytes_per_value=4,
-                    n_kv_head=None)
-    expect(as_int(got) == cache.nbytes, name, case, cache.nbytes, got,
-           "compare with KVCache.nbytes")
-    passed(name, len(cases) + 1)
+_TINY_REAL = tiny_model(0)  # its fp32 cache holding 37 positions is the last case
+
+
+def _real_bytes(cfg, s, b, nb, kvh):
+    if cfg is _TINY_REAL.config:  # what a real cache holds
+        cache = KVCache.for_model(_TINY_REAL, max_len=64)
+        with torch.no_grad():
+            _TINY_REAL(torch.arange(1, s + 1)[None], cache=cache)
+        return cache.nbytes
+    dtype = {1: torch.float8_e4m3fn, 2: torch.float16, 4: torch.float32}[nb]
+    return kv_cache_bytes(cfg, s, b, dtype, n_kv_head=kvh)
+
+
+def _bytes_case(cfg, s, b, nb, kvh):
+    if cfg is _TINY_REAL.config:
+        return "the tiny model's real cache holding 37 positions (fp32)"
+    return (f"n_layer={cfg.n_layer}, n_head={cfg.n_head}, head_dim={cfg.head_dim}, seq_len={s}, "
+            f"batch_size={b}, bytes_per_value={nb}, n_kv_head={kvh}")
+
+
+_GPT2, _LLAMA = GPTConfig.preset("gpt2"), GPTConfig(vocab_size=32000, block_size=4096, n_layer=32,
+                                                    n_head=32, n_embd=4096)
+CACHE_BYTES = Exercise(
+    "cache_bytes", cases=[  # cfg, seq_len, batch_size, bytes_per_value, n_kv_head
+        (_GPT2, 100, 1, 2, None), (_GPT2, 100, 3, 4, None), (_GPT2, 1024, 1, 2, None),
+        (_GPT2, 0, 1, 2, None), (_GPT2, 100, 1, 2, 4), (_LLAMA, 4096, 1, 2, 8),
+        (_LLAMA, 4096, 8, 1, 8), (_LLAMA, 1, 1, 2, 1),
+        (GPTConfig.preset("target"), 256, 2, 4, None), (_TINY_REAL.config, 37, 1, 4, None)],
+    describe=_bytes_case, reference=_real_bytes,
+    returns=integer(float_hint="a number of bytes is an int: a float (even 3686400.0) is refused; "
+                               "use integer arithmetic and do not convert to MB or MiB"),
+    mistakes={
+        "this is what you get when you count only the keys (or only the values): the cache "
+        "holds both, so x 2": lambda cfg, s, b, nb, kvh: _bytes(cfg, s, b, nb, kvh) // 2,
+        "this is what you get when you ignore n_kv_head: with grouped-query attention only "
+        "n_kv_head K/V heads are cached, not n_head":
+            lambda cfg, s, b, nb, kvh: _bytes(cfg, s, b, nb, None),
+        "this is what you get when you use the group size n_head // n_kv_head: n_kv_head is "
+        "itself the number of cached K/V heads":
+            lambda cfg, s, b, nb, kvh: _bytes(cfg, s, b, nb, cfg.n_head // kvh if kvh else None),
+        "this is what you get when you forget batch_size: every sequence has its own cache":
+            lambda cfg, s, b, nb, kvh: _bytes(cfg, s, 1, nb, kvh),
+        "this is what you get when you forget the layers: every layer caches its own K and V":
+            lambda cfg, s, b, nb, kvh: _bytes(cfg, s, b, nb, kvh) // cfg.n_layer,
+        "this is what you get when you count values, not bytes: multiply by bytes_per_value":
+            lambda cfg, s, b, nb, kvh: _bytes(cfg, s, b, 1, kvh),
+        "this is what you get when you count bits: the answer is in bytes":
+            lambda cfg, s, b, nb, kvh: _bytes(cfg, s, b, nb, kvh) * 8,
+        "this is what you get when you multiply by n_embd AND the heads: n_embd = n_head x "
+        "head_dim already counts every head":
+            lambda cfg, s, b, nb, kvh: _bytes(cfg, s, b, nb, kvh) * cfg.n_head},
+    otherwise=lambda answers: "compare with KVCache.nbytes" if all(  # only the real cache wrong
+        got == _real_bytes(*case) for case, got in answers if case[0] is not _TINY_REAL.config
+    ) else (
+        "count what the cache holds: in every layer, for every sequence of the batch and every "
+        "cached position, a key and a value per cached head, each head_dim numbers of "
+        "bytes_per_value bytes"),
+    forbid=(kv_cache_bytes,), raised="your code raised on this input", solution=_bytes)
+check_cache_bytes = CACHE_BYTES.check
 
 
 # --- exercise 2: K/V work with and without a cache ------------------------------------------------
 
-_KV_WORK_MISTAKES = [  # each as a student would write it, without a case for new_tokens = 0
-    (lambda p, n: (n * p + n * (n - 1) // 2, p + n - 1),
-     "new_tokens=0 means no forward pass at all: (0, 0); the formula gives a nonzero count "
-     "there"),
-    (lambda p, n: (n * (n + 1) // 2, n),
-     "this is seed 003's N(N+1)/2 and N: right only for a 1-token prompt; here the prompt has "
-     "prompt_len tokens"),
-    (lambda p, n: (n * p + n * (n + 1) // 2, p + n),
-     "this is what you get when you also feed the last new token: it is returned, never fed "
-     "back, so new_tokens tokens take new_tokens passes"),
-    (lambda p, n: (n * p + n * (n - 1) // 2, n),
-     "the naive count is right, but the cached prefill computes the prompt's prompt_len K/V "
-     "vectors, not 1"),
-    (lambda p, n: (n * p, p + n - 1),
-     "the cached count is right, but each naive step also recomputes the tokens generated so "
-     "far: step i feeds prompt_len + i tokens"),
-    (lambda p, n: (p + n - 1, n * p + n * (n - 1) // 2),
-     "the pair is swapped: return (naive, cached)"),
-]
+def _kv_work(p, n):
+    return (n * p + n * (n - 1) // 2, p + n - 1) if n else (0, 0)
 
 
-@guarded
-def check_kv_work(kv_work) -> None:
-    """kv_work(prompt_len, new_tokens) -> (naive, cached), ints, against the K/V vectors the
-    engine counts (stats.kv_computed)."""
-    name = "kv_work"
-    model = tiny_model(0)
-    cases = [(3, 5), (1, 4), (1, 1), (4, 0), (1, 10), (6, 3), (2, 12), (10, 1), (5, 2)]
-    rows = []
-    with forbid(name, generate):
-        for p, n in cases:
-            case = f"prompt_len={p}, new_tokens={n}"
-            rows.append(((p, n), case, _call(name, case, kv_work, p, n)))
-    wants = [(generate(model, list(range(1, p + 1)), n, mode="naive").stats.kv_computed,
-              generate(model, list(range(1, p + 1)), n, mode="cached").stats.kv_computed)
-             for p, n in cases]
-    answers = [(args, tuple(int_list(got)) if int_list(got) is not None else None)
-               for args, _, got in rows]  # None: not a list of ints, refused below
-    wrong = [(args, got) for (args, got), want in zip(answers, wants) if got != want]
-    for (_, case, got), want in zip(rows, wants):
-        pair = int_list(got)
-        if pair is None or len(pair) != 2:
-            floats = isinstance(got, (tuple, list)) and any(isinstance(x, float) for x in got)
-            hint = ("K/V vectors are counted in ints: a float is refused, 25.0 as much as 25.5 "
-                    "(int() would turn 25.5 into 25); use // for the halves"
-                    if floats else "return a pair (naive, cached) of two ints")
-            fail(name, case, want, _what(got), hint)
-        if tuple(pair) != want:
-            fail(name, case, want, tuple(pair),
-                 diagnose({h: m for m, h in _KV_WORK_MISTAKES}, wrong)
-                 or "naive: step i feeds the prompt plus the i tokens made so far; cached: the "
-                    "prompt once, then one token per later step; the last new token is never fed")
-    passed(name, len(cases))
+def _kv_work_measured(p, n):
+    """The K/V vectors the engine counts (stats.kv_computed), naive and cached."""
+    return tuple(generate(_TINY_REAL, list(range(1, p + 1)), n, mode=mode).stats.kv_computed
+                 for mode in ("naive", "cached"))
+
+
+KV_WORK = Exercise(  # each mistake as a student would write it, without a case for new_tokens = 0
+    "kv_work", cases=[(3, 5), (1, 4), (1, 1), (4, 0), (1, 10), (6, 3), (2, 12), (10, 1), (5, 2)],
+    describe=lambda p, n: f"prompt_len={p}, new_tokens={n}", reference=_kv_work_measured,
+    returns=ints(2, "return a pair (naive, cached) of two ints",
+                 float_hint="K/V vectors are counted in ints: a float is refused, 25.0 as much as "
+                            "25.5 (int() would turn 25.5 into 25); use // for the halves"),
+    mistakes={
+        "new_tokens=0 means no forward pass at all: (0, 0); the formula gives a nonzero count "
+        "there": lambda p, n: (n * p + n * (n - 1) // 2, p + n - 1),
+        "this is seed 003's N(N+1)/2 and N: right only for a 1-token prompt; here the prompt has "
+        "prompt_len tokens": lambda p, n: (n * (n + 1) // 2, n),
+        "this is what you get when you also feed the last new token: it is returned, never fed "
+        "back, so new_tokens tokens take new_tokens passes":
+            lambda p, n: (n * p + n * (n + 1) // 2, p + n),
+        "the naive count is right, but the cached prefill computes the prompt's prompt_len K/V "
+        "vectors, not 1": lambda p, n: (n * p + n * (n - 1) // 2, n),
+        "the cached count is right, but each naive step also recomputes the tokens generated so "
+        "far: step i feeds prompt_len + i tokens": lambda p, n: (n * p, p + n - 1),
+        "the pair is swapped: return (naive, cached)": lambda p, n: _kv_work(p, n)[::-1]},
+    otherwise="naive: step i feeds the prompt plus the i tokens made so far; cached: the prompt "
+              "once, then one token per later step; the last new token is never fed",
+    forbid=(generate,), raised="your code raised on this input", solution=_kv_work)
+check_kv_work = KV_WORK.check
+EXERCISES = (CACHE_BYTES, KV_WORK)
 
 
 # --- exercise 3: attention over a cache, any number of new queries --------------------------------
