@@ -28,6 +28,7 @@ checker runs on the CPU in a few seconds and leaves the caller's random state al
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import sys
 
@@ -43,11 +44,15 @@ from ..checkpoint import load_course_model
 from ..evaluate import heldout_losses
 from . import (
     CheckFailed,
+    Exercise,
+    Refused,
+    call,
     call_hinted,
     fail,
     forbid,
     guarded,
     int_list,
+    kind,
     passed,
     prediction,
     tiny_model,
@@ -56,16 +61,6 @@ from . import (
 TEXT = ("A coin's state is heads. Alice flips, then Bob flips, then Carol does not flip. "
         "What's the state? A:")
 
-
-
-def _raised(error: Exception) -> str:
-    return "your function raised on this input"
-
-
-def _kind(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}, {value.dtype}"
-    return f"{type(value).__module__}.{type(value).__name__}".replace("builtins.", "")
 
 
 def _no_return(got) -> str:
@@ -196,7 +191,7 @@ def _check_gqa_output(name: str, case: str, got, q, k, v, given) -> None:
                  "in-place write): inside the model k and v are the cache's own tensors")
     if not isinstance(got, torch.Tensor):
         fail(name, case, f"a torch tensor of shape {tuple(want.shape)} (B, n_head, T, head_dim)",
-             _kind(got), "return the attention output as one torch tensor (not numpy, not a "
+             kind(got), "return the attention output as one torch tensor (not numpy, not a "
              "tuple)" + _no_return(got))
     if tuple(got.shape) != tuple(want.shape):
         fail(name, case, f"shape {tuple(want.shape)} (B, n_head, T, head_dim)",
@@ -230,11 +225,11 @@ def check_gqa_attention(gqa_attention) -> None:
     name = "gqa_attention"
     gen = torch.Generator().manual_seed(70)
     for B, nh, nkv, T, hs in GQA_SHAPES:
-        kind = ("multi-query, one K/V head" if nkv == 1 else
-                "as many K/V heads as query heads (plain multi-head)" if nkv == nh else
-                f"groups of {nh // nkv} query heads")
+        heads = ("multi-query, one K/V head" if nkv == 1 else
+                 "as many K/V heads as query heads (plain multi-head)" if nkv == nh else
+                 f"groups of {nh // nkv} query heads")
         case = (f"q ({B}, {nh}, {T}, {hs}), k and v ({B}, {nkv}, {T}, {hs}): n_head = {nh}, "
-                f"n_kv_head = {nkv}, {kind}")
+                f"n_kv_head = {nkv}, {heads}")
         q = torch.randn(B, nh, T, hs, generator=gen) * 1.5
         k, v = (torch.randn(B, nkv, T, hs, generator=gen) * 1.5 for _ in range(2))
         given = [t.clone() for t in (q, k, v)]
@@ -416,11 +411,11 @@ def _check_quantized(name, case, x, bits, got) -> tuple[torch.Tensor, torch.Tens
     want_codes, want_scales, _ = engine_quantized(x, bits)
     shape, sshape = tuple(x.shape), tuple(want_scales.shape)
     if not isinstance(got, (tuple, list)) or len(got) != 2:
-        fail(name, case, f"a pair (codes {shape}, scales {sshape})", _kind(got),
+        fail(name, case, f"a pair (codes {shape}, scales {sshape})", kind(got),
              "return codes, scales" + _no_return(got))
     codes, scales = got
     if not isinstance(scales, torch.Tensor):
-        fail(name, case, f"scales: a tensor of shape {sshape}", _kind(scales),
+        fail(name, case, f"scales: a tensor of shape {sshape}", kind(scales),
              "return the scales as a torch tensor, one per position: (..., T, 1)")
     if tuple(scales.shape) != sshape:
         fail(name, case, f"scales of shape {sshape}, one per position (..., T, 1)",
@@ -447,7 +442,7 @@ def _check_quantized(name, case, x, bits, got) -> tuple[torch.Tensor, torch.Tens
              f"{want_scales.flatten()[i].item():.6g})",
              f"e.g. {scales.flatten()[i].item():.6g}", _scale_hint(x, scales, bits))
     if not isinstance(codes, torch.Tensor):
-        fail(name, case, f"codes: an integer tensor of shape {shape}", _kind(codes),
+        fail(name, case, f"codes: an integer tensor of shape {shape}", kind(codes),
              "return the codes as a torch tensor of integers (torch.int8 holds 8-bit codes)")
     if tuple(codes.shape) != shape:
         fail(name, case, f"codes of shape {shape}, one per element of x",
@@ -563,7 +558,7 @@ def check_quantize(quantize_block, dequantize_block) -> None:
             codes, scales = _check_channel_quantized(name, case, x, bits, got)
         mine = (codes.clone(), scales.clone())
         with forbid("dequantize_block", *QUANT_FORBIDDEN):
-            out = call_hinted("dequantize_block", case, _raised, dequantize_block, *mine)
+            out = call("dequantize_block", case, dequantize_block, *mine)
         _check_dequantized(case, x, codes, scales, mine, out)
     passed("quantize_block and dequantize_block", len(cases))
 
@@ -584,7 +579,7 @@ def _check_dequantized(case, x, codes, scales, mine, out) -> None:
              "again at every step")
     shape = tuple(x.shape)
     if not isinstance(out, torch.Tensor):
-        fail(name, case, f"a tensor of shape {shape}", _kind(out),
+        fail(name, case, f"a tensor of shape {shape}", kind(out),
              "return x̂ as a torch tensor" + _no_return(out))
     if tuple(out.shape) != shape:
         fail(name, case, f"shape {shape}, x's", f"shape {tuple(out.shape)}",
@@ -618,52 +613,17 @@ def _check_dequantized(case, x, codes, scales, mine, out) -> None:
 WINDOW_PAIRS = [(2, 4), (0, 5), (4, 8), (1, 1), (0, 1), (3, 2), (5, 3), (4, 12)]
 N_TOKENS = 24
 
-WINDOW_PLUS = ("this is what you get keeping window + 1 recent positions: the cache keeps the "
-               "last `window` positions after each pass, the one just written (t) among them: "
-               "t - window + 1 .. t")
-WINDOW_MINUS = ("this is what you get keeping window - 1 recent positions: the last `window` "
-                "positions are t - window + 1 .. t, the one just written among them")
-TWICE = ("this is what you get when the sinks are counted twice: before anything is evicted (t "
-         "< sinks + window) the first positions are both sinks and recent; a position is held "
-         "once. Nothing is evicted until more than sinks + window positions are written")
-UNWRITTEN = ("this lists sinks that are not written yet: after the pass that wrote position t "
-             "only positions 0 .. t exist; while t < sinks the cache holds just those")
-NO_SINKS = ("this is what you get without the sinks: the cache keeps the FIRST `sinks` positions "
-            "too (the attention sinks), evicting only the positions between them and the window")
-LAST_BOTH = ("this is what you get keeping the last sinks + window positions: the first `sinks` "
-             "positions stay for good (the sinks); only the middle is evicted")
-SLOTS = ("these are the cache's slots, 0 .. held - 1, not the positions: return the ABSOLUTE "
-         "position each slot holds (what SinkWindowCache.positions lists)")
-TOKENS = ("this is what you get when t counts the tokens seen: t is the position just written, "
-          "so t + 1 tokens (positions 0 .. t) have been fed")
-
 
 def _right(t: int, s: int, w: int) -> list[int]:
     seen = t + 1
     return list(range(seen)) if seen <= s + w else list(range(s)) + list(range(seen - w, seen))
 
 
-def window_mistakes(t: int, s: int, w: int) -> list[tuple[list[int], str]]:
-    def recent(n):
-        return list(range(max(0, t - n + 1), t + 1))
-
-    def dedup(*parts):
-        return sorted(set().union(*parts))
-    held = _right(t, s, w)
-    return [
-        (dedup(range(min(s, t + 1)), recent(w + 1)), WINDOW_PLUS),
-        (dedup(range(min(s, t + 1)), recent(w - 1)), WINDOW_MINUS),
-        (list(range(min(s, t + 1))) + recent(w), TWICE),
-        (list(range(s)) + recent(w), TWICE),
-        (dedup(range(s), recent(w)), UNWRITTEN),
-        (list(range(s)) + recent(w), UNWRITTEN),
-        (recent(w), NO_SINKS),
-        (recent(s + w), LAST_BOTH),
-        (list(range(len(held))), SLOTS),
-        (_right(t - 1, s, w) if t > 0 else [], TOKENS),
-    ]
+def _recent(t: int, n: int) -> list[int]:
+    return list(range(max(0, t - n + 1), t + 1))
 
 
+@functools.lru_cache(maxsize=None)
 def engine_positions(sinks: int, window: int, n_tokens: int = N_TOKENS) -> list[list[int]]:
     """A real SinkWindowCache fed a text one token per pass (`feed`, one token at a time): the
     positions it holds after each pass, t = 0 .. n_tokens - 1."""
@@ -677,51 +637,67 @@ def engine_positions(sinks: int, window: int, n_tokens: int = N_TOKENS) -> list[
     return held
 
 
-@guarded
-@torch.no_grad()
-def check_held_positions(held_positions) -> None:
-    """held_positions(t, sinks, window) -> the absolute positions a SinkWindowCache holds, in
-    slot order, after the pass that wrote position t (the text fed one token per pass)."""
-    name = "held_positions"
-    n_cases = 0
-    ruled_out: set[int] = set()  # mistakes an earlier case, which the function passed, tells apart
-    for sinks, window in WINDOW_PAIRS:
-        for t, want in enumerate(engine_positions(sinks, window)):
-            case = (f"t={t}, sinks={sinks}, window={window} (fed one token per pass: positions "
-                    f"0 .. {t} written)")
-            with forbid(name, SinkWindowCache.update, feed):
-                got = call_hinted(name, case, _raised, held_positions, t, sinks, window)
-            n_cases += 1
-            _check_held(name, case, t, sinks, window, want, got, ruled_out)
-            ruled_out |= {i for i, (wrong, _) in enumerate(window_mistakes(t, sinks, window))
-                          if wrong != want}
-    passed(name, n_cases)
-
-
-def _check_held(name, case, t, sinks, window, want, got, ruled_out) -> None:
+def _held_list(got, t, sinks, window):
     if isinstance(got, (set, frozenset)):
-        fail(name, case, want, got, "return a list, in the order the cache holds them (its "
-             "slots): the sinks first, then the window, oldest first")
+        raise Refused("return a list, in the order the cache holds them (its slots): the sinks "
+                      "first, then the window, oldest first")
     held = list(got) if isinstance(got, range) else int_list(got)
     if held is None:
-        fail(name, case, want, got, "return a list of ints, the absolute positions held"
-             + _no_return(got))
-    if held == want:
-        return
-    hints = dict.fromkeys(h for i, (wrong, h) in enumerate(window_mistakes(t, sinks, window))
-                          if i not in ruled_out and wrong != want and wrong == held)
-    hint = "; or ".join(hints)
-    if not hint and sorted(held) == want:
-        hint = ("the right positions in the wrong order: list them as the cache holds them, "
+        raise Refused("return a list of ints, the absolute positions held")
+    return held
+
+
+def _held_otherwise(answers) -> str:
+    (t, sinks, window), held = next((c, g) for c, g in answers if g != _right(*c))
+    if sorted(held) == _right(t, sinks, window):
+        return ("the right positions in the wrong order: list them as the cache holds them, "
                 "the sinks first, then the window, oldest first (ascending)")
-    if not hint and len(set(held)) < len(held):
-        hint = "a position is held once: no duplicates"
-    if not hint and any(p > t or p < 0 for p in held):
-        hint = f"only positions 0 .. {t} have been written"
-    fail(name, case, want, held, hint or (
-        "after each pass the cache keeps the first `sinks` positions and the last `window` "
-        "(the one just written among them), and evicts the rest; until more than sinks + "
-        "window positions are written, it holds them all"))
+    if len(set(held)) < len(held):
+        return "a position is held once: no duplicates"
+    if any(p > t or p < 0 for p in held):
+        return f"only positions 0 .. {t} have been written"
+    return ("after each pass the cache keeps the first `sinks` positions and the last `window` "
+            "(the one just written among them), and evicts the rest; until more than sinks + "
+            "window positions are written, it holds them all")
+
+
+HELD = Exercise(
+    "held_positions",
+    cases=[(t, s, w) for s, w in WINDOW_PAIRS for t in range(N_TOKENS)],
+    describe=lambda t, sinks, window: (f"t={t}, sinks={sinks}, window={window} (fed one token "
+                                       f"per pass: positions 0 .. {t} written)"),
+    reference=lambda t, sinks, window: engine_positions(sinks, window)[t],
+    returns=_held_list, forbid=(SinkWindowCache.update, feed), solution=_right,
+    mistakes={
+        "this is what you get keeping window + 1 recent positions: the cache keeps the last "
+        "`window` positions after each pass, the one just written (t) among them: t - window + 1 "
+        ".. t": lambda t, s, w: sorted(set(range(min(s, t + 1))) | set(_recent(t, w + 1))),
+        "this is what you get keeping window - 1 recent positions: the last `window` positions "
+        "are t - window + 1 .. t, the one just written among them":
+            lambda t, s, w: sorted(set(range(min(s, t + 1))) | set(_recent(t, w - 1))),
+        "this is what you get when the sinks are counted twice: before anything is evicted (t < "
+        "sinks + window) the first positions are both sinks and recent; a position is held once. "
+        "Nothing is evicted until more than sinks + window positions are written":
+            lambda t, s, w: list(range(min(s, t + 1))) + _recent(t, w),
+        "this lists sinks that are not written yet: after the pass that wrote position t only "
+        "positions 0 .. t exist; while t < sinks the cache holds just those":
+            lambda t, s, w: sorted(set(range(s)) | set(_recent(t, w))),
+        "this is what you get without the sinks: the cache keeps the FIRST `sinks` positions too "
+        "(the attention sinks), evicting only the positions between them and the window":
+            lambda t, s, w: _recent(t, w),
+        "this is what you get keeping the last sinks + window positions: the first `sinks` "
+        "positions stay for good (the sinks); only the middle is evicted":
+            lambda t, s, w: _recent(t, s + w),
+        "these are the cache's slots, 0 .. held - 1, not the positions: return the ABSOLUTE "
+        "position each slot holds (what SinkWindowCache.positions lists)":
+            lambda t, s, w: list(range(len(_right(t, s, w)))),
+        "this is what you get when t counts the tokens seen: t is the position just written, so "
+        "t + 1 tokens (positions 0 .. t) have been fed":
+            lambda t, s, w: _right(t - 1, s, w) if t > 0 else [],
+    },
+    otherwise=_held_otherwise)
+check_held_positions = HELD.check
+EXERCISES = (HELD,)
 
 
 __all__ = ["check_gqa_attention", "check_quantize", "check_held_positions", "CheckFailed"]
@@ -884,14 +860,13 @@ def check_window_cache(cache_class) -> None:
         engine = SinkWindowCache.for_model(model, sinks=sinks, window=window)
         buggy = BuggyWindowCache(model, sinks, window)
         case = f"sinks={sinks}, window={window}, a {len(ids)}-token text fed one token per pass"
-        mine = call_hinted(name, case, _raised, cache_class, model, sinks, window)
+        mine = call(name, case, cache_class, model, sinks, window)
         for t, token in enumerate(ids):
             x = torch.tensor([[token]])
             want = model(x, cache=engine)[0, -1]
             from_buggy = model(x, cache=buggy)[0, -1]
             with forbid(name, SinkWindowCache.update, SinkWindowCache.get_seq_length):
-                got = call_hinted(name, f"{case}, at position {t}", _raised, model, x,
-                                  cache=mine)[0, -1]
+                got = call(name, f"{case}, at position {t}", model, x, cache=mine)[0, -1]
             same_as_buggy &= torch.allclose(got, from_buggy, atol=1e-5)
             where = f"{case}: the pass that feeds position {t}"
             if not torch.allclose(got, want, atol=1e-4):
@@ -959,7 +934,7 @@ def check_choose_window(choose_window) -> None:
     per_position = window_bytes(0, 1)
     for budget in (DESIGN_BUDGET,) + OTHER_BUDGETS:
         case = f"a budget of {budget:,} bytes of K/V per sequence (the fp32 course target)"
-        got = call_hinted(name, case, _raised, choose_window, budget)
+        got = call(name, case, choose_window, budget)
         pair = _pair(got)
         if pair is None or pair[0] < 0 or pair[1] < 1:
             fail(name, case, "(sinks, window): two ints, sinks ≥ 0, window ≥ 1", got,
