@@ -38,6 +38,7 @@ from . import (
     Exercise,
     as_int,
     call_hinted,
+    diagnose,
     expect,
     fail,
     forbid,
@@ -45,6 +46,7 @@ from . import (
     int_list,
     integer,
     ints,
+    kind,
     passed,
     prediction,
     same_cache_prefix,
@@ -55,15 +57,6 @@ from . import (
 def _call(name: str, case: str, fn, *args, hint="your code raised on this input", **kw):
     """call_hinted with a fixed hint, or a function of the exception that picks one."""
     return call_hinted(name, case, hint if callable(hint) else (lambda e: hint), fn, *args, **kw)
-
-
-def _what(value) -> str:
-    """A short description of a wrong-typed answer, for messages."""
-    if type(value).__module__ == "numpy":
-        return f"a numpy {type(value).__name__} {value!r:.80}"
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}, {value.dtype}"
-    return f"{type(value).__name__} {value!r:.80}"
 
 
 # --- exercise 1: cache bytes ----------------------------------------------------------------------
@@ -175,22 +168,6 @@ EXERCISES = (CACHE_BYTES, KV_WORK)
 
 # --- exercise 3: attention over a cache, any number of new queries --------------------------------
 
-_TOP_LEFT = ("this is what you get with is_causal=True (or a plain .tril()) over a cache: the "
-             "triangle is anchored at the top-left corner, as if nothing were cached, so new "
-             "query 0 sees only key 0; new query i may see keys 0 .. L - T + i")
-_NO_MASK = ("this is what you get with no mask for T > 1: the new queries see their future; new "
-            "query i may see keys 0 .. L - T + i only (no mask is right only when T == 1)")
-_UNSCALED = "this is what you get when the scores are not divided by sqrt(head_dim)"
-_BY_HS = "this is what you get when you divide by head_dim: divide by sqrt(head_dim)"
-_ROWS = "this is what you get with softmax over the queries: take it over the keys (dim=-1)"
-_AFTER = ("this is what you get when the mask is applied after the softmax: mask the scores "
-          "with -inf first, so each row's weights still sum to 1")
-_SELF = ("this is what you get when a new query may not see its own key: the mask's diagonal "
-         "is off by one")
-_NEXT = ("this is what you get when each new query also sees the next one's key: the mask's "
-         "diagonal is off by one")
-
-
 def _attend(q, k, v, mask=None, scale=None, dim=-1, after=False):
     """softmax(q kᵀ x scale) v with a boolean mask (True = may attend), and its classic bugs."""
     scale = 1 / math.sqrt(q.size(-1)) if scale is None else scale
@@ -203,17 +180,33 @@ def _attend(q, k, v, mask=None, scale=None, dim=-1, after=False):
     return weights @ v
 
 
-def _attention_mistakes(q, k, v):
-    T, L, hs = q.size(-2), k.size(-2), q.size(-1)
-    ones = torch.ones(T, L, dtype=torch.bool)
-    right = ones.tril(L - T)
-    return [(_attend(q, k, v, ones.tril()), _TOP_LEFT), (_attend(q, k, v), _NO_MASK),
-            (_attend(q, k, v, right, scale=1.0), _UNSCALED),
-            (_attend(q, k, v, right, scale=1 / hs), _BY_HS),
-            (_attend(q, k, v, right, dim=-2), _ROWS),
-            (_attend(q, k, v, right, after=True), _AFTER),
-            (_attend(q, k, v, ones.tril(L - T - 1)), _SELF),
-            (_attend(q, k, v, ones.tril(L - T + 1)), _NEXT)]
+def _tril(q, k, shift: int = 0):
+    """The mask under which new query i sees keys 0 .. L - T + i + shift (shift 0 is right)."""
+    T, L = q.size(-2), k.size(-2)
+    return torch.ones(T, L, dtype=torch.bool).tril(L - T + shift)
+
+
+ATTENTION_MISTAKES = {  # hint -> a wrong cached_attention(q, k, v)
+    "this is what you get with is_causal=True (or a plain .tril()) over a cache: the triangle is "
+    "anchored at the top-left corner, as if nothing were cached, so new query 0 sees only key 0; "
+    "new query i may see keys 0 .. L - T + i":
+        lambda q, k, v: _attend(q, k, v, _tril(q, k, q.size(-2) - k.size(-2))),
+    "this is what you get with no mask for T > 1: the new queries see their future; new query i "
+    "may see keys 0 .. L - T + i only (no mask is right only when T == 1)": _attend,
+    "this is what you get when the scores are not divided by sqrt(head_dim)":
+        lambda q, k, v: _attend(q, k, v, _tril(q, k), scale=1.0),
+    "this is what you get when you divide by head_dim: divide by sqrt(head_dim)":
+        lambda q, k, v: _attend(q, k, v, _tril(q, k), scale=1 / q.size(-1)),
+    "this is what you get with softmax over the queries: take it over the keys (dim=-1)":
+        lambda q, k, v: _attend(q, k, v, _tril(q, k), dim=-2),
+    "this is what you get when the mask is applied after the softmax: mask the scores with -inf "
+    "first, so each row's weights still sum to 1":
+        lambda q, k, v: _attend(q, k, v, _tril(q, k), after=True),
+    "this is what you get when a new query may not see its own key: the mask's diagonal is off "
+    "by one": lambda q, k, v: _attend(q, k, v, _tril(q, k, -1)),
+    "this is what you get when each new query also sees the next one's key: the mask's diagonal "
+    "is off by one": lambda q, k, v: _attend(q, k, v, _tril(q, k, 1)),
+}
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -224,7 +217,7 @@ def _check_attention_output(name, case, got, q, k, v, inputs) -> None:
     want = causal_attention(q, k, v)  # what the engine runs
     shape = tuple(want.shape)
     if not isinstance(got, torch.Tensor):
-        fail(name, case, f"a torch tensor of shape {shape} (B, n_head, T, head_dim)", _what(got),
+        fail(name, case, f"a torch tensor of shape {shape} (B, n_head, T, head_dim)", kind(got),
              "return the attention output as one torch tensor (not numpy, not a tuple)")
     for label, before, after in zip("qkv", (q, k, v), inputs):
         expect(torch.equal(before, after), name, case, f"{label} left unchanged",
@@ -243,9 +236,10 @@ def _check_attention_output(name, case, got, q, k, v, inputs) -> None:
              "keys 0 .. L - T + i, its own key included; is the mask inverted (True must mean "
              "'may attend') or its diagonal off by one?")
     if not _close(got.float(), want):
-        hint = next((h for wrong, h in _attention_mistakes(q, k, v) if _close(got.float(), wrong)),
-                    "softmax(q kᵀ / sqrt(head_dim)) v over the keys, new query i seeing keys "
-                    "0 .. L - T + i")
+        hint = diagnose(ATTENTION_MISTAKES, [((q, k, v), got.float())],
+                        same=lambda wrong, answer: _close(answer, wrong)) or (
+            "softmax(q kᵀ / sqrt(head_dim)) v over the keys, new query i seeing keys 0 .. L - T "
+            "+ i")
         fail(name, case, "the engine's attention output (to 1e-5)",
              f"an output off by up to {(got.float() - want).abs().max():.4g}", hint)
 
@@ -360,7 +354,7 @@ class _Probe:
         self.cache = _call(name, "MyKVCache()", MyKVCache,
                            hint="MyKVCache() must work without arguments")
         expect(isinstance(self.cache, Cache), name, "MyKVCache()",
-               "an instance of minikv.engine.cache.Cache", _what(self.cache),
+               "an instance of minikv.engine.cache.Cache", kind(self.cache),
                "subclass minikv.engine.cache.Cache: the model accepts no other cache")
         B, nh, _, hs = self.shape
         self.keys = [torch.empty(B, nh, 0, hs) for _ in range(self.n_layer)]
@@ -376,7 +370,7 @@ class _Probe:
                     hint="an empty cache (before any update) holds 0 positions")
         value = as_int(got)
         if value is None:
-            fail(self.name, where, self.length, _what(got),
+            fail(self.name, where, self.length, kind(got),
                  "return a Python int: the model adds it to torch.arange(T) to get positions")
         if value != self.length:
             fail(self.name, where, self.length, value, (hint and hint(value)) or _length_hint(
@@ -413,7 +407,7 @@ class _Probe:
         shape = tuple(want_k.shape)
         if not (isinstance(out, (tuple, list)) and len(out) == 2
                 and all(isinstance(t, torch.Tensor) for t in out)):
-            fail(self.name, where, f"a pair (keys, values) of tensors {shape}", _what(out),
+            fail(self.name, where, f"a pair (keys, values) of tensors {shape}", kind(out),
                  "update returns the layer's keys and values: return keys, values")
         got_k, got_v = out
         for label, got in (("keys", got_k), ("values", got_v)):
@@ -457,7 +451,7 @@ class _Probe:
                 and len(keys) == len(values) == self.n_layer
                 and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in keys + values)):
             fail(self.name, where, f"two lists of {self.n_layer} tensors (one per layer)",
-                 f"keys: {_what(keys)}, values: {_what(values)}",
+                 f"keys: {kind(keys)}, values: {kind(values)}",
                  "keep layer i's keys and values in self.keys[i] and self.values[i] (the lists "
                  "__init__ creates)")
         shapes = [tuple(t.shape) for t in keys + values]
@@ -608,7 +602,7 @@ def check_my_kv_cache(MyKVCache, cached_attention) -> None:
     attention, then with cached_attention: greedy tokens and rollbacks, as the engine's."""
     name = "MyKVCache"
     if not isinstance(MyKVCache, type):
-        fail(name, "MyKVCache", "a class (class MyKVCache(Cache): ...)", _what(MyKVCache),
+        fail(name, "MyKVCache", "a class (class MyKVCache(Cache): ...)", kind(MyKVCache),
              "pass the class itself, not an instance")
     expect(not issubclass(MyKVCache, KVCache), name, "MyKVCache", "a subclass of Cache",
            "a subclass of minikv's KVCache", "build it yourself on Cache, not on KVCache")
@@ -715,7 +709,7 @@ def check_predict_attention_pairs(predict_attention_pairs) -> None:
     got = prediction(name, f"{name}()", predict_attention_pairs, GPT.forward, generate)
     pair = int_list(got)
     if pair is None or len(pair) != 2:
-        fail(name, f"{name}()", "a pair of ints (naive, cached)", _what(got),
+        fail(name, f"{name}()", "a pair of ints (naive, cached)", kind(got),
              "return the two counts you predict, as ints: return naive, cached")
     target, tok = load_course_model("target", "cpu")
     prompt, n = tok.encode("Once upon a"), 5
@@ -832,7 +826,7 @@ def check_fixed_cache(FixedCache) -> None:
     name = "FixedCache"
     if not isinstance(FixedCache, type):
         fail(name, "FixedCache", "a class (class FixedCache(PreallocatedCache): ...)",
-             _what(FixedCache), "pass the class itself, not an instance")
+             kind(FixedCache), "pass the class itself, not an instance")
     n_new = 12
     n_cases = 0
     for model, label in _prealloc_cases(n_new):
@@ -899,7 +893,7 @@ def check_choose_kv_heads(choose_kv_heads) -> None:
     case = ("an 8B-like model (32 layers, 32 query heads of 128), fp16 cache, 32 requests of "
             "8,192 positions each, 40 GiB for the cache")
     if heads is None or heads < 1:
-        fail(name, case, "a number of K/V heads, a positive int", _what(got),
+        fail(name, case, "a number of K/V heads, a positive int", kind(got),
              "return the n_kv_head you choose")
 
     def cache(h: int) -> int:
