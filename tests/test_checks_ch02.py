@@ -573,42 +573,14 @@ def test_predict_attention_pairs_names_the_mistake(wrong, fragment):
 
 
 # --- exercise 6: debug a preallocated cache -------------------------------------------------------
-class PreallocatedCache(Cache):  # the notebook's, as shipped
-    def __init__(self, model, max_len):
-        cfg = model.config
-        shape = (1, cfg.kv_heads, max_len, cfg.head_dim)
-        self.keys = [torch.zeros(shape) for _ in range(cfg.n_layer)]
-        self.values = [torch.zeros(shape) for _ in range(cfg.n_layer)]
-        self.length = 0
-
-    def get_seq_length(self, layer_idx=0):
-        return self.length
-
-    def check_fits(self, cfg, batch_size, n_new, device, dtype):
-        if self.length + n_new > self.keys[0].shape[2]:
-            raise ValueError("the cache is full")
-
-    def write(self, key, value, layer_idx):
-        start = self.length
-        end = start + key.shape[2]
-        self.keys[layer_idx][:, :, start:end] = key
-        self.values[layer_idx][:, :, start:end] = value
-        return end
-
-    def update(self, key, value, layer_idx):
-        end = self.length = self.write(key, value, layer_idx)
-        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
-
-    def crop(self, max_length):
-        self.length = max_length
+def _prealloc(when: str):
+    """The notebook's PreallocatedCache, its length moving on at `when` (ch02._Prealloc's bugs)."""
+    def init(self, model, max_len):
+        ch02._Prealloc.__init__(self, model, max_len, when)
+    return type(f"Prealloc_{when}", (ch02._Prealloc,), {"__init__": init})
 
 
-class FixedCache(PreallocatedCache):
-    def update(self, key, value, layer_idx):
-        end = self.write(key, value, layer_idx)
-        if layer_idx == len(self.keys) - 1:
-            self.length = end
-        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+PreallocatedCache, FixedCache = _prealloc("every"), ch02._Prealloc  # as shipped, and fixed
 
 
 class FixedCachePerLayer(PreallocatedCache):
@@ -632,35 +604,13 @@ class FixedCachePerLayer(PreallocatedCache):
         self.lengths = [max_length] * len(self.keys)
 
 
-class CacheMovesAtLayer0(PreallocatedCache):
-    def update(self, key, value, layer_idx):
-        end = self.write(key, value, layer_idx)
-        if layer_idx == 0:
-            self.length = end
-        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
-
-
-class CacheNeverMoves(PreallocatedCache):
-    def update(self, key, value, layer_idx):
-        end = self.write(key, value, layer_idx)
-        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
-
-
-class CacheOffByOneLayer(PreallocatedCache):  # layer_idx == n_layer: never true
-    def update(self, key, value, layer_idx):
-        end = self.write(key, value, layer_idx)
-        if layer_idx == len(self.keys):
-            self.length = end
-        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
-
-
 class CacheReturnsNewOnly(FixedCache):
     def update(self, key, value, layer_idx):
         super().update(key, value, layer_idx)
         return key, value
 
 
-class CacheOverEngine(PreallocatedCache):  # the engine's KVCache inside
+class CacheOverEngine(Cache):  # the engine's KVCache inside
     def __init__(self, model, max_len):
         self.inner = minikv.KVCache.for_model(model, max_len=max_len)
         self.keys = self.inner.keys
@@ -681,9 +631,8 @@ class CacheOverEngine(PreallocatedCache):  # the engine's KVCache inside
 @pytest.mark.parametrize("wrong, fragments", [
     (PreallocatedCache, ["pass 1 (a prefill of 5 tokens)", "expected: 5", "got:      10",
                          "the shipped update's behaviour", "the bug hides"]),
-    (CacheMovesAtLayer0, ["moved on after layer 0's update"]),
-    (CacheNeverMoves, ["the length never moves"]),
-    (CacheOffByOneLayer, ["the length never moves"]),
+    (_prealloc("first"), ["moved on after layer 0's update"]),
+    (_prealloc("never"), ["the length never moves"]),
     (CacheReturnsNewOnly, ["returns all of its live ones"]),
     (CacheOverEngine, ["called minikv's own"]),
     (FixedCache(minikv.GPT(minikv.GPTConfig.preset("tiny")), 8), ["the class itself"]),
