@@ -1,4 +1,4 @@
-"""Speculative decoding (seed 004): someone cheap proposes γ tokens, the target verifies
+"""Speculative decoding: someone cheap proposes γ tokens, the target verifies
 them in one pass. Greedy output is exactly the target's own; with temperature > 0 the
 rejection rule keeps the target's distribution. It pays when scoring γ + 1 positions
 costs the target about one decode step and the proposer is cheap and usually right.

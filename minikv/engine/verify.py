@@ -1,6 +1,6 @@
-"""Verify and roll back: the one core of speculative decoding (seed 004) and deterministic requests
-(seed 001). Someone cheap proposes tokens (a draft model, or a fast batched pass); an authority
-(the target, or a batch-invariant replay) scores them all in ONE pass; an accept rule keeps a
+"""Verify and roll back: the one core of speculative decoding and deterministic requests.
+Someone cheap proposes tokens (a draft model, or a fast batched pass); an authority (the
+target, or a batch-invariant replay) scores them all in ONE pass; an accept rule keeps a
 prefix of them, then the authority's own token (a correction, or a bonus after the last
 proposal); and every KV cache is cropped back to the last committed token."""
 from __future__ import annotations
