@@ -2,6 +2,7 @@
 plausible wrong answers with a hint that names the mistake; they are sound (the engine agrees with
 them on every case they use) and leave the caller's random state alone."""
 import math
+import re
 
 import numpy as np
 import pytest
@@ -296,104 +297,23 @@ def test_round_cases_are_sound():
         assert float((top2[:, 0] - top2[:, 1]).min()) > 1e-4
 
 
-# --- exercise 2: the residual ---------------------------------------------------------------------
+# --- exercise 2: the residual (a table; what it cannot state) -----------------------------------
 
-def residual(p, q, a):
-    r = (p - q * a).clamp(min=0)
-    return r / r.sum()
-
-
-def residual_chapter_line(p, q, a):  # section 5's residual, whatever the rule
-    r = (p - q).clamp(min=0)
-    return r / r.sum()
-
-
-def residual_not_normalised(p, q, a):
-    return (p - q * a).clamp(min=0)
-
-
-def residual_abs(p, q, a):
-    r = (p - q).abs()
-    return r / r.sum()
-
-
-def residual_is_p(p, q, a):
-    return p
-
-
-def residual_reversed(p, q, a):
-    r = (q - p).clamp(min=0)
-    return r / r.sum()
-
-
-def residual_p_times_refusal(p, q, a):
-    r = p * (1 - a)
-    return r / r.sum()
-
-
-def residual_refused_drafts(p, q, a):
-    r = q * (1 - a)
-    return r / r.sum()
-
-
-def residual_in_place(p, q, a):
-    p.sub_(q * a).clamp_(min=0)
-    return p / p.sum()
-
-
-def residual_numpy(p, q, a):
-    r = np.maximum(p.numpy() - q.numpy() * a.numpy(), 0)
-    return r / r.sum()
-
-
-def residual_list(p, q, a):
-    return residual(p, q, a).tolist()
-
-
-RESIDUAL_WRONG = [
-    (residual_chapter_line, r"norm\(max\(0, p - q\)\) whatever a is"),
-    (residual_not_normalised, "forget to normalise"),
-    (residual_abs, r"\|p - q\|"),
-    (residual_is_p, "resample from p itself"),
-    (residual_reversed, r"max\(0, q - p\)"),
-    (residual_p_times_refusal, r"p\(x\)\(1 - a\(x\)\)"),
-    (residual_refused_drafts, r"q\(x\)\(1 - a\(x\)\)"),
-    (residual_in_place, "in-place operations"),
-    (residual_numpy, "not a numpy.ndarray"),
-    (residual_list, "not a list"),
-]
-
-
-def test_residual_solution_passes(capsys):
-    ch04.check_residual(residual)
-    assert capsys.readouterr().out.startswith("✓ residual: all ")
-
-
-@pytest.mark.parametrize("wrong, fragment", RESIDUAL_WRONG,
-                         ids=[w.__name__ for w, _ in RESIDUAL_WRONG])
-def test_residual_wrong_answer(wrong, fragment):
-    with pytest.raises(CheckFailed, match=fragment):
-        ch04.check_residual(wrong)
-
-
-def test_speculative_step_keeps_p_only_with_the_right_residual():
-    p, q = ch04._distributions(1)
-    assert torch.allclose(ch04.speculative_sample_distribution(p, q, residual), p, atol=1e-12)
-    assert not torch.allclose(ch04.speculative_sample_distribution(p, q, residual_abs), p,
-                              atol=1e-3)
-    half = ch04.chapter_acceptance(p, q) / 2
-    assert torch.allclose(ch04.speculative_sample_distribution(p, q, residual, half), p,
-                          atol=1e-12)
-    assert not torch.allclose(
-        ch04.speculative_sample_distribution(p, q, residual_chapter_line, half), p, atol=1e-3)
-
-
-def test_the_chapter_rule_gives_the_engines_residual():
+def test_one_step_gives_p_only_with_the_rules_own_residual():
+    """Soundness: the reference residual makes one speculative step give exactly p, under the
+    chapter's rule (where it is the engine's) and another; the chapter's residual does not."""
     from minikv.engine.verify import residual_distribution
+
+    def step(p, q, residual, a):  # draw x ~ q, accept with a(x), else draw from the residual
+        return q * a + (1 - (q * a).sum()) * residual(p, q, a)
     for s in range(5):
         p, q = ch04._distributions(s)
-        assert torch.allclose(residual(p, q, ch04.chapter_acceptance(p, q)),
-                              residual_distribution(p, q), atol=1e-12)
+        a, half = ch04.chapter_acceptance(p, q), ch04.chapter_acceptance(p, q) / 2
+        assert torch.allclose(ch04.reference_residual(p, q, a), residual_distribution(p, q))
+        for rule in (a, half):
+            assert torch.allclose(step(p, q, ch04.reference_residual, rule), p, atol=1e-12)
+        chapter_line = next(iter(ch04.RESIDUAL.mistakes.values()))
+        assert not torch.allclose(step(p, q, chapter_line, half), p, atol=1e-3)
 
 
 # --- exercise 3: α from a trace -------------------------------------------------------------------
@@ -544,95 +464,19 @@ def test_alpha_cases_include_the_edges():
     assert None in per_index and len({round(a, 3) for a in per_index if a is not None}) > 5
 
 
-# --- exercise 4: choose γ -------------------------------------------------------------------------
-
-def _value(alpha, c, g):
-    tokens = g + 1 if alpha == 1 else (1 - alpha ** (g + 1)) / (1 - alpha)
-    return tokens / (g * c + 1)
-
-
-def best_gamma(alpha, c, max_gamma=16):
-    best = 1
-    for g in range(2, max_gamma + 1):
-        if _value(alpha, c, g) > _value(alpha, c, best):
-            best = g
-    return best
-
+# --- exercise 4: choose γ (a table; what it cannot state) ------------------------------------
 
 def gamma_crashes_at_alpha_1(alpha, c, max_gamma=16):
     values = [(1 - alpha ** (g + 1)) / ((1 - alpha) * (g * c + 1)) for g in range(1, max_gamma + 1)]
     return 1 + values.index(max(values))
 
 
-def gamma_zero_based(alpha, c, max_gamma=16):
-    values = [_value(alpha, c, g) for g in range(1, max_gamma + 1)]
-    return values.index(max(values))
-
-
-def gamma_range_stops_early(alpha, c, max_gamma=16):
-    values = [_value(alpha, c, g) for g in range(1, max_gamma)]
-    return 1 + values.index(max(values)) if values else 1
-
-
-def gamma_ties_to_larger(alpha, c, max_gamma=16):
-    best = 1
-    for g in range(2, max_gamma + 1):
-        if _value(alpha, c, g) >= _value(alpha, c, best):
-            best = g
-    return best
-
-
-def gamma_as_float(alpha, c, max_gamma=16):
-    return float(np.argmax([_value(alpha, c, g) for g in range(1, max_gamma + 1)]) + 1)
-
-
-def gamma_ignores_cost(alpha, c, max_gamma=16):
-    return best_gamma(alpha, 0.0, max_gamma)
-
-
-def gamma_exponent_gamma(alpha, c, max_gamma=16):
-    def value(g):
-        return (g if alpha == 1 else (1 - alpha ** g) / (1 - alpha)) / (g * c + 1)
-    values = [value(g) for g in range(1, max_gamma + 1)]
-    return 1 + values.index(max(values))
-
-
-def gamma_nan_at_alpha_1(alpha, c, max_gamma=16):
-    a = np.float64(alpha)
-    with np.errstate(all="ignore"):
-        values = [(1 - a ** (g + 1)) / ((1 - a) * (g * c + 1)) for g in range(1, max_gamma + 1)]
-    return int(np.argmax(values)) + 1
-
-
-GAMMA_WRONG = [
-    (gamma_crashes_at_alpha_1, "at α = 1 the formula is 0/0"),
-    (gamma_nan_at_alpha_1, "at α = 1 the formula is 0/0"),
-    (gamma_zero_based, "counted from 0"),
-    (gamma_range_stops_early, r"range\(1, max_gamma\)"),
-    (gamma_ties_to_larger, "on a tie return the SMALLER"),
-    (gamma_as_float, "return γ as an int, not a float"),
-    (gamma_ignores_cost, "maximise tokens per target pass alone"),
-    (gamma_exponent_gamma, "the exponent is γ \\+ 1"),
-]
-
-
-def test_best_gamma_solution_passes(capsys):
-    ch04.check_best_gamma(best_gamma)
-    assert capsys.readouterr().out.startswith("✓ best_gamma: all ")
-
-
-@pytest.mark.parametrize("wrong, fragment", GAMMA_WRONG, ids=[w.__name__ for w, _ in GAMMA_WRONG])
-def test_best_gamma_wrong_answer(wrong, fragment):
-    with pytest.raises(CheckFailed, match=fragment):
-        ch04.check_best_gamma(wrong)
-
-
 def test_gamma_cases_have_a_clear_winner_or_an_exact_tie():
-    for alpha, c, max_gamma in ch04.GAMMA_CASES:
+    for alpha, c, max_gamma in ch04.BEST_GAMMA.cases:
         values = sorted((ch04.speedup(alpha, c, g) for g in range(1, max_gamma + 1)), reverse=True)
         if len(values) > 1 and values[0] != values[1]:
             assert values[0] - values[1] > 1e-9 * values[0], (alpha, c, max_gamma)
-    answers = {ch04.reference_best_gamma(*case) for case in ch04.GAMMA_CASES}
+    answers = {ch04.reference_best_gamma(*case) for case in ch04.BEST_GAMMA.cases}
     assert {1, 16} <= answers and len(answers) >= 6
 
 
@@ -835,72 +679,24 @@ def test_the_closed_form_is_the_engines_rule():
                                 1.0, rel_tol=1e-6)
 
 
-# --- exercise 7 (design): γ for a batch -----------------------------------------------------------
-
-def choose_gamma(alpha, c, batch, balance):
-    plain = max(1, batch / balance)
-    best, best_rate = 0, 1.0
-    for gamma in range(1, 17):
-        tokens = gamma + 1 if alpha == 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
-        rate = tokens * plain / (gamma * c + max(1, batch * (gamma + 1) / balance))
-        if rate > best_rate:
-            best, best_rate = gamma, rate
-    return best
-
-
-def choose_single_request(alpha, c, batch, balance):
-    return best_gamma(alpha, c, 16)
-
-
-def choose_never_zero(alpha, c, batch, balance):
-    return max(1, choose_gamma(alpha, c, batch, balance))
-
-
-def choose_exponent_gamma(alpha, c, batch, balance):
-    plain = max(1, batch / balance)
-    values = [1.0] + [(g + 1 if alpha == 1 else (1 - alpha ** g) / (1 - alpha)) * plain
-                      / (g * c + max(1, batch * (g + 1) / balance)) for g in range(1, 17)]
-    return values.index(max(values))
-
-
-def choose_free_draft(alpha, c, batch, balance):
-    return choose_gamma(alpha, 0.0, batch, balance)
-
-
-def choose_ties_to_speculation(alpha, c, batch, balance):
-    plain = max(1, batch / balance)
-    values = [1.0] + [(g + 1 if alpha == 1 else (1 - alpha ** (g + 1)) / (1 - alpha)) * plain
-                      / (g * c + max(1, batch * (g + 1) / balance)) for g in range(1, 17)]
-    return max(g for g, v in enumerate(values) if v == max(values))
-
-
-def choose_as_float(alpha, c, batch, balance):
-    return float(choose_gamma(alpha, c, batch, balance))
-
-
-DESIGN_WRONG = [
-    (choose_single_request, "for ONE request"),
-    (choose_never_zero, "return 0"),
-    (choose_exponent_gamma, r"the exponent is γ \+ 1"),
-    (choose_free_draft, "ignores the draft's passes"),
-    (choose_ties_to_speculation, "a tie: take the smaller γ"),
-    (choose_as_float, "return γ as an int"),
-]
-
+# --- exercise 7 (design): γ for a batch, a table with a line printed before its ✓ -------------
 
 def test_choose_gamma_solution_passes(capsys):
-    ch04.check_choose_gamma(choose_gamma)
-    assert "✓ choose_gamma: all " in capsys.readouterr().out
+    ch04.check_choose_gamma(ch04.reference_choose_gamma)
+    assert capsys.readouterr().out == (
+        "  the best γ as the batch grows (α = 0.9, c = 0.05, balance = 64): 1 → 13, 4 → 13, "
+        "16 → 3, 32 → 1, 48 → 1, 64 → 0, 128 → 0\n✓ choose_gamma: all 11 cases pass\n")
 
 
-@pytest.mark.parametrize("wrong, fragment", DESIGN_WRONG, ids=[w.__name__ for w, _ in DESIGN_WRONG])
-def test_choose_gamma_wrong_answer(wrong, fragment):
-    with pytest.raises(CheckFailed, match=fragment):
+@pytest.mark.parametrize("hint, wrong", ch04.DESIGN.mistakes.items())
+def test_choose_gamma_names_each_mistake(hint, wrong, capsys):
+    with pytest.raises(CheckFailed) as info:
         ch04.check_choose_gamma(wrong)
+    assert str(info.value).endswith(f"\n  hint: {hint}") and not capsys.readouterr().out
 
 
 def test_design_cases_span_the_choices():
-    answers = [ch04.reference_choose_gamma(*case) for case in ch04.DESIGN_CASES]
+    answers = [ch04.reference_choose_gamma(*case) for case in ch04.DESIGN.cases]
     assert 0 in answers and 1 in answers and max(answers) >= 7
     # one request is the chapter's formula
     assert ch04.reference_choose_gamma(0.9, 0.05, 1, 64) == ch04.reference_best_gamma(0.9, 0.05, 16)
@@ -908,10 +704,31 @@ def test_design_cases_span_the_choices():
 
 # --- all exercises --------------------------------------------------------------------------------
 
-CHECKS = [(ch04.check_speculative_round, speculative_round), (ch04.check_residual, residual),
-          (ch04.check_alpha_from_trace, alpha_from_trace), (ch04.check_best_gamma, best_gamma),
+BEYOND_THE_TABLES = [  # wrong types, crashes, inputs changed in place
+    (ch04.check_residual, lambda p, q, a: p.sub_(q * a).clamp_(min=0) / p.sum(),
+     "in-place operations"),
+    (ch04.check_residual, lambda p, q, a: np.maximum(p.numpy() - q.numpy() * a.numpy(), 0),
+     "not a numpy.ndarray"),
+    (ch04.check_residual, lambda p, q, a: ch04.reference_residual(p, q, a).tolist(), "not a list"),
+    (ch04.check_best_gamma, gamma_crashes_at_alpha_1, "at α = 1 the formula is 0/0"),
+    (ch04.check_best_gamma, lambda *case: float(ch04.reference_best_gamma(*case)),
+     "return γ as an int, not a float"),
+    (ch04.check_choose_gamma, lambda *case: float(ch04.reference_choose_gamma(*case)),
+     "return γ as an int"),
+]
+
+
+@pytest.mark.parametrize("check, wrong, fragment", BEYOND_THE_TABLES)
+def test_beyond_the_tables(check, wrong, fragment):
+    with pytest.raises(CheckFailed, match=re.escape(fragment)):
+        check(wrong)
+
+
+CHECKS = [(ch04.check_speculative_round, speculative_round),
+          (ch04.check_alpha_from_trace, alpha_from_trace),
           (ch04.check_predict_perfect_draft, predict_perfect_draft),
-          (ch04.check_accept_sampled, accept_sampled), (ch04.check_choose_gamma, choose_gamma)]
+          (ch04.check_accept_sampled, accept_sampled),
+          (ch04.check_choose_gamma, ch04.reference_choose_gamma)]
 
 
 @pytest.mark.parametrize("check", [c for c, _ in CHECKS], ids=lambda c: c.__name__)
@@ -943,10 +760,9 @@ def test_speedup_is_the_formula_and_its_limit_at_alpha_1():
 
 
 def test_a_patched_checker_does_not_silence_the_check_cell(monkeypatch):
-    """An exercise cell that replaces the checker (or empties its cases) changes nothing: the
-    check cell loads a fresh copy from the package."""
+    """An exercise cell that replaces the checker changes nothing: the check cell loads a fresh
+    copy from the package."""
     import minikv.course.checks as checks
-    monkeypatch.setattr(ch04, "check_best_gamma", lambda fn: print("✓ best_gamma: all 6 cases"))
-    monkeypatch.setattr(ch04, "GAMMA_CASES", [])
+    monkeypatch.setattr(ch04, "check_choose_gamma", lambda fn: print("✓ choose_gamma: all"))
     with pytest.raises(CheckFailed):
-        checks.fresh("ch04").check_best_gamma(gamma_ignores_cost)
+        checks.fresh("ch04").check_choose_gamma(lambda *case: 16)

@@ -28,18 +28,21 @@ CPU, in about a second, leaving the caller's random state alone.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 
 import torch
 
 from ...engine import GPT, GPTConfig, KVCache, generate, speculative_generate
-from ...engine.verify import accept_matching, residual_distribution, verify_and_commit
+from ...engine.verify import accept_matching, verify_and_commit
 from ..checkpoint import load_course_model
 from . import (
+    Exercise,
     PassCounter,
+    Refused,
     as_int,
     cache_state,
-    call,
     call_hinted,
     expect,
     fail,
@@ -52,6 +55,31 @@ from . import (
     same_cache_prefix,
     tiny_model,
 )
+
+
+def _type(value) -> str:
+    return f"{type(value).__module__}.{type(value).__name__}".replace("builtins.", "")
+
+
+def _crash_hint(error: type, hint: str):
+    return lambda e: hint if isinstance(e, error) else "your function raised on this input"
+
+
+class _Exercise(Exercise):
+    """An Exercise whose crash hint names the error: `raised` is a function of the exception."""
+
+    def _run(self, fn, case: tuple):
+        errors = []
+
+        def run(*args):
+            try:
+                return fn(*args)
+            except Exception as e:
+                errors.append(e)
+                raise
+        got, refused = super()._run(run, case)
+        return (got, refused[:2] + (self.raised(errors[-1]),)) if errors else (got, refused)
+
 
 # --- exercise 1: one speculative round ----------------------------------------------------------
 
@@ -136,7 +164,7 @@ def _round_mistakes(proposals, choices) -> list[tuple[list[int], str]]:
 
 
 def _round_crash_hint(error: Exception) -> str:
-    if isinstance(error, ValueError) and "cannot crop to" in str(error):
+    if isinstance(error, ValueError) and "crop" in str(error):  # the engine names the crop
         return ("this is what you get when you roll back with crop(len(seq) - 1) without min(...): "
                 "after a fully accepted round the draft's cache is SHORTER than len(seq) - 1 (it "
                 "never fed its last proposal, nor the bonus token), and a cache cannot grow by a "
@@ -328,8 +356,7 @@ def reference_residual(p: torch.Tensor, q: torch.Tensor, a: torch.Tensor) -> tor
     return _normalised((p - q * a).clamp(min=0))
 
 
-# (label, the acceptance rule): a(x) from p and q. The chapter's rule first, so the usual
-# mistakes of its special case are named as they were; then rules it does not answer.
+# (label, the acceptance rule a(x) from p and q): the chapter's rule, then rules it does not answer
 ACCEPTANCE_RULES = [
     ("section 5's rule a = min(1, p/q)", chapter_acceptance),
     ("a cautious rule that accepts half as often, a = min(1, p/q) / 2",
@@ -338,112 +365,72 @@ ACCEPTANCE_RULES = [
     ("a stricter rule, a = min(1, p/q) squared", lambda p, q: chapter_acceptance(p, q) ** 2),
 ]
 
-CHAPTER_LINE = ("this is what you get with norm(max(0, p - q)) whatever a is: that is the residual "
-                "of section 5's rule only, a = min(1, p/q). Work out what acceptance delivers to "
-                "each token x under THIS a (drafted with probability q(x), then accepted with "
-                "probability a(x)), and what is left of p(x)")
-
-
-def _residual_mistakes(p, q, a, chapter_rule: bool):
-    """(what a usual wrong residual gives, the mistake), for this p, q and a."""
-    mistakes = [
-        ((p - q * a).clamp(min=0),
-         "this is what you get when you forget to normalise: divide what is left of p by its "
-         "sum, so the residual is a distribution"),
-        (_normalised((p - q).abs()),
-         "this is what you get with |p - q|: it puts mass where the draft proposed too MUCH "
-         "(q > p), which acceptance already over-serves; keep only what p still lacks"),
-        (p.clone(),
-         "this is what you get when you resample from p itself: the tokens the draft proposes "
-         "often are then over-represented (accepted AND resampled)"),
-        (_normalised((q - p).clamp(min=0)),
-         "this is what you get with max(0, q - p): that is where the draft over-proposes; the "
-         "residual is where the TARGET wants more than acceptance gave"),
-        (q.clone(), "this is what you get when you resample from the draft's q"),
-        (_normalised(p * (1 - a)),
-         "this is what you get with p(x)(1 - a(x)): a(x) is the chance of accepting x once the "
-         "DRAFT proposed it, so acceptance delivers q(x)a(x) of x, not p(x)a(x)"),
-        (_normalised(q * (1 - a)),
-         "this is what you get with q(x)(1 - a(x)), where the refused drafts came from: drawing "
-         "there re-proposes the refused tokens instead of filling what p still lacks"),
-    ]
-    if not chapter_rule:
-        mistakes.insert(0, (_normalised((p - q).clamp(min=0)), CHAPTER_LINE))
-    return mistakes
-
 
 def _as_list(t) -> list:
     return [round(x, 4) for x in t.tolist()]
 
 
-def speculative_sample_distribution(p: torch.Tensor, q: torch.Tensor, residual,
-                                    a: torch.Tensor | None = None) -> torch.Tensor:
-    """The distribution of one speculative step, in closed form: draw x ~ q, accept with
-    probability a(x) (section 5's min(1, p/q) by default), else draw from residual(p, q, a).
-    Leviathan et al. prove it equals p, whatever q is, for their rule and their residual."""
-    a = chapter_acceptance(p, q) if a is None else a
-    delivered = q * a
-    return delivered + (1 - delivered.sum()) * residual(p, q, a)
-
-
-def _residual_cases() -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, bool]]:
-    """(label, p, q, a, is it section 5's rule?); the rejection branch has a positive
-    probability in every case (p differs from q)."""
+def _residual_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(p, q, a), a labelled with its rule; the rejection branch has a positive probability in
+    every case (p differs from q). The last 8: one speculative step under each rule."""
     pairs = [_distributions(s) for s in range(8)]
     pairs.append((torch.tensor([0.5, 0.5, 0.0], dtype=torch.float64),
                   torch.tensor([0.2, 0.6, 0.2], dtype=torch.float64)))
     pairs.append((torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.tensor([0.4, 0.3, 0.2, 0.1])))
+    labelled = [(label, p, q, rule) for i, (label, rule) in enumerate(ACCEPTANCE_RULES)
+                for p, q in (pairs if i == 0 else pairs[2 * i:2 * i + 3] + pairs[-2:])]
+    labelled += [(f"one speculative step under {label}", *_distributions(s), rule)
+                 for s, (label, rule) in zip(range(20, 28), ACCEPTANCE_RULES * 2)]
     cases = []
-    for i, (label, rule) in enumerate(ACCEPTANCE_RULES):
-        chosen = pairs if i == 0 else pairs[2 * i:2 * i + 3] + pairs[-2:]
-        cases += [(label, p, q, rule(p, q).to(p.dtype), i == 0) for p, q in chosen]
+    for label, p, q, rule in labelled:
+        a = rule(p, q).to(p.dtype)
+        a.label = label
+        cases.append((p, q, a))
     return cases
 
 
-@guarded
-def check_residual(residual) -> None:
-    """residual(p, q, a) == norm(p - q a): the distribution the rejection branch must draw from
-    when a drafted x is accepted with probability a(x), so that one step gives exactly p; with
-    section 5's a = min(1, p/q) it is the engine's norm(max(0, p - q))."""
-    name = "residual"
-    cases = _residual_cases()
-    for label, p, q, a, chapter_rule in cases:
-        case = f"{label}: p={_as_list(p)}, q={_as_list(q)}, a={_as_list(a)}"
-        p_in, q_in, a_in = p.clone(), q.clone(), a.clone()
-        got = call(name, case, residual, p_in, q_in, a_in)
-        expected = reference_residual(p, q, a)
-        if chapter_rule:  # the engine's own residual, for the rule it uses
-            assert torch.allclose(expected, residual_distribution(p, q), atol=1e-9), case
-        if not isinstance(got, torch.Tensor):
-            kind = f"{type(got).__module__}.{type(got).__name__}".replace("builtins.", "")
-            fail(name, case, _as_list(expected), got,
-                 f"return a torch tensor (a probability vector like p), not a {kind}")
-        if not (torch.equal(p_in, p) and torch.equal(q_in, q) and torch.equal(a_in, a)):
-            fail(name, case, "p, q and a left as they were", "p, q or a changed",
-                 "this is what you get with in-place operations (p.sub_, clamp_, /=): they "
-                 "change the caller's tensors; compute a new tensor")
-        if got.shape != expected.shape or not got.is_floating_point():
-            fail(name, case, f"a float tensor of shape {tuple(expected.shape)}",
-                 f"a {got.dtype} tensor of shape {tuple(got.shape)}",
-                 "one probability per token: the same shape as p")
-        if not torch.allclose(got.double(), expected.double(), atol=1e-6):
-            hint = "; or ".join(
-                h for wrong, h in _residual_mistakes(p, q, a, chapter_rule)
-                if not torch.allclose(wrong.double(), expected.double(), atol=1e-6)
-                and torch.allclose(got.double(), wrong.double(), atol=1e-6)) or (
-                "what p(x) still lacks once acceptance has delivered its share of x (drafted, "
-                "then accepted), divided by its sum")
-            fail(name, case, _as_list(expected), _as_list(got), hint)
-    steps = [(*_distributions(s), label, rule) for s, (label, rule)
-             in zip(range(20, 28), ACCEPTANCE_RULES * 2)]
-    for p, q, label, rule in steps:
-        a = rule(p, q).to(p.dtype)
-        case = f"one speculative step under {label}, p={_as_list(p)}, q={_as_list(q)}"
-        got = call(name, case, speculative_sample_distribution, p, q, residual, a)
-        expect(torch.allclose(got.double(), p, atol=1e-9), name, case, _as_list(p),
-               _as_list(got), "the residual decides where refused draws go; it must fill "
-               "exactly what acceptance leaves of p")
-    passed(name, len(cases) + len(steps))
+def _as_distribution(got, p, q, a):
+    if not isinstance(got, torch.Tensor):
+        raise Refused(f"return a torch tensor (a probability vector like p), not a {_type(got)}")
+    if got.shape != p.shape or not got.is_floating_point():
+        raise Refused("one probability per token: the same shape as p",
+                      f"a float tensor of shape {tuple(p.shape)}")
+    return got
+
+
+RESIDUAL = Exercise(
+    "residual", cases=_residual_cases(),
+    describe=lambda p, q, a: f"{a.label}: p={_as_list(p)}, q={_as_list(q)}, a={_as_list(a)}",
+    reference=reference_residual, returns=_as_distribution, show=_as_list,
+    same=lambda got, want: torch.allclose(got.double(), want.double(), atol=1e-6),
+    unchanged="this is what you get with in-place operations (p.sub_, clamp_, /=): they change "
+              "the caller's tensors; compute a new tensor",
+    mistakes={
+        "this is what you get with norm(max(0, p - q)) whatever a is: that is the residual of "
+        "section 5's rule only, a = min(1, p/q). Work out what acceptance delivers to each token "
+        "x under THIS a (drafted with probability q(x), then accepted with probability a(x)), and "
+        "what is left of p(x)": lambda p, q, a: _normalised((p - q).clamp(min=0)),
+        "this is what you get when you forget to normalise: divide what is left of p by its sum, "
+        "so the residual is a distribution": lambda p, q, a: (p - q * a).clamp(min=0),
+        "this is what you get with |p - q|: it puts mass where the draft proposed too MUCH "
+        "(q > p), which acceptance already over-serves; keep only what p still lacks":
+            lambda p, q, a: _normalised((p - q).abs()),
+        "this is what you get when you resample from p itself: the tokens the draft proposes "
+        "often are then over-represented (accepted AND resampled)": lambda p, q, a: p,
+        "this is what you get with max(0, q - p): that is where the draft over-proposes; the "
+        "residual is where the TARGET wants more than acceptance gave":
+            lambda p, q, a: _normalised((q - p).clamp(min=0)),
+        "this is what you get when you resample from the draft's q": lambda p, q, a: q,
+        "this is what you get with p(x)(1 - a(x)): a(x) is the chance of accepting x once the "
+        "DRAFT proposed it, so acceptance delivers q(x)a(x) of x, not p(x)a(x)":
+            lambda p, q, a: _normalised(p * (1 - a)),
+        "this is what you get with q(x)(1 - a(x)), where the refused drafts came from: drawing "
+        "there re-proposes the refused tokens instead of filling what p still lacks":
+            lambda p, q, a: _normalised(q * (1 - a)),
+    },
+    otherwise="what p(x) still lacks once acceptance has delivered its share of x (drafted, then "
+              "accepted), divided by its sum")
+check_residual = RESIDUAL.check
 
 
 # --- exercise 3: α from a trace -----------------------------------------------------------------
@@ -615,80 +602,60 @@ def speedup(alpha: float, c: float, gamma: int) -> float:
     return tokens / (gamma * c + 1)
 
 
-def _argmax(values: list[float]) -> int:
-    """1 + the index of the first maximum: the smallest γ on a tie."""
-    return 1 + values.index(max(values))
+def _argmax(values: list[float], lo: int = 1) -> int:
+    """lo + the index of the first maximum: the smallest γ on a tie."""
+    return lo + values.index(max(values))
 
 
 def reference_best_gamma(alpha: float, c: float, max_gamma: int) -> int:
     return _argmax([speedup(alpha, c, g) for g in range(1, max_gamma + 1)])
 
 
-# (α, c, max_gamma): the chapter's measured numbers, edges (α = 0 and 1, c = 0, ties) and small
-# max_gamma; every case but the exact ties has a clear winner
-GAMMA_CASES = [(0.9, 0.124, 16), (0.9, 0.085, 16), (0.8, 0.05, 16), (0.6, 0.2, 16),
-               (0.95, 0.02, 16), (0.5, 0.5, 16), (0.7, 0.1, 8), (0.99, 0.01, 16),
-               (0.97, 0.003, 16), (0.3, 0.3, 16), (0.75, 0.05, 16), (0.85, 0.15, 16),
-               (0.9, 0.124, 3), (0.9, 0.1, 1), (0.0, 0.1, 16), (0.0, 0.0, 16), (1.0, 0.1, 16),
-               (1.0, 0.1, 4), (1.0, 1.0, 16), (1.0, 2.0, 16), (0.9, 0.0, 16), (0.9, 0.0, 12)]
+def _as_gamma(got, *case):
+    if as_int(got) is None:
+        raise Refused(f"return γ as an int, not a {_type(got)}: γ counts proposals (e.g. int(...) "
+                      f"of an index, never a float)")
+    return as_int(got)
 
 
-def _gamma_mistakes(alpha: float, c: float, max_gamma: int) -> list[tuple[int, str]]:
-    values = [speedup(alpha, c, g) for g in range(1, max_gamma + 1)]
-    right = _argmax(values)
-    largest = max(g for g, v in enumerate(values, 1) if v == max(values))
-    alpha_pow_gamma = [(1 - alpha ** g) / (1 - alpha) / (g * c + 1) if alpha != 1
-                       else g / (g * c + 1) for g in range(1, max_gamma + 1)]
-    tokens_only = [v * (g * c + 1) for g, v in enumerate(values, 1)]
-    return [
-        (right - 1, "this is what you get when you return the index of the best value (counted "
-                    "from 0) or loop over range(1, max_gamma), which stops before max_gamma: γ "
-                    "runs from 1 to max_gamma inclusive"),
-        (largest, "on a tie return the SMALLER γ: update the best only on a strictly larger "
-                  "speed-up (> not >=)"),
-        (_argmax(tokens_only), "this is what you get when you maximise tokens per target pass "
-                               "alone: every proposal costs a draft step, so divide by γc + 1"),
-        (_argmax(alpha_pow_gamma), "this is what you get with α^γ: a round of γ proposals commits "
-                                   "(1 - α^(γ+1)) / (1 - α) tokens, the exponent is γ + 1"),
-        (right + 1, "one more than the best γ: this is what you get when you return the γ after "
-                    "the best one (an index off by one)"),
-    ]
-
-
-def _gamma_crash_hint(error: Exception) -> str:
-    if isinstance(error, ZeroDivisionError):
-        return ("at α = 1 the formula is 0/0: every proposal is accepted, so a round commits "
-                "its γ proposals and the bonus, γ + 1 tokens (the formula's limit)")
-    return "your function raised on this input"
-
-
-@guarded
-def check_best_gamma(best_gamma) -> None:
-    """best_gamma(alpha, c, max_gamma) == the γ in 1..max_gamma maximising the chapter's speed-up
-    (the smaller on a tie), as an int."""
-    name = "best_gamma"
-    for alpha, c, max_gamma in GAMMA_CASES:
-        case = f"alpha={alpha}, c={c}, max_gamma={max_gamma}"
-        want = reference_best_gamma(alpha, c, max_gamma)
-        got = call_hinted(name, case, _gamma_crash_hint, best_gamma, alpha, c, max_gamma)
-        value = as_int(got)
-        if value is None:
-            kind = f"{type(got).__module__}.{type(got).__name__}".replace("builtins.", "")
-            fail(name, case, want, got, f"return γ as an int, not a {kind}: γ counts proposals "
-                 f"(e.g. int(...) of an index, never a float)")
-        if value != want:
-            if alpha == 1:
-                hint = ("at α = 1 the formula is 0/0; its limit is γ + 1 tokens per round, so the "
-                        "speed-up is (γ + 1) / (γc + 1)")
-            else:
-                hints = dict.fromkeys(h for wrong, h in _gamma_mistakes(alpha, c, max_gamma)
-                                      if wrong != want and value == wrong)
-                hint = "; or ".join(hints) or ("compute (1 - α^(γ+1)) / ((1 - α)(γc + 1)) for "
-                                               "every γ in 1..max_gamma and return the γ of the "
-                                               "largest")
-            fail(name, case, want, value, hint)
-    passed(name, len(GAMMA_CASES))
-
+ALPHA_1 = ("at α = 1 the formula is 0/0; its limit is γ + 1 tokens per round, so the speed-up is "
+           "(γ + 1) / (γc + 1)")
+BEST_GAMMA = _Exercise(
+    "best_gamma",
+    # the chapter's measured numbers, edges (α = 0 and 1, c = 0, ties) and small max_gamma; every
+    # case but the exact ties has a clear winner
+    cases=[(0.9, 0.124, 16), (0.9, 0.085, 16), (0.8, 0.05, 16), (0.6, 0.2, 16), (0.95, 0.02, 16),
+           (0.5, 0.5, 16), (0.7, 0.1, 8), (0.99, 0.01, 16), (0.97, 0.003, 16), (0.3, 0.3, 16),
+           (0.75, 0.05, 16), (0.85, 0.15, 16), (0.9, 0.124, 3), (0.9, 0.1, 1), (0.0, 0.1, 16),
+           (0.0, 0.0, 16), (1.0, 0.1, 16), (1.0, 0.1, 4), (1.0, 1.0, 16), (1.0, 2.0, 16),
+           (0.9, 0.0, 16), (0.9, 0.0, 12)],
+    describe=lambda alpha, c, max_gamma: f"alpha={alpha}, c={c}, max_gamma={max_gamma}",
+    reference=reference_best_gamma, returns=_as_gamma,
+    raised=_crash_hint(ZeroDivisionError, "at α = 1 the formula is 0/0: every proposal is "
+                       "accepted, so a round commits its γ proposals and the bonus, γ + 1 tokens "
+                       "(the formula's limit)"),
+    mistakes={
+        ALPHA_1: lambda alpha, c, m: 1 if alpha == 1 else reference_best_gamma(alpha, c, m),
+        "this is what you get when you return the index of the best value (counted from 0) or "
+        "loop over range(1, max_gamma), which stops before max_gamma: γ runs from 1 to max_gamma "
+        "inclusive": lambda alpha, c, m: reference_best_gamma(alpha, c, m) - 1,
+        "on a tie return the SMALLER γ: update the best only on a strictly larger speed-up (> not "
+        ">=)": lambda alpha, c, m: m + 1 - _argmax([speedup(alpha, c, g) for g in range(m, 0, -1)]),
+        "this is what you get when you maximise tokens per target pass alone: every proposal "
+        "costs a draft step, so divide by γc + 1": lambda alpha, c, m: reference_best_gamma(
+            alpha, 0.0, m),
+        "this is what you get with α^γ: a round of γ proposals commits (1 - α^(γ+1)) / (1 - α) "
+        "tokens, the exponent is γ + 1": lambda alpha, c, m: _argmax(
+            [(g if alpha == 1 else (1 - alpha ** g) / (1 - alpha)) / (g * c + 1)
+             for g in range(1, m + 1)]),
+        "one more than the best γ: this is what you get when you return the γ after the best one "
+        "(an index off by one)": lambda alpha, c, m: reference_best_gamma(alpha, c, m) + 1,
+    },
+    otherwise=lambda runs: ALPHA_1 if next(case for case, got in runs
+                                           if got != reference_best_gamma(*case))[0] == 1 else (
+        "compute (1 - α^(γ+1)) / ((1 - α)(γc + 1)) for every γ in 1..max_gamma and return the γ "
+        "of the largest"))
+check_best_gamma = BEST_GAMMA.check
 
 
 # --- exercise 5 (predict, then measure): a draft that is never wrong ----------------------------
@@ -1016,39 +983,18 @@ def batch_speedup(alpha: float, c: float, batch: int, balance: float, gamma: int
 MAX_GAMMA = 16
 
 
+def _best(value, lo: int = 0) -> int:
+    return _argmax([value(g) for g in range(lo, MAX_GAMMA + 1)], lo)
+
+
 def reference_choose_gamma(alpha: float, c: float, batch: int, balance: float) -> int:
-    values = [batch_speedup(alpha, c, batch, balance, g) for g in range(MAX_GAMMA + 1)]
-    return values.index(max(values))  # the first maximum: the smaller γ on a tie
+    return _best(lambda g: batch_speedup(alpha, c, batch, balance, g))  # the smaller γ on a tie
 
 
-# (α, c, batch, balance): one request (the chapter's formula), batches below and past the balance
-# point, α = 1, a draft too dear, and an exact tie between speculating and not
-DESIGN_CASES = [(0.9, 0.05, 1, 64), (0.9, 0.05, 16, 64), (0.9, 0.05, 32, 64), (0.9, 0.05, 64, 64),
-                (0.95, 0.02, 8, 64), (0.8, 0.1, 128, 64), (1.0, 0.1, 4, 16), (0.6, 0.3, 1, 64),
-                (0.5, 0.5, 1, 64), (0.97, 0.01, 2, 16), (0.7, 0.02, 24, 32)]
-
-
-def _design_mistakes(alpha, c, batch, balance) -> list[tuple[int, str]]:
-    def best(f, lo=0):
-        values = [f(g) for g in range(lo, MAX_GAMMA + 1)]
-        return lo + values.index(max(values))
-
-    def tokens(g, exponent=1):
-        return g + 1 if alpha == 1 else (1 - alpha ** (g + exponent)) / (1 - alpha)
-    return [
-        (best(lambda g: speedup(alpha, c, g), lo=1),
-         "this is the chapter's formula for ONE request: with a batch, the verification pass "
-         "has batch × (γ + 1) rows, and past the balance point rows are not free any more"),
-        (best(lambda g: batch_speedup(alpha, c, batch, balance, g), lo=1),
-         "speculation does not pay here at any γ: return 0 (plain batched decoding)"),
-        (best(lambda g: 1.0 if g == 0 else tokens(g, 0) * max(1.0, batch / balance) / (
-            g * c + max(1.0, batch * (g + 1) / balance))),
-         "a round of γ proposals commits (1 - α^(γ+1)) / (1 - α) tokens on average: the "
-         "exponent is γ + 1 (the bonus)"),
-        (best(lambda g: 1.0 if g == 0 else tokens(g) * max(1.0, batch / balance) / max(
-            1.0, batch * (g + 1) / balance)),
-         "this ignores the draft's passes: γ of them a round, c each"),
-    ]
+def _as_choice(got, *case):
+    if as_int(got) is None or not 0 <= as_int(got) <= MAX_GAMMA:
+        raise Refused(f"return γ as an int from 0 (no speculation) to {MAX_GAMMA}")
+    return as_int(got)
 
 
 def _speedups(alpha, c, batch, balance, *gammas) -> str:
@@ -1056,37 +1002,46 @@ def _speedups(alpha, c, batch, balance, *gammas) -> str:
                      for g in gammas)
 
 
-@guarded
+DESIGN = _Exercise(
+    "choose_gamma",
+    # (α, c, batch, balance): one request (the chapter's formula), batches below and past the
+    # balance point, α = 1, a draft too dear, and an exact tie between speculating and not
+    cases=[(0.9, 0.05, 1, 64), (0.9, 0.05, 16, 64), (0.9, 0.05, 32, 64), (0.9, 0.05, 64, 64),
+           (0.95, 0.02, 8, 64), (0.8, 0.1, 128, 64), (1.0, 0.1, 4, 16), (0.6, 0.3, 1, 64),
+           (0.5, 0.5, 1, 64), (0.97, 0.01, 2, 16), (0.7, 0.02, 24, 32)],
+    describe=lambda alpha, c, batch, balance: (f"alpha={alpha}, c={c}, batch={batch}, "
+                                               f"balance={balance}"),
+    reference=reference_choose_gamma, returns=_as_choice,
+    explain=lambda *case: (f"{_speedups(*case, 0, reference_choose_gamma(*case))}; a verification "
+                           f"pass has batch × (γ + 1) rows"),
+    mistakes={
+        "a tie: take the smaller γ (speculation that only breaks even is not worth it)":
+            lambda *case: MAX_GAMMA - _argmax([batch_speedup(*case, g)
+                                               for g in range(MAX_GAMMA, -1, -1)], 0),
+        "this is the chapter's formula for ONE request: with a batch, the verification pass has "
+        "batch × (γ + 1) rows, and past the balance point rows are not free any more":
+            lambda alpha, c, batch, balance: reference_best_gamma(alpha, c, MAX_GAMMA),
+        "speculation does not pay here at any γ: return 0 (plain batched decoding)":
+            lambda *case: _best(lambda g: batch_speedup(*case, g), lo=1),
+        "a round of γ proposals commits (1 - α^(γ+1)) / (1 - α) tokens on average: the exponent "
+        "is γ + 1 (the bonus)": lambda alpha, c, batch, balance: _best(
+            lambda g: 1.0 if g == 0 else (g + 1 if alpha == 1 else (1 - alpha ** g) / (1 - alpha))
+            * max(1.0, batch / balance) / (g * c + max(1.0, batch * (g + 1) / balance))),
+        "this ignores the draft's passes: γ of them a round, c each":
+            lambda alpha, c, batch, balance: reference_choose_gamma(alpha, 0.0, batch, balance),
+    },
+    otherwise="price a round: γ draft passes at c, one verification pass of batch × (γ + 1) rows "
+              "at max(1, rows / balance); it commits the chapter's expected tokens per request, "
+              "against max(1, batch / balance) for one plain step")
+
+
 def check_choose_gamma(choose_gamma) -> None:
-    """choose_gamma(alpha, c, batch, balance) -> γ in 0..16 with the most tokens per unit of time
-    under the stated cost model (0: do not speculate; the smaller γ on a tie)."""
-    name = "choose_gamma"
-    for alpha, c, batch, balance in DESIGN_CASES:
-        case = f"alpha={alpha}, c={c}, batch={batch}, balance={balance}"
-        want = reference_choose_gamma(alpha, c, batch, balance)
-        got = call_hinted(name, case, _gamma_crash_hint, choose_gamma, alpha, c, batch, balance)
-        value = as_int(got)
-        if value is None or not 0 <= value <= MAX_GAMMA:
-            fail(name, case, want, got, f"return γ as an int from 0 (no speculation) to "
-                 f"{MAX_GAMMA}")
-        if value != want:
-            mine = batch_speedup(alpha, c, batch, balance, value)
-            best = batch_speedup(alpha, c, batch, balance, want)
-            if mine == best:
-                hint = ("a tie: take the smaller γ (speculation that only breaks even is not "
-                        "worth it)")
-            else:
-                hints = dict.fromkeys(h for wrong, h in _design_mistakes(alpha, c, batch, balance)
-                                      if wrong != want and wrong == value)
-                hint = "; or ".join(hints) or (
-                    "price a round: γ draft passes at c, one verification pass of batch × (γ + 1) "
-                    "rows at max(1, rows / balance); it commits the chapter's expected tokens per "
-                    "request, against max(1, batch / balance) for one plain step")
-            rows = batch * (value + 1)
-            fail(name, case, f"γ = {want} ({_speedups(alpha, c, batch, balance, want)})",
-                 f"γ = {value} ({_speedups(alpha, c, batch, balance, value)}; its verification "
-                 f"pass has {rows} rows)", hint)
-    batches = (1, 4, 16, 32, 48, 64, 128)
-    print("  the best γ as the batch grows (α = 0.9, c = 0.05, balance = 64): "
-          + ", ".join(f"{b} → {reference_choose_gamma(0.9, 0.05, b, 64)}" for b in batches))
-    passed(name, len(DESIGN_CASES))
+    """DESIGN's check, with the best γ as the batch grows printed before its ✓ line."""
+    with contextlib.redirect_stdout(io.StringIO()) as line:
+        DESIGN.check(choose_gamma)
+    print("  the best γ as the batch grows (α = 0.9, c = 0.05, balance = 64): " + ", ".join(
+        f"{b} → {reference_choose_gamma(0.9, 0.05, b, 64)}" for b in (1, 4, 16, 32, 48, 64, 128)))
+    print(line.getvalue(), end="")
+
+
+EXERCISES = (BEST_GAMMA, RESIDUAL)
