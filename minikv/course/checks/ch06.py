@@ -1,33 +1,15 @@
 """Checkers for chapter 06 (many requests: a paged KV cache, prefix caching, admission).
 
-- gather_keys: one layer's keys read through a block table, against what the engine's PagedCache
-  reads back for the same table (bit for bit), on random pools: tables out of order, a last block
-  partly filled, a length ending on a block boundary, a block reserved past the end, blocks of 1
-  to 16 positions. PagedCache's own read is forbidden.
-- reserve: room for n_new more positions in one BlockTable of a real BlockPool, copying a shared,
-  partly filled block before it is written; against the engine's PagedCache.reserve on a copy of
-  the same pool, by what the result means (any blocks from the front of the free list, in any
-  order): the table, every reference count, the free list, the hashes of reallocated blocks, and
-  every table's K/V read through it (every layer, keys and values). PagedCache.reserve and
-  BlockPool's reserve, blocks_needed and copy_on_write are forbidden.
-- matching_blocks: a prompt's cached prefix blocks, against the pool's own cached_prefix on the
-  same hashes: chained hashes, full blocks only, at least one prompt token left, nothing after the
-  first miss (a hole left by a reallocated block). cached_prefix is forbidden.
-- can_admit: the server's admission rule, against the scheduler's (Scheduler.admission and
-  FirstComeFirstServed.fits) on a copy of the same pool, at the rule's edges (exactly enough free
-  blocks, one short), with shared blocks that running requests hold and shared blocks that are
-  free but cached. Those two are forbidden.
+- gather_keys: one layer's keys read through a block table, bit for bit as PagedCache reads them.
+- reserve: room for n_new more positions in a BlockTable, a shared partly filled block copied
+  first, against PagedCache.reserve on a copy of the pool (table, counts, free list, hashes, K/V).
+- matching_blocks (a table): a prompt's cached prefix blocks, as BlockPool.cached_prefix finds them.
+- can_admit (a table): the scheduler's admission rule, at its edges (exactly enough, one short).
+- predict_peak_blocks (predict, then measure): blocks in use when 4 requests share a prompt.
+- crop (debug): a paged rollback, against PagedCache.crop, then inside a verify-and-rollback decode.
+- choose_block_size (design, a table): the largest block size within a waste budget.
 
-- predict_peak_blocks (predict, then measure): the most blocks in use when 4 requests share a
-  prompt, with and without prefix caching, against serve() on a tiny model.
-- crop (debug): a paged rollback, against PagedCache.crop on a copy of the same pool (blocks,
-  length, reference counts, free list), then as the cache of a greedy verify-and-rollback
-  decode against target-only decoding; the buggy class must not come back unchanged.
-- choose_block_size (design): the largest block size within a waste budget for a snapshot of
-  running sequences, measured with the engine's reserve.
-
-Each usual mistake is recognised by what it produces, and named in the hint. Everything runs on the
-CPU in about a second and leaves the caller's random state alone.
+Everything runs on the CPU in about a second and leaves the caller's random state alone.
 """
 from __future__ import annotations
 
@@ -45,20 +27,21 @@ from ...engine.scheduler import FirstComeFirstServed, Scheduler, Sequence
 from ...engine.verify import accept_matching, verify_and_commit
 from . import (
     CheckFailed,
+    Exercise,
+    Refused,
     call_hinted,
+    expect,
     fail,
     forbid,
     guarded,
     int_list,
+    kind,
+    one_of,
     one_thread,
     passed,
     prediction,
     tiny_model,
 )
-
-
-def _kind(value) -> str:
-    return f"{type(value).__module__}.{type(value).__name__}".replace("builtins.", "")
 
 
 def _config(n_layer: int, n_head: int, head_dim: int) -> GPTConfig:
@@ -67,6 +50,24 @@ def _config(n_layer: int, n_head: int, head_dim: int) -> GPTConfig:
 
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _named(mistakes, got, *case, same=lambda a, b: a == b) -> str:
+    """The hints of the (hint, wrong implementation) pairs that give `got` on this case."""
+    def gives(wrong):
+        try:
+            return bool(same(wrong(*case), got))
+        except Exception:  # noqa: BLE001 - a mistake that cannot run here reproduces nothing
+            return False
+    return "; or ".join(dict.fromkeys(h for h, wrong in mistakes if gives(wrong)))
+
+
+class _Labelled(list):
+    """A case's argument that carries what the case is about (`label`), for the message."""
+
+    def __init__(self, label: str, items=()):
+        super().__init__(items)
+        self.label = label
 
 
 # --- exercise 1: a sequence's keys, read through its block table --------------------------------
@@ -87,24 +88,16 @@ GATHER_CASES = [
 ]
 
 
-def _gather_pool(i: int, num_blocks: int, nh: int, bs: int, hs: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(600 + i)
-    return torch.randn(num_blocks, nh, bs, hs, generator=g)
-
-
 def engine_read(pool_keys: torch.Tensor, table: list[int], length: int) -> torch.Tensor:
-    """What the engine's PagedCache reads back for a sequence of `length` positions in `table`,
-    (nh, length, hs): one pass that writes its last position (the very key already there) returns
-    every position it attends to."""
+    """(nh, length, hs): what one pass through the engine's PagedCache that writes the last
+    position (the very key already there) returns for the sequence."""
     num_blocks, nh, bs, hs = pool_keys.shape
     pool = BlockPool(_config(1, nh, hs), num_blocks, bs, dtype=pool_keys.dtype)
     pool.keys[0].copy_(pool_keys)
     pool.values[0].copy_(pool_keys)
-    last = pool_keys[table[(length - 1) // bs], :, (length - 1) % bs]     # (nh, hs)
-    new = last[None, :, None].clone()                                    # (1, nh, 1, hs)
-    cache = PagedCache(pool, [BlockTable(0, list(table), length - 1)])
+    new = pool_keys[table[(length - 1) // bs], :, (length - 1) % bs][None, :, None].clone()
     with torch.no_grad():
-        keys, _ = cache.update(new, new, 0)                              # (1, nh, length, hs)
+        keys, _ = PagedCache(pool, [BlockTable(0, list(table), length - 1)]).update(new, new, 0)
     return keys[0]
 
 
@@ -113,41 +106,29 @@ def _slots(pool_keys: torch.Tensor, where: list[tuple[int, int]]) -> torch.Tenso
     return torch.stack([pool_keys[b, :, s] for b, s in where], dim=1)
 
 
-POOL_ORDER = ("this is what you get with the blocks in the order of their ids (sorted, or as "
-              "they sit in the pool): a block table lists a sequence's blocks in POSITION order, "
-              "and its ids can come in any order (blocks are taken from wherever the free list "
-              "had them); position p is in block table[p // block_size]")
-NO_TABLE = ("this is what you get when you read block p // block_size of the POOL, as if the "
-            "sequence held the pool's first blocks: p // block_size is an index into the TABLE, "
-            "and table[p // block_size] is the block")
 NO_PERMUTE = ("this is what you get when you reshape pool_keys[table] (blocks, nh, block_size, "
               "hs) straight to (nh, -1, hs): reshape keeps the memory order, so it mixes heads "
               "and blocks. Bring the head axis first (.transpose(0, 1) gives (nh, blocks, "
               "block_size, hs)), then merge blocks and slots, then cut to length")
-SWAPPED = ("this is what you get with block and slot swapped: the block is table[p // "
-           "block_size], the slot inside it p % block_size")
-
-
-def _gather_mistakes(pool_keys: torch.Tensor, table: list[int],
-                     length: int) -> list[tuple[torch.Tensor | None, str]]:
-    _, nh, bs, hs = pool_keys.shape
-    n = _ceil(length, bs)
-
-    def attempt(make):
-        try:
-            return make()
-        except (IndexError, RuntimeError):
-            return None
-    return [
-        (attempt(lambda: _slots(pool_keys, [(sorted(table)[p // bs], p % bs)
-                                            for p in range(length)])), POOL_ORDER),
-        (attempt(lambda: _slots(pool_keys, [(p // bs, p % bs) for p in range(length)])),
-         NO_TABLE),
-        (attempt(lambda: pool_keys[table[:n]].reshape(nh, -1, hs)[:, :length]), NO_PERMUTE),
-        (attempt(lambda: pool_keys[table].reshape(nh, -1, hs)[:, :length]), NO_PERMUTE),
-        (attempt(lambda: _slots(pool_keys, [(table[p % bs], p // bs) for p in range(length)])),
-         SWAPPED),
-    ]
+GATHER_MISTAKES = [  # (hint, wrong implementation)
+    ("this is what you get with the blocks in the order of their ids (sorted, or as they sit in "
+     "the pool): a block table lists a sequence's blocks in POSITION order, and its ids can come "
+     "in any order (blocks are taken from wherever the free list had them); position p is in "
+     "block table[p // block_size]", lambda pool_keys, table, length: _slots(pool_keys, [
+         (sorted(table)[p // pool_keys.size(2)], p % pool_keys.size(2)) for p in range(length)])),
+    ("this is what you get when you read block p // block_size of the POOL, as if the sequence "
+     "held the pool's first blocks: p // block_size is an index into the TABLE, and table[p // "
+     "block_size] is the block", lambda pool_keys, table, length: _slots(pool_keys, [
+         (p // pool_keys.size(2), p % pool_keys.size(2)) for p in range(length)])),
+    (NO_PERMUTE, lambda pool_keys, table, length: pool_keys[
+        table[:_ceil(length, pool_keys.size(2))]].reshape(pool_keys.size(1), -1,
+                                                           pool_keys.size(3))[:, :length]),
+    (NO_PERMUTE, lambda pool_keys, table, length: pool_keys[table].reshape(
+        pool_keys.size(1), -1, pool_keys.size(3))[:, :length]),
+    ("this is what you get with block and slot swapped: the block is table[p // block_size], the "
+     "slot inside it p % block_size", lambda pool_keys, table, length: _slots(pool_keys, [
+         (table[p % pool_keys.size(2)], p // pool_keys.size(2)) for p in range(length)])),
+]
 
 
 def _gather_shape_hint(shape: tuple, nh: int, bs: int, hs: int, table: list[int],
@@ -186,12 +167,9 @@ def _gather_crash_hint(error: Exception) -> str:
 
 def _where_from(pool_keys: torch.Tensor, row: torch.Tensor) -> str:
     """Which (block, slot) of the pool holds the (nh, hs) `row`, in words."""
-    num_blocks, _, bs, _ = pool_keys.shape
-    for b in range(num_blocks):
-        for s in range(bs):
-            if torch.equal(pool_keys[b, :, s], row):
-                return f"pool_keys[{b}, :, {s}]"
-    return "keys found in no single slot of the pool (heads or slots mixed up?)"
+    return next((f"pool_keys[{b}, :, {s}]" for b in range(pool_keys.size(0))
+                 for s in range(pool_keys.size(2)) if torch.equal(pool_keys[b, :, s], row)),
+                "keys found in no single slot of the pool (heads or slots mixed up?)")
 
 
 @guarded
@@ -200,39 +178,34 @@ def check_gather_keys(gather_keys) -> None:
     pool_keys[table[p // block_size], :, p % block_size], as the engine's PagedCache reads them."""
     name = "gather_keys"
     for i, (label, num_blocks, nh, bs, hs, table, length) in enumerate(GATHER_CASES):
-        pool_keys = _gather_pool(i, num_blocks, nh, bs, hs)
+        pool_keys = torch.randn(num_blocks, nh, bs, hs,
+                                generator=torch.Generator().manual_seed(600 + i))
         case = (f"{label}: pool_keys of shape {tuple(pool_keys.shape)} (blocks of {bs}), "
                 f"table={table}, length={length}")
         want = engine_read(pool_keys, table, length)
         given, given_table = pool_keys.clone(), list(table)
         with forbid(name, PagedCache.update, PagedCache._indices):
             got = call_hinted(name, case, _gather_crash_hint, gather_keys, given, given_table,
-                               length)
-        if not torch.equal(given, pool_keys) or given_table != table:
-            fail(name, case, "pool_keys and table left as they were", "they changed",
-                 "reading through a table writes nothing: no in-place operation on the pool "
-                 "or the table")
+                              length)
+        expect(torch.equal(given, pool_keys) and given_table == table, name, case,
+               "pool_keys and table left as they were", "they changed", "reading through a "
+               "table writes nothing: no in-place operation on the pool or the table")
         if not isinstance(got, torch.Tensor):
-            fail(name, case, f"a tensor of shape {tuple(want.shape)}", _kind(got),
+            fail(name, case, f"a tensor of shape {tuple(want.shape)}", kind(got),
                  "return a torch tensor (nh, length, hs): torch.stack or torch.cat the keys, or "
-                 "index pool_keys"
-                 + (" (did you forget to return it?)" if got is None else ""))
-        if tuple(got.shape) != tuple(want.shape):
-            fail(name, case, f"shape {tuple(want.shape)} (nh, length, hs)",
-                 f"shape {tuple(got.shape)}",
-                 _gather_shape_hint(tuple(got.shape), nh, bs, hs, table, length))
-        if got.dtype != want.dtype:
-            fail(name, case, f"dtype {want.dtype}", f"dtype {got.dtype}",
-                 "return the pool's keys as they are, in the pool's dtype")
+                 "index pool_keys" + (" (did you forget to return it?)" if got is None else ""))
+        expect(got.shape == want.shape, name, case, f"shape {tuple(want.shape)} (nh, length, hs)",
+               f"shape {tuple(got.shape)}",
+               _gather_shape_hint(tuple(got.shape), nh, bs, hs, table, length))
+        expect(got.dtype == want.dtype, name, case, f"dtype {want.dtype}", f"dtype {got.dtype}",
+               "return the pool's keys as they are, in the pool's dtype")
         if not torch.equal(got, want):
             p = int((got != want).any(dim=2).any(dim=0).nonzero()[0])
-            hint = next((h for wrong, h in _gather_mistakes(pool_keys, table, length)
-                         if wrong is not None and wrong.shape == got.shape
-                         and not torch.equal(wrong, want) and torch.equal(wrong, got)),
-                        "position p's keys are pool_keys[table[p // block_size], :, p % "
-                        "block_size]: every head's, in position order")
             fail(name, case, f"position {p}: pool_keys[{table[p // bs]}, :, {p % bs}]",
-                 f"position {p}: {_where_from(pool_keys, got[:, p])}", hint)
+                 f"position {p}: {_where_from(pool_keys, got[:, p])}",
+                 _named(GATHER_MISTAKES, got, pool_keys, table, length, same=torch.equal)
+                 or "position p's keys are pool_keys[table[p // block_size], :, p % "
+                    "block_size]: every head's, in position order")
     passed(name, len(GATHER_CASES))
 
 
@@ -261,10 +234,6 @@ RESERVE_CASES = [
 ]
 
 
-def _hash_of(block: int) -> str:
-    return block_hash("a finished prompt", [block])
-
-
 def reserve_pool(case: tuple, seed: int) -> tuple[BlockPool, list[BlockTable], BlockTable]:
     """The case's pool (random K/V in 2 layers of 2 heads), the other tables, and this one."""
     _, bs, num_blocks, others, (blocks, length), _, order, hashed = case
@@ -275,28 +244,25 @@ def reserve_pool(case: tuple, seed: int) -> tuple[BlockPool, list[BlockTable], B
     tables = [BlockTable(i, list(b), n) for i, (b, n) in enumerate(others)]
     mine = BlockTable(len(tables), list(blocks), length)
     pool.ref = [sum(b in t.blocks for t in tables + [mine]) for b in range(num_blocks)]
-    order = range(num_blocks) if order is None else order
-    pool.free = deque(b for b in order if pool.ref[b] == 0)
+    pool.free = deque(b for b in (range(num_blocks) if order is None else order)
+                      if pool.ref[b] == 0)
     assert sorted(pool.free) == [b for b in range(num_blocks) if pool.ref[b] == 0], case[0]
     for b in hashed:
-        pool.by_hash[_hash_of(b)], pool.hash_of[b] = b, _hash_of(b)
+        h = block_hash("a finished prompt", [b])
+        pool.by_hash[h], pool.hash_of[b] = b, h
     return pool, tables, mine
-
-
-def _read(pool: BlockPool, table: BlockTable, layer: int, values: bool) -> torch.Tensor:
-    """(nh, length, hs): the table's K (or V) of one layer, read through its blocks."""
-    src = (pool.values if values else pool.keys)[layer]
-    bs = pool.page_size
-    return _slots(src, [(table.blocks[p // bs], p % bs) for p in range(table.length)]) \
-        if table.length else src[:0, :, 0].transpose(0, 1)
 
 
 def _kv_differences(before: BlockPool, old: BlockTable, after: BlockPool,
                     new: BlockTable) -> list[tuple[int, bool]]:
     """(layer, values?) of every tensor whose positions read differently through `new` in `after`
     than through `old` in `before`."""
+    def read(pool, table, layer, values):
+        src, bs = (pool.values if values else pool.keys)[layer], pool.page_size
+        return [src[table.blocks[p // bs], :, p % bs] for p in range(table.length)]
     return [(layer, values) for layer in range(len(before.keys)) for values in (False, True)
-            if not torch.equal(_read(before, old, layer, values), _read(after, new, layer, values))]
+            if not all(torch.equal(a, b) for a, b in zip(read(before, old, layer, values),
+                                                         read(after, new, layer, values)))]
 
 
 NO_COPY = ("position {length} falls in block {block}, partly filled and shared (reference count "
@@ -321,6 +287,10 @@ NOT_FROM_FRONT = ("take free blocks with pool.allocate(owner): it takes the bloc
 STILL_HASHED = ("block {block} was reallocated but is still findable by its old hash in "
                 "pool.by_hash: the next prompt that starts with those tokens would share it and "
                 "read this sequence's K/V. pool.allocate(owner) forgets the hash")
+KV_COPY = {frozenset([True]): "you copied the keys but not the values: copy both, pool.keys and "
+                              "pool.values",
+           frozenset([False]): "you copied the values but not the keys: copy both, pool.keys and "
+                               "pool.values"}
 
 
 def _reserve_crash_hint(table_was_empty: bool):
@@ -338,123 +308,99 @@ def _reserve_crash_hint(table_was_empty: bool):
 
 def _check_reserve_case(name: str, case_id: int, case: tuple, reserve) -> None:
     label, bs, _, others, (blocks0, length), n_new, _, _ = case
-    where = f"{label}: block_size={bs}, table.blocks={blocks0}, table.length={length}, " \
-            f"n_new={n_new}"
+    where = (f"{label}: block_size={bs}, table.blocks={blocks0}, table.length={length}, "
+             f"n_new={n_new}")
     pool, tables, mine = reserve_pool(case, 660 + case_id)
-    before = copy.deepcopy(pool)
+    before, want_pool, want = copy.deepcopy(pool), copy.deepcopy(pool), copy.deepcopy(mine)
     ref0, free0 = list(pool.ref), list(pool.free)
-    want_pool, want = copy.deepcopy(pool), copy.deepcopy(mine)
     PagedCache(want_pool, [want]).reserve(n_new)  # the engine, on a copy
     with forbid(name, PagedCache.reserve, BlockPool.reserve, BlockPool.blocks_needed,
                 BlockPool.copy_on_write):
         call_hinted(name, where, _reserve_crash_hint(not blocks0), reserve, pool, mine, n_new)
     got, n_want = mine.blocks, len(want.blocks)
-    if mine.length != length:
-        fail(name, where, f"table.length = {length}", f"table.length = {mine.length}",
-             "reserve makes room and writes nothing: the length moves when the pass writes the "
-             "K/V (PagedCache.update)")
-    if len(set(got)) != len(got):
-        fail(name, where, f"{n_want} distinct blocks", got, "a block appears twice in the table")
+    expect(mine.length == length, name, where, f"table.length = {length}",
+           f"table.length = {mine.length}", "reserve makes room and writes nothing: the length "
+           "moves when the pass writes the K/V (PagedCache.update)")
+    expect(len(set(got)) == len(got), name, where, f"{n_want} distinct blocks", got,
+           "a block appears twice in the table")
     # the blocks the table had: kept, except a shared partly filled block, copied
     for j, b0 in enumerate(blocks0):
-        g = got[j] if j < len(got) else None
-        if g is None:
+        if j >= len(got):
             fail(name, where, f"table.blocks starting like {want.blocks[:len(blocks0)]}", got,
                  "reserve only adds blocks (or puts a copy in a shared block's place): the "
                  "table lost one")
-        if want.blocks[j] != b0 and g == b0:
+        if want.blocks[j] != b0 and got[j] == b0:
             fail(name, where, f"block {b0} replaced by a copy", got,
                  NO_COPY.format(length=length, block=b0, ref=ref0[b0]))
-        if want.blocks[j] == b0 and g != b0:
-            if length % bs and j == length // bs:
-                hint = COPIED_UNSHARED.format(block=b0)
-            elif j < _ceil(length, bs):
-                hint = COPIED_FULL.format(block=b0, length=length)
-            else:
-                hint = "a block the table already holds for later positions stays where it is"
-            fail(name, where, f"table.blocks[{j}] = {b0}", f"table.blocks[{j}] = {g}", hint)
-    if len(got) != n_want:
-        need = f"ceil(({length} + {n_new}) / {bs}) = {n_want}"
-        if len(got) < n_want:
-            hint = FLOOR if len(got) == max(len(blocks0), (length + n_new) // bs) else (
-                f"too few blocks: the table must hold positions 0 .. {length + n_new - 1}")
-        else:
-            hint = PER_NEW if len(got) == len(blocks0) + _ceil(n_new, bs) else (
-                f"more blocks than positions 0 .. {length + n_new - 1} need: a block taken "
-                f"before it is needed is a block another request cannot use")
-        fail(name, where, f"{n_want} blocks ({need})", f"{len(got)} blocks: {got}", hint)
+        if want.blocks[j] == b0 and got[j] != b0:
+            fail(name, where, f"table.blocks[{j}] = {b0}", f"table.blocks[{j}] = {got[j]}",
+                 COPIED_UNSHARED.format(block=b0) if length % bs and j == length // bs else
+                 COPIED_FULL.format(block=b0, length=length) if j < _ceil(length, bs) else
+                 "a block the table already holds for later positions stays where it is")
+    if len(got) < n_want:
+        fail(name, where, f"{n_want} blocks (ceil(({length} + {n_new}) / {bs}) = {n_want})",
+             f"{len(got)} blocks: {got}",
+             FLOOR if len(got) == max(len(blocks0), (length + n_new) // bs) else
+             f"too few blocks: the table must hold positions 0 .. {length + n_new - 1}")
+    if len(got) > n_want:
+        fail(name, where, f"{n_want} blocks (ceil(({length} + {n_new}) / {bs}) = {n_want})",
+             f"{len(got)} blocks: {got}",
+             PER_NEW if len(got) == len(blocks0) + _ceil(n_new, bs) else
+             f"more blocks than positions 0 .. {length + n_new - 1} need: a block taken before "
+             f"it is needed is a block another request cannot use")
     taken = [b for b in got if b not in blocks0]
     for b in taken:
-        if ref0[b] > 0:
-            fail(name, where, "new blocks taken from pool.free", f"block {b} (reference count "
-                 f"{ref0[b]})", f"block {b} is held by another table: new blocks come from the "
-                 f"free list (pool.allocate(owner))")
-    if sorted(taken) != sorted(free0[:len(taken)]):
-        fail(name, where, f"the first {len(taken)} free blocks {free0[:len(taken)]}",
-             f"blocks {taken}", NOT_FROM_FRONT)
+        expect(ref0[b] == 0, name, where, "new blocks taken from pool.free",
+               f"block {b} (reference count {ref0[b]})", f"block {b} is held by another table: "
+               f"new blocks come from the free list (pool.allocate(owner))")
+    expect(sorted(taken) == sorted(free0[:len(taken)]), name, where,
+           f"the first {len(taken)} free blocks {free0[:len(taken)]}", f"blocks {taken}",
+           NOT_FROM_FRONT)
     # the pool's books: counts, free list, hashes
-    holders = tables + [mine]
-    counts = [sum(b in t.blocks for t in holders) for b in range(len(ref0))]
-    if pool.ref != counts:
-        b = next(b for b in range(len(counts)) if pool.ref[b] != counts[b])
-        if b in blocks0 and b not in got:
-            hint = NOT_RELEASED
-        elif b in taken:
-            hint = "a block just taken is held by this table alone: reference count 1"
-        else:
-            hint = "pool.ref[b] counts the tables that hold block b"
+    counts = [sum(b in t.blocks for t in tables + [mine]) for b in range(len(ref0))]
+    for b in (b for b in range(len(counts)) if pool.ref[b] != counts[b]):
         fail(name, where, f"pool.ref[{b}] = {counts[b]}", f"pool.ref[{b}] = {pool.ref[b]}",
-             hint)
+             NOT_RELEASED if b in blocks0 and b not in got else
+             "a block just taken is held by this table alone: reference count 1" if b in taken
+             else "pool.ref[b] counts the tables that hold block b")
     free = [b for b in free0 if b not in taken]
-    if list(pool.free) != free:
-        fail(name, where, f"pool.free = {free}", f"pool.free = {list(pool.free)}",
-             "pool.free lists the blocks nobody holds, the longest free first: a block you take "
-             "leaves it (pool.allocate does this), the others keep their order")
+    expect(list(pool.free) == free, name, where, f"pool.free = {free}",
+           f"pool.free = {list(pool.free)}", "pool.free lists the blocks nobody holds, the "
+           "longest free first: a block you take leaves it (pool.allocate does this), the others "
+           "keep their order")
     for b in taken:
-        if b in pool.hash_of or before.hash_of.get(b) in pool.by_hash:
-            fail(name, where, f"block {b} no longer in pool.by_hash", "still there",
-                 STILL_HASHED.format(block=b))
-    kept = {h: b for h, b in before.by_hash.items() if b not in taken}
-    if pool.by_hash != kept:
-        fail(name, where, "the other hashes left alone", "pool.by_hash changed",
-             "only a reallocated block loses its hash")
+        expect(b not in pool.hash_of and before.hash_of.get(b) not in pool.by_hash, name, where,
+               f"block {b} no longer in pool.by_hash", "still there", STILL_HASHED.format(block=b))
+    expect(pool.by_hash == {h: b for h, b in before.by_hash.items() if b not in taken}, name,
+           where, "the other hashes left alone", "pool.by_hash changed",
+           "only a reallocated block loses its hash")
     # the K/V every table reads: the others' untouched, this one's the same through its copy
     for t in tables:
-        if _kv_differences(before, t, pool, t):
-            fail(name, where, f"table {t.owner}'s K/V unchanged", "changed",
-                 "you wrote into a block another table reads: reserve only copies FROM a shared "
-                 "block, into a block this table alone will hold")
-    old = BlockTable(mine.owner, list(blocks0), length)
-    diff = _kv_differences(before, old, pool, mine)
+        expect(not _kv_differences(before, t, pool, t), name, where,
+               f"table {t.owner}'s K/V unchanged", "changed", "you wrote into a block another "
+               "table reads: reserve only copies FROM a shared block, into a block this table "
+               "alone will hold")
+    diff = _kv_differences(before, BlockTable(mine.owner, list(blocks0), length), pool, mine)
     if diff:
         layers = sorted({layer for layer, _ in diff})
-        kinds = {values for _, values in diff}
-        if kinds == {True}:
-            hint = "you copied the keys but not the values: copy both, pool.keys and pool.values"
-        elif kinds == {False}:
-            hint = "you copied the values but not the keys: copy both, pool.keys and pool.values"
-        elif 0 not in layers:
-            hint = ("you copied layer 0 only: pool.keys and pool.values hold one tensor per "
-                    "layer; copy the block in every layer")
-        else:
-            hint = ("the copy must hold the shared block's K/V: for every layer l, "
-                    "pool.keys[l][new] = pool.keys[l][old], and the same for pool.values")
         fail(name, where, f"positions 0 .. {length - 1} read the same K/V through the new table",
-             f"different K/V in layer(s) {layers}", hint)
+             f"different K/V in layer(s) {layers}", KV_COPY.get(frozenset(v for _, v in diff))
+             or ("you copied layer 0 only: pool.keys and pool.values hold one tensor per layer; "
+                 "copy the block in every layer" if 0 not in layers else
+                 "the copy must hold the shared block's K/V: for every layer l, "
+                 "pool.keys[l][new] = pool.keys[l][old], and the same for pool.values"))
 
 
 @guarded
 def check_reserve(reserve) -> None:
-    """reserve(pool, table, n_new): the table gets room for n_new more positions, a shared
-    partly filled block that will be written copied first, as the engine's PagedCache.reserve
-    does."""
-    name = "reserve"
+    """reserve(pool, table, n_new): room for n_new more positions, a shared partly filled block
+    that will be written copied first, as the engine's PagedCache.reserve does."""
     for i, case in enumerate(RESERVE_CASES):
-        _check_reserve_case(name, i, case, reserve)
-    passed(name, len(RESERVE_CASES))
+        _check_reserve_case("reserve", i, case, reserve)
+    passed("reserve", len(RESERVE_CASES))
 
 
-# --- exercise 3: a prompt's cached prefix blocks -------------------------------------------------
+# --- exercise 3 (a table): a prompt's cached prefix blocks ----------------------------------------
 
 def _tokens(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
@@ -473,15 +419,23 @@ def published(bs: int, prompts: list[tuple[list[int], list[int]]]) -> dict[str, 
     return by_hash
 
 
-def _matching_cases() -> list[tuple[str, list[int], int, dict[str, int]]]:
-    """(what the case is about, prompt, block_size, by_hash)."""
+class _Hashes(dict):
+    """by_hash, carrying what the case is about (`label`), for the message."""
+
+    def __init__(self, label: str, by_hash: dict):
+        super().__init__(by_hash)
+        self.label = label
+
+
+def _matching_cases() -> list[tuple[list[int], int, _Hashes]]:
+    """(prompt, block_size, by_hash labelled with what the case is about)."""
     P, T, U, V, W, X = (_tokens(s, n) for s, n in ((1, 12), (2, 4), (3, 4), (4, 4), (5, 4),
                                                      (6, 8)))
     cached = published(4, [(P, [5, 2, 8])])
     hole = dict(cached)
     del hole[block_hash(block_hash("", P[:4]), P[4:8])]  # block 2 was reallocated
     shared, q1, q2 = _tokens(7, 200), _tokens(8, 20), _tokens(9, 30)
-    return [
+    cases = [
         ("its second block's tokens start another cached prompt (same tokens, another "
          "beginning)", T + U + [7], 4, published(4, [(T + V, [1, 3]), (U + W, [6, 9])])),
         ("a cached block and one token more", P[:4] + [1], 4, cached),
@@ -502,6 +456,7 @@ def _matching_cases() -> list[tuple[str, list[int], int, dict[str, int]]]:
          published(16, [(shared + q1, list(range(20, 34)))])),
         ("blocks of 1 token", [5, 6, 7], 1, published(1, [([5, 6, 7, 8], [0, 1, 2, 3])])),
     ]
+    return [(prompt, bs, _Hashes(label, by_hash)) for label, prompt, bs, by_hash in cases]
 
 
 def engine_shared_prefix(prompt: list[int], bs: int, by_hash: dict[str, int]) -> list[int]:
@@ -512,50 +467,16 @@ def engine_shared_prefix(prompt: list[int], bs: int, by_hash: dict[str, int]) ->
 
 
 def _match(prompt, bs, by_hash, n_blocks=None, chained=True, stop=True, cumulative=False):
-    """A prefix match with one of the usual mistakes."""
+    """A prefix match (the right one), or with one of the usual mistakes."""
     blocks, h = [], ""
-    n = (len(prompt) - 1) // bs if n_blocks is None else n_blocks
-    for i in range(max(n, 0)):
-        tokens = prompt[i * bs:(i + 1) * bs]
-        if cumulative:
-            h = block_hash("", prompt[:(i + 1) * bs])
-        else:
-            h = block_hash(h if chained else "", tokens)
+    for i in range(max((len(prompt) - 1) // bs if n_blocks is None else n_blocks, 0)):
+        h = block_hash("" if cumulative or not chained else h,
+                       prompt[:(i + 1) * bs] if cumulative else prompt[i * bs:(i + 1) * bs])
         if h in by_hash:
             blocks.append(by_hash[h])
         elif stop:
             break
     return blocks
-
-
-UNCHAINED = ("this is what you get when you hash each block's tokens alone (block_hash('', "
-             "tokens)): the same tokens after another beginning have other keys and values, "
-             "since every token attends to all before it. Chain: pass the previous block's hash")
-CONTINUED = ("this is what you get when you go on after a miss: the table would have a hole, "
-             "a block whose K/V nobody computed for this prompt. The prefix ends at the first "
-             "block not found")
-NO_TOKEN_LEFT = ("this is what you get when you match every full block of a prompt that ends on "
-                 "a block boundary: nothing would be left to compute, and the first new token is "
-                 "read from the logits of the prompt's last token. Leave at least one token: "
-                 "look at the first (len(prompt) - 1) // block_size blocks")
-WHOLE_BLOCK_LEFT = ("this is what you get when you always leave the last full block: only one "
-                    "token must be left, so a prompt that does not end on a block boundary can "
-                    "share all its full blocks: (len(prompt) - 1) // block_size of them")
-CUMULATIVE = ("this is what you get when you hash the whole prefix from the start with '' as the "
-              "previous hash: the engine's hash is block_hash(hash of the previous block, this "
-              "block's tokens), one block at a time")
-
-
-def _matching_mistakes(prompt, bs, by_hash) -> list[tuple[list[int], str]]:
-    return [
-        (_match(prompt, bs, by_hash, chained=False), UNCHAINED),
-        (_match(prompt, bs, by_hash, chained=False, stop=False), UNCHAINED),
-        (_match(prompt, bs, by_hash, stop=False), CONTINUED),
-        (_match(prompt, bs, by_hash, n_blocks=len(prompt) // bs), NO_TOKEN_LEFT),
-        (_match(prompt, bs, by_hash, n_blocks=len(prompt) // bs, stop=False), NO_TOKEN_LEFT),
-        (_match(prompt, bs, by_hash, n_blocks=len(prompt) // bs - 1), WHOLE_BLOCK_LEFT),
-        (_match(prompt, bs, by_hash, cumulative=True), CUMULATIVE),
-    ]
 
 
 def _show_prompt(prompt: list[int]) -> str:
@@ -564,229 +485,197 @@ def _show_prompt(prompt: list[int]) -> str:
             f"{prompt[-2]}, {prompt[-1]}]") + f" ({len(prompt)} tokens)"
 
 
-@guarded
-def check_matching_blocks(matching_blocks) -> None:
-    """matching_blocks(prompt, block_size, by_hash) -> the blocks holding the prompt's first full
-    blocks, found by chained hashes, as the pool's cached_prefix finds them."""
-    name = "matching_blocks"
-    cases = _matching_cases()
-    ruled_out: set[int] = set()  # mistakes an earlier case, which the function passed, tells apart
-    for label, prompt, bs, by_hash in cases:
-        case = f"{label}: prompt={_show_prompt(prompt)}, block_size={bs}"
-        want = engine_shared_prefix(prompt, bs, by_hash)
-        given_prompt, given = list(prompt), dict(by_hash)
-        with forbid(name, BlockPool.cached_prefix):
-            got = call_hinted(name, case, lambda e: "your function raised on this input",
-                               matching_blocks, given_prompt, bs, given)
-        if given != by_hash or given_prompt != prompt:
-            fail(name, case, "prompt and by_hash left as they were", "changed",
-                 "matching only looks blocks up: the pool's hashes change when blocks are "
-                 "published or reallocated, not here")
-        blocks = int_list(got)
-        if blocks is None:
-            if isinstance(got, (list, tuple)) and got and all(isinstance(x, str) for x in got):
-                hint = ("these are hashes: return the blocks by_hash maps them to, "
-                        "by_hash[h]")
-            else:
-                hint = ("return a list of block ids (ints), the blocks the new table starts with"
-                        + (" (did you forget to return it?)" if got is None else ""))
-            fail(name, case, want, got, hint)
-        mistakes = _matching_mistakes(prompt, bs, by_hash)
-        if blocks != want:
-            hints = dict.fromkeys(h for i, (wrong, h) in enumerate(mistakes)
-                                  if i not in ruled_out and wrong != want and wrong == blocks)
-            hint = "; or ".join(hints) or (
-                "walk the prompt's full blocks from the first: h = block_hash(h, tokens of block "
-                "i), starting from h = '' (the empty string); while by_hash has h, the block is "
-                "by_hash[h]; stop at the first miss, and leave at least one prompt token")
-            if not blocks and want:
-                hint = ("no block found: " + hint) if not hints else hint
-            fail(name, case, want, blocks, hint)
-        ruled_out |= {i for i, (wrong, _) in enumerate(mistakes) if wrong != want}
-    passed(name, len(cases))
+def _block_ids(got, *case) -> list[int]:
+    """The contract: a list of block ids (ints)."""
+    if int_list(got) is not None:
+        return int_list(got)
+    if isinstance(got, (list, tuple)) and got and all(isinstance(x, str) for x in got):
+        raise Refused("these are hashes: return the blocks by_hash maps them to, by_hash[h]")
+    raise Refused("return a list of block ids (ints), the blocks the new table starts with")
 
 
-# --- exercise 4: the admission rule --------------------------------------------------------------
+MATCH_HINT = ("walk the prompt's full blocks from the first: h = block_hash(h, tokens of block "
+              "i), starting from h = '' (the empty string); while by_hash has h, the block is "
+              "by_hash[h]; stop at the first miss, and leave at least one prompt token")
 
-# (what the case is about, block_size, running requests' blocks, cached (prompt, blocks) with
-# blocks no running request holds left free, the request's prompt, tokens it had produced before
-# a preemption, free blocks beyond what the rule needs: 0 exactly enough, -1 one short, ...)
+
+def _matching_otherwise(answers) -> str:
+    got, want = next((got, engine_shared_prefix(*case)) for case, got in answers
+                     if got != engine_shared_prefix(*case))
+    return ("no block found: " if not got and want else "") + MATCH_HINT
+
+
+MATCHING = Exercise(
+    "matching_blocks", cases=_matching_cases(),
+    describe=lambda prompt, bs, by_hash: (f"{by_hash.label}: prompt={_show_prompt(prompt)}, "
+                                          f"block_size={bs}"),
+    reference=engine_shared_prefix, solution=_match, returns=_block_ids,
+    forbid=(BlockPool.cached_prefix,),
+    unchanged="matching only looks blocks up: the pool's hashes change when blocks are published "
+              "or reallocated, not here",
+    mistakes={
+        "this is what you get when you go on after a miss: the table would have a hole, a block "
+        "whose K/V nobody computed for this prompt. The prefix ends at the first block not found":
+            partial(_match, stop=False),
+        "this is what you get when you match every full block of a prompt that ends on a block "
+        "boundary: nothing would be left to compute, and the first new token is read from the "
+        "logits of the prompt's last token. Leave at least one token: look at the first "
+        "(len(prompt) - 1) // block_size blocks":
+            lambda prompt, bs, by_hash: _match(prompt, bs, by_hash, len(prompt) // bs),
+        "this is what you get when you always leave the last full block: only one token must be "
+        "left, so a prompt that does not end on a block boundary can share all its full blocks: "
+        "(len(prompt) - 1) // block_size of them":
+            lambda prompt, bs, by_hash: _match(prompt, bs, by_hash, len(prompt) // bs - 1),
+        "this is what you get when you hash the whole prefix from the start with '' as the "
+        "previous hash: the engine's hash is block_hash(hash of the previous block, this block's "
+        "tokens), one block at a time": partial(_match, cumulative=True),
+        "this is what you get when you hash each block's tokens alone (block_hash('', tokens)): "
+        "the same tokens after another beginning have other keys and values, since every token "
+        "attends to all before it. Chain: pass the previous block's hash":
+            partial(_match, chained=False),
+    },
+    otherwise=_matching_otherwise)
+check_matching_blocks = MATCHING.check
+
+
+# --- exercise 4 (a table): the admission rule ----------------------------------------------------
+
+class _Pool(BlockPool):
+    """A case's pool (just the books), with what the case is about (`label`) and the request's
+    prompt and tokens; equal to another when their books are."""
+
+    def __eq__(self, other) -> bool:
+        return (self.ref, list(self.free), self.by_hash) == (other.ref, list(other.free),
+                                                             other.by_hash)
+
+
 def _admission_cases() -> list[tuple]:
-    C = _tokens(11, 14)
-    D = _tokens(12, 10)
-    E = _tokens(13, 12)
-    return [
+    """(what the case is about, block_size, running requests' blocks, cached (prompt, blocks)
+    with the blocks no running request holds left free, the request's prompt, the tokens it had
+    produced before a preemption, free blocks beyond what the rule needs: 0 exactly enough, -1
+    one short, ...)."""
+    C, D, E = _tokens(11, 14), _tokens(12, 10), _tokens(13, 12)
+    edges = [
         ("a prompt whose first 3 blocks a running request holds", 4, [[0, 1, 2, 3]],
-         [(C, [0, 1, 2, 3])], C[:12] + _tokens(21, 5), [], 0),
-        ("a prompt whose first 3 blocks a running request holds", 4, [[0, 1, 2, 3]],
-         [(C, [0, 1, 2, 3])], C[:12] + _tokens(21, 5), [], -1),
+         [(C, [0, 1, 2, 3])], C[:12] + _tokens(21, 5), [], (0, -1)),
         ("a finished request's prompt blocks: free, but still holding its K/V", 4,
-         [[0, 1], [2, 3]], [(C, [4, 5, 6, 7])], C[:12] + _tokens(22, 3), [], -1),
-        ("a finished request's prompt blocks: free, but still holding its K/V", 4,
-         [[0, 1], [2, 3]], [(C, [4, 5, 6, 7])], C[:12] + _tokens(22, 3), [], 0),
+         [[0, 1], [2, 3]], [(C, [4, 5, 6, 7])], C[:12] + _tokens(22, 3), [], (-1, 0)),
         ("shared blocks: the first held by a running request, the next two free but cached", 4,
-         [[0, 1, 2]], [(C, [0, 3, 4, 5])], C[:12] + _tokens(23, 2), [], -1),
-        ("shared blocks: the first held by a running request, the next two free but cached", 4,
-         [[0, 1, 2]], [(C, [0, 3, 4, 5])], C[:12] + _tokens(23, 2), [], 0),
+         [[0, 1, 2]], [(C, [0, 3, 4, 5])], C[:12] + _tokens(23, 2), [], (-1, 0)),
         ("two shared blocks that two running requests both hold (reference count 2)", 4,
-         [[0, 1, 2], [0, 1, 3]], [(E, [0, 1, 2])], E[:8] + _tokens(24, 6), [], -1),
-        ("two shared blocks that two running requests both hold (reference count 2)", 4,
-         [[0, 1, 2], [0, 1, 3]], [(E, [0, 1, 2])], E[:8] + _tokens(24, 6), [], 0),
-        ("a prompt shorter than a block, nobody running", 4, [], [], _tokens(25, 3), [], 0),
-        ("a prompt shorter than a block, nobody running", 4, [], [], _tokens(25, 3), [], -1),
+         [[0, 1, 2], [0, 1, 3]], [(E, [0, 1, 2])], E[:8] + _tokens(24, 6), [], (-1, 0)),
+        ("a prompt shorter than a block, nobody running", 4, [], [], _tokens(25, 3), [], (0, -1)),
         ("9 tokens: 3 blocks, the last holding one token", 4, [[0, 1]], [], _tokens(26, 9), [],
-         -1),
-        ("9 tokens: 3 blocks, the last holding one token", 4, [[0, 1]], [], _tokens(26, 9), [],
-         0),
-        ("9 tokens: 3 blocks, the last holding one token", 4, [[0, 1]], [], _tokens(26, 9), [],
-         -2),
+         (-1, 0, -2)),
         ("a preempted request: its prompt's blocks free but cached, and the 7 tokens it had "
-         "produced", 4, [[0, 1, 2]], [(D, [3, 4, 5])], D, _tokens(27, 7), 0),
-        ("a preempted request: its prompt's blocks free but cached, and the 7 tokens it had "
-         "produced", 4, [[0, 1, 2]], [(D, [3, 4, 5])], D, _tokens(27, 7), -1),
+         "produced", 4, [[0, 1, 2]], [(D, [3, 4, 5])], D, _tokens(27, 7), (0, -1)),
         ("three running requests, a prompt ending on a block boundary", 4, [[0], [1], [2]], [],
-         _tokens(28, 8), [], -1),
-        ("three running requests, a prompt ending on a block boundary", 4, [[0], [1], [2]], [],
-         _tokens(28, 8), [], 0),
-        ("three running requests, a prompt ending on a block boundary", 4, [[0], [1], [2]], [],
-         _tokens(28, 8), [], -3),
-        ("a full pool", 4, [[0, 1, 2, 3]], [], _tokens(29, 5), [], -4),
-        ("plenty of free blocks", 16, [[0, 1], [2]], [], _tokens(30, 40), [], 5),
+         _tokens(28, 8), [], (-1, 0, -3)),
+        ("a full pool", 4, [[0, 1, 2, 3]], [], _tokens(29, 5), [], (-4,)),
+        ("plenty of free blocks", 16, [[0, 1], [2]], [], _tokens(30, 40), [], (5,)),
     ]
+    return [case[:-1] + (slack,) for case in edges for slack in case[-1]]
 
 
-def admission_state(case: tuple) -> tuple[BlockPool, list[int], list[int], int]:
-    """The case's pool (just the books: reference counts, free list, hashes), the request's
-    tokens (prompt + produced), the blocks its prompt shares, and how many requests run."""
-    _, bs, running, cached, prompt, produced, slack = case
-    seq = list(prompt) + list(produced)
+def admission_state(case: tuple) -> tuple[_Pool, int, list[int], int]:
+    """can_admit's arguments for the case: the pool (just the books: reference counts, free list,
+    hashes), n_tokens (prompt + produced), the blocks its prompt shares, and n_running."""
+    label, bs, running, cached, prompt, produced, slack = case
     used = {b for blocks in running for b in blocks} | {b for _, bl in cached for b in bl}
     top = 1 + max(used, default=-1)
     ref = [sum(b in blocks for blocks in running) for b in range(top)]
     by_hash = published(bs, cached)
-    held = [b for b in _shared_blocks(prompt, bs, by_hash) if ref[b] > 0]
-    need = _ceil(len(seq), bs) - len(held) + 1 + len(running)  # the rule, for the edge
+    shared = engine_shared_prefix(prompt, bs, by_hash)
+    held = [b for b in shared if ref[b] > 0]
+    need = _ceil(len(prompt) + len(produced), bs) - len(held) + 1 + len(running)  # for the edge
     extra = max(0, need + slack - ref.count(0))
-    pool = BlockPool(_config(1, 1, 1), top + extra, bs)
+    pool = _Pool(_config(1, 1, 1), top + extra, bs)
     pool.ref = ref + [0] * extra
     pool.free = deque(b for b in range(top + extra) if pool.ref[b] == 0)
-    pool.by_hash = dict(by_hash)
-    pool.hash_of = {b: h for h, b in by_hash.items()}
-    return pool, seq, _shared_blocks(prompt, bs, by_hash), len(running)
+    pool.by_hash, pool.hash_of = dict(by_hash), {b: h for h, b in by_hash.items()}
+    pool.label, pool.prompt, pool.tokens = label, list(prompt), list(prompt) + list(produced)
+    return pool, len(pool.tokens), shared, len(running)
 
 
-def _shared_blocks(prompt: list[int], bs: int, by_hash: dict[str, int]) -> list[int]:
-    return engine_shared_prefix(prompt, bs, by_hash)
-
-
-def engine_admits(case: tuple) -> bool:
-    """The server's answer: its scheduler's admission rule on the case's pool, with
-    len(running) requests running."""
-    pool, seq, _, n_running = admission_state(case)
-    prompt = list(case[4])
-    s = Sequence(99, Request(prompt, 1), prompt, False)
-    s.tokens = list(seq)
-    scheduler = Scheduler(pool)
+def engine_admits(pool: _Pool, n_tokens: int, shared: list[int], n_running: int) -> bool:
+    """The server's answer: its scheduler's admission rule on the case's pool, with n_running
+    requests running."""
+    s = Sequence(99, Request(list(pool.prompt), 1), list(pool.prompt), False)
+    s.tokens = list(pool.tokens)
+    scheduler = Scheduler(copy.deepcopy(pool))
     scheduler.running = [object()] * n_running
     return scheduler.policy.fits(scheduler, s, scheduler.admission(s))
 
 
-def _admission_numbers(pool: BlockPool, n_tokens: int, shared: list[int]) -> dict:
-    bs = pool.page_size
-    return dict(free=pool.n_free, ceil=_ceil(n_tokens, bs), floor=n_tokens // bs,
-                held=sum(pool.ref[b] > 0 for b in shared), shared=len(shared),
-                refs=sum(pool.ref[b] for b in shared))
+def _held(pool, shared) -> int:
+    return sum(pool.ref[b] > 0 for b in shared)
 
 
-# (name, rule, hint): each usual mistake as a rule, given the numbers and n_running
-ADMISSION_MISTAKES = [
-    ("no headroom", lambda n, r: n["free"] >= n["ceil"] - n["held"] + 1,
-     "this is what you get without headroom for the running requests: each may need a new block "
-     "at the next decode step (its next position starts a block), and a pool without one "
-     "preempts a request the step after admitting this one; keep one free block per running "
-     "request"),
-    ("no headroom at all", lambda n, r: n["free"] >= n["ceil"] - n["held"],
-     "this is what you get when the prompt's blocks alone must fit: every running request, and "
-     "the newcomer after its prefill, may need a new block at the next decode step; keep one "
-     "free block for each"),
-    ("no +1", lambda n, r: n["free"] >= n["ceil"] - n["held"] + r,
-     "this is what you get without a block of headroom for the newcomer itself: after its "
-     "prefill its first new token goes at position n_tokens, which starts a new block when "
-     "n_tokens ends on a block boundary; it is one more running request"),
-    ("shared not subtracted", lambda n, r: n["free"] >= n["ceil"] + 1 + r,
-     "this is what you get when the shared blocks cost free blocks: a shared block a running "
-     "request holds (ref > 0) is reused as it is, and takes nothing from the free list"),
-    ("free shared subtracted", lambda n, r: n["free"] >= n["ceil"] - n["shared"] + 1 + r,
-     "this is what you get when every shared block is free of charge: a shared block nobody "
-     "holds (ref 0: a finished request's, still cached) is on the free list, and sharing it "
-     "takes it off; only the shared blocks with ref > 0 cost nothing"),
-    ("refs summed", lambda n, r: n["free"] >= n["ceil"] - n["refs"] + 1 + r,
-     "this is what you get when you subtract the shared blocks' reference counts: a block held "
-     "by two requests is still one block; count the shared blocks with ref > 0, once each"),
-    ("floor", lambda n, r: n["free"] >= n["floor"] - n["held"] + 1 + r,
-     "this is what you get with n_tokens // block_size, which rounds down: a partly filled last "
-     "block is a block too, ceil(n_tokens / block_size)"),
-    ("strict", lambda n, r: n["free"] > n["ceil"] - n["held"] + 1 + r,
-     "this is what you get with > instead of >=: exactly enough free blocks is enough"),
-]
+def _rule(held=_held, blocks=_ceil, headroom=lambda r: 1 + r, strict=False):
+    """The admission rule (the right one), or with one of the usual mistakes."""
+    def can_admit(pool, n_tokens, shared, n_running):
+        need = blocks(n_tokens, pool.page_size) - held(pool, shared) + headroom(n_running)
+        return pool.n_free > need if strict else pool.n_free >= need
+    return can_admit
 
 
-def _as_bool(value):
-    if isinstance(value, bool):
-        return value
-    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool"):
-        return bool(value)
-    return None
+def _a_bool(got, *case) -> bool:
+    """The contract: a bool (Python's or numpy's)."""
+    if isinstance(got, bool) or (type(got).__module__ == "numpy"
+                                 and type(got).__name__ in ("bool_", "bool")):
+        return bool(got)
+    kind_of = f"{type(got).__module__}.{type(got).__name__}".replace("builtins.", "")
+    raise Refused(f"return True or False (a bool), not {kind_of}")
 
 
-@guarded
-def check_can_admit(can_admit) -> None:
-    """can_admit(pool, n_tokens, shared, n_running) -> the server's admission rule: True when the
-    pool has free blocks for the request's tokens (shared blocks a running request holds cost
-    none) and one block of headroom for it and for each running request."""
-    name = "can_admit"
-    cases = _admission_cases()
-    answers, wanted, numbers, described = [], [], [], []
-    for case in cases:
-        label = case[0]
-        pool, seq, shared, n_running = admission_state(case)
-        want = engine_admits(case)
-        refs = [pool.ref[b] for b in shared]
-        where = (f"{label}: pool.page_size={pool.page_size}, pool.n_free={pool.n_free}, "
-                 f"n_tokens={len(seq)}, shared={shared} (reference counts {refs}), "
-                 f"n_running={n_running}")
-        books = (list(pool.ref), list(pool.free), dict(pool.by_hash))
-        with forbid(name, Scheduler.admission, FirstComeFirstServed.fits,
-                    BlockPool.cached_prefix):
-            got = call_hinted(name, where, lambda e: "your function raised on this input",
-                               can_admit, pool, len(seq), list(shared), n_running)
-        if (list(pool.ref), list(pool.free), dict(pool.by_hash)) != books:
-            fail(name, where, "the pool left as it was", "the pool changed",
-                 "can_admit only decides: taking the blocks is what the server does next, once "
-                 "the request is admitted")
-        value = _as_bool(got)
-        if value is None:
-            fail(name, where, want, got, f"return True or False (a bool), not {_kind(got)}"
-                 + (" (did you forget to return it?)" if got is None else ""))
-        answers.append(value)
-        wanted.append(want)
-        numbers.append((_admission_numbers(pool, len(seq), shared), n_running))
-        described.append(where)
-    if answers == wanted:
-        passed(name, len(cases))
-        return
-    bad = next(i for i, (a, w) in enumerate(zip(answers, wanted)) if a != w)
-    hint = next((h for _, rule, h in ADMISSION_MISTAKES
-                 if [rule(n, r) for n, r in numbers] == answers), None)
-    if hint is None:
-        n, r = numbers[bad]
-        hint = (f"here the request's {n['ceil']} block(s) less {n['held']} shared block(s) "
-                f"held by running requests take {n['ceil'] - n['held']} free block(s), and "
-                f"headroom is one block for it and one for each of the {r} running: "
-                f"{n['ceil'] - n['held'] + 1 + r} needed, {n['free']} free")
-    fail(name, described[bad], wanted[bad], answers[bad], hint)
+def _admission_otherwise(answers) -> str:
+    pool, n_tokens, shared, r = next(case for case, got in answers if got != engine_admits(*case))
+    blocks, held = _ceil(n_tokens, pool.page_size), _held(pool, shared)
+    return (f"here the request's {blocks} block(s) less {held} shared block(s) held by running "
+            f"requests take {blocks - held} free block(s), and headroom is one block for it and "
+            f"one for each of the {r} running: {blocks - held + 1 + r} needed, {pool.n_free} free")
 
 
+ADMISSION = Exercise(
+    "can_admit", cases=[admission_state(case) for case in _admission_cases()],
+    describe=lambda pool, n_tokens, shared, n_running: (
+        f"{pool.label}: pool.page_size={pool.page_size}, pool.n_free={pool.n_free}, "
+        f"n_tokens={n_tokens}, shared={shared} (reference counts "
+        f"{[pool.ref[b] for b in shared]}), n_running={n_running}"),
+    reference=engine_admits, solution=_rule(), returns=_a_bool,
+    forbid=(Scheduler.admission, FirstComeFirstServed.fits, BlockPool.cached_prefix),
+    unchanged="can_admit only decides: taking the blocks is what the server does next, once the "
+              "request is admitted",
+    mistakes={
+        "this is what you get when you subtract the shared blocks' reference counts: a block held "
+        "by two requests is still one block; count the shared blocks with ref > 0, once each":
+            _rule(held=lambda pool, shared: sum(pool.ref[b] for b in shared)),
+        "this is what you get when the shared blocks cost free blocks: a shared block a running "
+        "request holds (ref > 0) is reused as it is, and takes nothing from the free list":
+            _rule(held=lambda pool, shared: 0),
+        "this is what you get when every shared block is free of charge: a shared block nobody "
+        "holds (ref 0: a finished request's, still cached) is on the free list, and sharing it "
+        "takes it off; only the shared blocks with ref > 0 cost nothing":
+            _rule(held=lambda pool, shared: len(shared)),
+        "this is what you get with n_tokens // block_size, which rounds down: a partly filled "
+        "last block is a block too, ceil(n_tokens / block_size)":
+            _rule(blocks=lambda n, bs: n // bs),
+        "this is what you get without headroom for the running requests: each may need a new "
+        "block at the next decode step (its next position starts a block), and a pool without one "
+        "preempts a request the step after admitting this one; keep one free block per running "
+        "request": _rule(headroom=lambda r: 1),
+        "this is what you get without a block of headroom for the newcomer itself: after its "
+        "prefill its first new token goes at position n_tokens, which starts a new block when "
+        "n_tokens ends on a block boundary; it is one more running request":
+            _rule(headroom=lambda r: r),
+        "this is what you get with > instead of >=: exactly enough free blocks is enough":
+            _rule(strict=True),
+        "this is what you get when the prompt's blocks alone must fit: every running request, and "
+        "the newcomer after its prefill, may need a new block at the next decode step; keep one "
+        "free block for each": _rule(headroom=lambda r: 0),
+    },
+    otherwise=_admission_otherwise)
+check_can_admit = ADMISSION.check
 
 
 # --- exercise 5 (predict, then measure): blocks in use when samples share a prompt ----------------
@@ -800,23 +689,17 @@ def peak_blocks_in_use(pool: BlockPool) -> int:
     ref: dict[int, int] = {}
     peak = 0
     for what, block, _ in pool.log:
-        if what == "allocate":
-            ref[block] = 1
-        elif what == "share":
-            ref[block] = ref.get(block, 0) + 1
-        elif what in ("free", "unshare"):
-            ref[block] -= 1
-        else:
-            continue
-        peak = max(peak, sum(v > 0 for v in ref.values()))
+        step = {"allocate": 1 - ref.get(block, 0), "share": 1, "free": -1, "unshare": -1}
+        if what in step:
+            ref[block] = ref.get(block, 0) + step[what]
+            peak = max(peak, sum(v > 0 for v in ref.values()))
     return peak
 
 
 def measure_peak(prompt_len: int, prefix_caching: bool) -> int:
     """PEAK_SAMPLES requests with the same prompt, served together in blocks of PEAK_BLOCK, on a
     tiny random model (no request stops early, so the blocks do not depend on its tokens)."""
-    prompt = list(range(100, 100 + prompt_len))
-    requests = [Request(list(prompt), PEAK_NEW) for _ in range(PEAK_SAMPLES)]
+    requests = [Request(list(range(100, 100 + prompt_len)), PEAK_NEW) for _ in range(PEAK_SAMPLES)]
     with torch.inference_mode():
         outs = serve(_tiny_model(), requests, page_size=PEAK_BLOCK, prefix_caching=prefix_caching)
     return peak_blocks_in_use(outs.pool)
@@ -833,31 +716,27 @@ def _tiny_model():
 
 def _peak_mistakes(prompt_len: int, prefix_caching: bool) -> list[tuple[int, str]]:
     n, bs = PEAK_SAMPLES, PEAK_BLOCK
-    held = prompt_len + PEAK_NEW - 1
-    own = _ceil(held, bs)
-    full = prompt_len // bs
+    own = _ceil(prompt_len + PEAK_NEW - 1, bs)
     shared = (prompt_len - 1) // bs if prefix_caching else 0
-    out = [
+    return [
         (n * _ceil(prompt_len + PEAK_NEW, bs) - (n - 1) * shared,
          "you gave the last new token K/V: it is produced by the last pass and never fed, so a "
          "request holds prompt + new - 1 positions"),
         (n * own, "you shared nothing: with prefix caching the samples after the first reuse the "
                   "prompt's full blocks (one copy, reference count 4)" if prefix_caching else
                   "right count per request, wrong total"),
-        (n * _ceil(held, bs) - (n - 1) * _ceil(prompt_len, bs),
+        (n * own - (n - 1) * _ceil(prompt_len, bs),
          "you shared the prompt's partly filled last block too: only FULL blocks are shared (a "
          "partly filled one is written by every sample, so each needs its own)"),
-        (n * own - (n - 1) * full,
+        (n * own - (n - 1) * (prompt_len // bs),
          "you shared every full block of the prompt: a prompt that ends on a block boundary "
          "shares one fewer, since at least one prompt token is left to compute (its logits give "
          "the first new token)"),
-        (n * held // bs, "you rounded down: a partly filled block is a whole block"),
-    ]
-    if not prefix_caching:
-        out.append((n * own - (n - 1) * ((prompt_len - 1) // bs),
-                    "without prefix caching nothing is shared: every request computes and holds "
-                    "its own prompt blocks"))
-    return out
+        (n * (prompt_len + PEAK_NEW - 1) // bs,
+         "you rounded down: a partly filled block is a whole block"),
+    ] + ([] if prefix_caching else [(
+        n * own - (n - 1) * ((prompt_len - 1) // bs), "without prefix caching nothing is shared: "
+        "every request computes and holds its own prompt blocks")])
 
 
 @one_thread
@@ -876,31 +755,22 @@ def check_predict_peak_blocks(predict_peak_blocks) -> None:
              "one prediction per (prompt tokens, prefix caching) pair, as ints"
              + (" (did you forget to return it?)" if got is None else ""))
     for key in PEAK_KEYS:
-        if _int(got[key]) is None:
-            fail(name, f"{case}: {key}", "an int", got[key], "blocks come whole: an int")
+        expect(type(got[key]) is int, name, f"{case}: {key}", "an int", got[key],
+               "blocks come whole: an int")
     measured = {key: measure_peak(*key) for key in PEAK_KEYS}
-    for key in PEAK_KEYS:
-        you = _int(got[key])
-        if you != measured[key]:
-            hints = dict.fromkeys(h for w, h in _peak_mistakes(*key)
-                                  if w == you and w != measured[key])
-            reason = "; or ".join(hints) or (
-                "per request: the positions it holds at the end (prompt + new tokens - 1), in "
-                "blocks of 4; then which of those blocks the requests hold together")
-            prompt_len, caching = key
-            fail(name, f"{case}: a {prompt_len}-token prompt, prefix caching "
-                 f"{'on' if caching else 'off'}", measured[key], you,
-                 f"you predicted {you} blocks; the engine used {measured[key]} at most: {reason}")
+    for (prompt_len, caching), you in ((key, got[key]) for key in PEAK_KEYS):
+        want = measured[prompt_len, caching]
+        reason = "; or ".join(dict.fromkeys(h for w, h in _peak_mistakes(prompt_len, caching)
+                                            if w == you and w != want)) or (
+            "per request: the positions it holds at the end (prompt + new tokens - 1), in "
+            "blocks of 4; then which of those blocks the requests hold together")
+        expect(you == want, name, f"{case}: a {prompt_len}-token prompt, prefix caching "
+               f"{'on' if caching else 'off'}", want, you,
+               f"you predicted {you} blocks; the engine used {want} at most: {reason}")
     print("  measured: " + "; ".join(
         f"{p}-token prompt, prefix caching {'on' if c else 'off'}: {measured[p, c]} blocks"
         for p, c in PEAK_KEYS))
     passed(name, len(PEAK_KEYS))
-
-
-def _int(value):
-    if isinstance(value, bool):
-        return None
-    return value if isinstance(value, int) else None
 
 
 # --- exercise 6 (debug): giving blocks back on a rollback ----------------------------------------
@@ -935,8 +805,7 @@ CROP_CASES = [
 def crop_pool(case):
     """The case's pool (just the books), the tables of the others, and this table."""
     _, bs, (blocks, length), others, _ = case
-    used = set(blocks) | {b for o in others for b in o}
-    num_blocks = max(used) + 3
+    num_blocks = max(set(blocks) | {b for o in others for b in o}) + 3
     pool = BlockPool(_config(1, 1, 1), num_blocks, bs)
     tables = [BlockTable(i + 1, list(o), len(o) * bs) for i, o in enumerate(others)]
     mine = BlockTable(0, list(blocks), length)
@@ -952,22 +821,18 @@ CROP_SYMPTOM = ("symptom: a rollback to a length that is not a multiple of block
                 "lies wholly past the new length: while its FIRST position is at or past it")
 
 
-def _crop_hint(got: BlockTable, want: BlockTable, pool, want_pool, blocks0) -> str:
-    if len(got.blocks) < len(want.blocks):
-        return CROP_SYMPTOM
-    if len(got.blocks) > len(want.blocks):
-        return ("a block that lies wholly past the new length holds nothing of the sequence any "
-                "more: give it back (pool.release), or it is lost to every other request")
-    if got.length != want.length:
-        return "the table's length is the new length"
-    return "give back the blocks past the end with pool.release(block, owner), last first"
+def _cropped(cache_class, case) -> tuple:
+    """(table.blocks, length, pool.ref, pool.free) after cache_class's crop on the case."""
+    pool, _, mine = crop_pool(case)
+    cache_class(pool, [mine]).crop(case[-1])
+    return mine.blocks, mine.length, pool.ref, list(pool.free)
 
 
 @guarded
 def check_crop(cache_class) -> None:
     """cache_class(pool, [table]).crop(n): a paged rollback, against the engine's PagedCache.crop
-    on a copy of the same pool (table, reference counts, free list), then as the cache of a
-    verify-and-rollback decode on a tiny model, against target-only greedy decoding."""
+    on the same pool (table, reference counts, free list), then as the cache of a verify-and-
+    rollback decode on a tiny model, against target-only greedy decoding."""
     name = "crop"
     if not (isinstance(cache_class, type) and issubclass(cache_class, PagedCache)):
         fail(name, "the class", "a subclass of PagedCache (of BuggyPagedCache)", cache_class,
@@ -976,34 +841,31 @@ def check_crop(cache_class) -> None:
     for case in CROP_CASES:
         label, bs, (blocks0, length), others, n = case
         where = f"{label}: block_size={bs}, table.blocks={blocks0}, length {length} → {n}"
-        pool, tables, mine = crop_pool(case)
-        want_pool, want = copy.deepcopy(pool), copy.deepcopy(mine)
-        PagedCache(want_pool, [want]).crop(n)
-        buggy_pool, buggy = copy.deepcopy(pool), copy.deepcopy(mine)
-        BuggyPagedCache(buggy_pool, [buggy]).crop(n)
         with forbid(name, PagedCache.crop, BlockPool.crop):
-            call_hinted(name, where, lambda e: "your crop raised on this input",
-                        lambda: cache_class(pool, [mine]).crop(n))
-        state = (mine.blocks, mine.length, pool.ref, list(pool.free))
-        wanted = (want.blocks, want.length, want_pool.ref, list(want_pool.free))
-        same_as_buggy += state == (buggy.blocks, buggy.length, buggy_pool.ref,
-                                   list(buggy_pool.free))
-        if state[:2] != wanted[:2]:
-            hint = _crop_hint(mine, want, pool, want_pool, blocks0)
-            if state[:2] == (buggy.blocks, buggy.length):
-                hint = "this is BuggyPagedCache's crop unchanged: " + CROP_SYMPTOM
-            fail(name, where, f"table.blocks={want.blocks}, length {want.length}",
-                 f"table.blocks={mine.blocks}, length {mine.length}", hint)
-        if state[2:] != wanted[2:]:
-            freed = [b for b in blocks0 if b not in mine.blocks]
-            shared = [b for b in freed if want_pool.ref[b] > 0]
-            hint = ("block {b} is shared (another sequence holds it too): giving it back drops "
-                    "ONE reference; it is free only when nobody holds it. pool.release does "
-                    "both".format(b=shared[0]) if shared and pool.ref[shared[0]] == 0 else
-                    "give blocks back with pool.release(block, owner): it lowers the reference "
-                    "count and puts the block on the free list when nobody holds it")
-            fail(name, where, f"pool.ref={want_pool.ref}, pool.free={list(want_pool.free)}",
-                 f"pool.ref={pool.ref}, pool.free={list(pool.free)}", hint)
+            state = call_hinted(name, where, lambda e: "your crop raised on this input",
+                                _cropped, cache_class, case)
+        want, buggy = _cropped(PagedCache, case), _cropped(BuggyPagedCache, case)
+        same_as_buggy += state == buggy
+        if state[:2] != want[:2]:
+            fail(name, where, f"table.blocks={want[0]}, length {want[1]}",
+                 f"table.blocks={state[0]}, length {state[1]}",
+                 "this is BuggyPagedCache's crop unchanged: " + CROP_SYMPTOM
+                 if state[:2] == buggy[:2] else CROP_SYMPTOM if len(state[0]) < len(want[0])
+                 else "a block that lies wholly past the new length holds nothing of the "
+                      "sequence any more: give it back (pool.release), or it is lost to every "
+                      "other request" if len(state[0]) > len(want[0])
+                 else "the table's length is the new length" if state[1] != want[1]
+                 else "give back the blocks past the end with pool.release(block, owner), last "
+                      "first")
+        if state[2:] != want[2:]:
+            shared = [b for b in blocks0 if b not in state[0] and want[2][b] > 0]
+            fail(name, where, f"pool.ref={want[2]}, pool.free={want[3]}",
+                 f"pool.ref={state[2]}, pool.free={state[3]}",
+                 "block {b} is shared (another sequence holds it too): giving it back drops "
+                 "ONE reference; it is free only when nobody holds it. pool.release does "
+                 "both".format(b=shared[0]) if shared and state[2][shared[0]] == 0 else
+                 "give blocks back with pool.release(block, owner): it lowers the reference "
+                 "count and puts the block on the free list when nobody holds it")
     if same_as_buggy == len(CROP_CASES):
         fail(name, "every case", "a fixed crop", "BuggyPagedCache's results",
              "this is the buggy crop unchanged: " + CROP_SYMPTOM)
@@ -1015,9 +877,7 @@ def _check_crop_in_decoding(name, cache_class) -> None:
     """Greedy decoding on a paged cache of the student's class, with wrong proposals verified and
     rolled back at lengths of every remainder: the output must be target-only greedy decoding."""
     model = _tiny_model()
-    prompt, n_new, bs = [3, 17, 200, 41, 9, 77, 5], 24, 4
-    pool = BlockPool(model.config, 40, bs)
-    table = BlockTable(0)
+    prompt, n_new = [3, 17, 200, 41, 9, 77, 5], 24
     seq = list(prompt)
 
     def verifier(rows, cache):
@@ -1026,16 +886,15 @@ def _check_crop_in_decoding(name, cache_class) -> None:
     case = "greedy decoding on a paged cache with your crop, every round rolled back"
     try:
         with torch.inference_mode():
-            cache = cache_class(pool, [table])
+            cache = cache_class(BlockPool(model.config, 40, 4), [BlockTable(0)])
             cache.reserve(len(prompt))
             seq.append(int(model(torch.tensor([prompt]), cache=cache)[0, -1].argmax()))
             step = 0
             while len(seq) - len(prompt) < n_new:
                 # proposals unrelated to the text, so they are refused and the cache rolls back
                 # behind a different remainder of the block size every round
-                k = 1 + step % 3
                 proposals = [(seq[-1] * 7 + i + step) % model.config.vocab_size
-                             for i in range(k)]
+                             for i in range(1 + step % 3)]
                 verify_and_commit(seq, proposals, cache, verifier,
                                   partial(accept_matching, sampling=SamplingParams(),
                                           first_position=len(seq)))
@@ -1046,15 +905,14 @@ def _check_crop_in_decoding(name, cache_class) -> None:
         fail(name, case, "decoding to the end", f"{type(e).__name__}: {e} after "
              f"{len(seq) - len(prompt)} new tokens", "the table lost a block it still needed "
              "and the next pass found no slot for a position: " + CROP_SYMPTOM)
-    new = seq[len(prompt):len(prompt) + n_new]
-    alone = generate(model, prompt, n_new).tokens
+    new, alone = seq[len(prompt):len(prompt) + n_new], generate(model, prompt, n_new).tokens
     if new != alone:
         at = next(i for i, (a, b) in enumerate(zip(new, alone)) if a != b)
         fail(name, case, f"target-only greedy: {alone}", new,
              f"the text goes wrong at new token {at}: " + CROP_SYMPTOM)
 
 
-# --- exercise 7 (design): a block size for a memory budget ----------------------------------------
+# --- exercise 7 (design, a table): a block size for a memory budget ------------------------------
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -1062,85 +920,69 @@ BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 def blocks_taken(lengths: list[int], block_size: int) -> int:
     """Blocks the engine's PagedCache.reserve takes for sequences of these lengths, one table
     each, in one pool."""
-    need = sum(_ceil(n, block_size) for n in lengths)
-    pool = BlockPool(_config(1, 1, 1), max(need, 1), block_size)
-    tables = [BlockTable(i) for i in range(len(lengths))]
-    for t, n in zip(tables, lengths):
-        PagedCache(pool, [t]).reserve(n)
+    pool = BlockPool(_config(1, 1, 1), max(sum(_ceil(n, block_size) for n in lengths), 1),
+                     block_size)
+    for i, n in enumerate(lengths):
+        PagedCache(pool, [BlockTable(i)]).reserve(n)
     return pool.num_blocks - pool.n_free
 
 
+def _largest(ok) -> int:
+    return max([bs for bs in BLOCK_SIZES if ok(bs)], default=1)
+
+
 def reference_block_size(lengths: list[int], max_waste: float) -> int:
-    held = sum(lengths)
-    fits = [bs for bs in BLOCK_SIZES
-            if blocks_taken(lengths, bs) * bs <= (1 + max_waste) * held]
-    return max(fits)
+    return _largest(lambda bs: blocks_taken(lengths, bs) * bs <= (1 + max_waste) * sum(lengths))
 
 
-def _snapshots() -> list[tuple[str, list[int]]]:
-    """(what the snapshot is, the positions each running sequence holds)."""
+def _snapshots() -> list[_Labelled]:
+    """The positions each running sequence holds, labelled with what the snapshot is."""
     g = random.Random(6)
     chat = [g.randint(5, 40) for _ in range(64)]
     mixed = [g.randint(6, 80) + int(math.exp(g.uniform(math.log(4), math.log(127))))
              for _ in range(48)]
     documents = [g.randint(900, 2000) for _ in range(4)]
-    return [("48 sequences of a mixed workload (prompts of 6-80 tokens, outputs of 4-127)", mixed),
-            ("64 short chat turns of 5-40 tokens", chat),
-            ("4 long documents of 900-2000 tokens", documents),
-            ("sequences whose lengths are all multiples of 64", [64, 192, 320, 128])]
+    return [_Labelled("48 sequences of a mixed workload (prompts of 6-80 tokens, outputs of "
+                      "4-127)", mixed), _Labelled("64 short chat turns of 5-40 tokens", chat),
+            _Labelled("4 long documents of 900-2000 tokens", documents),
+            _Labelled("sequences whose lengths are all multiples of 64", [64, 192, 320, 128])]
 
 
 DESIGN_BUDGETS = (0.0, 0.05, 0.1, 0.25)
 
 
-def _block_mistakes(lengths, max_waste) -> list[tuple[int, str]]:
-    held = sum(lengths)
-
-    def largest(ok):
-        fits = [bs for bs in BLOCK_SIZES if ok(bs)]
-        return max(fits) if fits else 1
-    return [
-        (1, "block size 1 never wastes a position (it is always within the budget), but a block "
-            "per position is the slowest for the attention kernel, which reads a block at a "
-            "time: the goal is the LARGEST block size within the budget"),
-        (largest(lambda bs: sum(n // bs for n in lengths) * bs <= (1 + max_waste) * held),
-         "you rounded the blocks down: a sequence's partly filled last block is a whole block"),
-        (largest(lambda bs: blocks_taken(lengths, bs) * bs * (1 - max_waste) <= held),
-         "the waste is measured against the positions HELD: reserved ≤ (1 + max_waste) × held"),
-        (largest(lambda bs: blocks_taken(lengths, bs) * bs < (1 + max_waste) * held),
-         "exactly on the budget is within it: ≤, not <"),
-        (16, "16 is vLLM's default, not this workload's answer: measure the waste at each size"),
-    ]
+def _reserved(lengths, bs) -> str:
+    held, taken = sum(lengths), blocks_taken(lengths, bs) * bs
+    return f"{taken:,} positions reserved for {held:,} held, {100 * (taken / held - 1):.1f}% waste"
 
 
-@guarded
-def check_choose_block_size(choose_block_size) -> None:
-    """choose_block_size(lengths, max_waste) -> the largest block size of BLOCK_SIZES whose blocks
-    (as PagedCache.reserve takes them) hold at most (1 + max_waste) × the positions held."""
-    name = "choose_block_size"
-    n_cases = 0
-    for label, lengths in _snapshots():
-        held = sum(lengths)
-        for max_waste in DESIGN_BUDGETS:
-            case = f"{label}, max_waste={max_waste}"
-            want = reference_block_size(lengths, max_waste)
-            got = call_hinted(name, case, lambda e: "your function raised on this input",
-                              choose_block_size, list(lengths), max_waste)
-            if _int(got) is None or got not in BLOCK_SIZES:
-                fail(name, case, want, got, f"return one of {BLOCK_SIZES}, as an int")
-            if got != want:
-                hints = dict.fromkeys(h for w, h in _block_mistakes(lengths, max_waste)
-                                      if w == got and w != want)
-                mine = blocks_taken(lengths, got) * got
-                best = blocks_taken(lengths, want) * want
-                fail(name, case, f"{want} ({best:,} positions reserved for {held:,} held, "
-                     f"{100 * (best / held - 1):.1f}% waste)",
-                     f"{got} ({mine:,} positions reserved, {100 * (mine / held - 1):.1f}% waste)",
-                     "; or ".join(hints) or "for each block size: the blocks every sequence "
-                     "needs, times the block size, against the positions held")
-            n_cases += 1
-    passed(name, n_cases)
+BLOCK_SIZE = Exercise(
+    "choose_block_size", cases=[(lengths, w) for lengths in _snapshots() for w in DESIGN_BUDGETS],
+    describe=lambda lengths, max_waste: f"{lengths.label}, max_waste={max_waste}",
+    reference=reference_block_size,
+    explain=lambda lengths, w: _reserved(lengths, reference_block_size(lengths, w)),
+    returns=one_of(*BLOCK_SIZES, hint=f"return one of {BLOCK_SIZES}, as an int"),
+    mistakes={
+        "the waste is measured against the positions HELD: reserved ≤ (1 + max_waste) × held":
+            lambda lengths, w: _largest(lambda bs: blocks_taken(lengths, bs) * bs * (1 - w)
+                                        <= sum(lengths)),
+        "exactly on the budget is within it: ≤, not <":
+            lambda lengths, w: _largest(lambda bs: blocks_taken(lengths, bs) * bs
+                                        < (1 + w) * sum(lengths)),
+        "block size 1 never wastes a position (it is always within the budget), but a block per "
+        "position is the slowest for the attention kernel, which reads a block at a time: the "
+        "goal is the LARGEST block size within the budget": lambda lengths, w: 1,
+        "you rounded the blocks down: a sequence's partly filled last block is a whole block":
+            lambda lengths, w: _largest(lambda bs: sum(n // bs for n in lengths) * bs
+                                        <= (1 + w) * sum(lengths)),
+        "16 is vLLM's default, not this workload's answer: measure the waste at each size":
+            lambda lengths, w: 16,
+    },
+    otherwise="for each block size: the blocks every sequence needs, times the block size, "
+              "against the positions held")
+check_choose_block_size = BLOCK_SIZE.check
 
+EXERCISES = (MATCHING, ADMISSION, BLOCK_SIZE)
 
 __all__ = ["check_gather_keys", "check_reserve", "check_matching_blocks", "check_can_admit",
            "check_predict_peak_blocks", "check_crop", "check_choose_block_size", "CheckFailed"]
