@@ -1,24 +1,10 @@
-"""Checkers for chapter 01 (seed 002, prefill and decode).
-
-- greedy_decode: the tokens against `minikv.generate(..., mode="cached")` on a random model and the
-  course target; every forward pass counted (one (1, T) prefill, then (1, 1) decode passes, one per
-  new token but the last), all into the same cache; the engine's generate may not be called;
-- chunked_prefill: the last logits and the whole cache (every layer's keys and values) against a
-  one-pass prefill, with exactly ceil(len / chunk) passes of the right sizes into one cache;
-- pass_cost: against `minikv.bench.pass_cost`, as ints, on many shapes, without calling it;
-- predict_batched_intensity (predict, then measure): the FLOPs per byte of one bf16 decode pass
-  over 64 sequences of GPT-2 small with 1,000 cached tokens each, against the exact cost model
-  (`bench.pass_cost`, the weights read once for the batch, each sequence's own K/V), within 30%;
-- FixedDecoder (debug): a decoder whose decode pass feeds the argmax of EVERY position, fixed:
-  tokens against `generate`, every pass's shape and cache length logged;
-- choose_chunk (design): the smallest chunk size for which every chunk of a 1,000-token chunked
-  prefill of GPT-2 small is compute-bound on an H100 (bf16, datasheet balance point), against
-  `bench.pass_cost`.
-
-Each usual mistake is recognised (from the passes the model saw, or by computing what the mistake
-would give) and named in the hint.
-"""
+"""Checkers for chapter 01 (seed 002, prefill and decode): greedy_decode and chunked_prefill (the
+tokens, logits and every layer's K/V against the engine, every forward pass logged), pass_cost (a
+table, against bench.pass_cost), predict_batched_intensity (predict, then measure), FixedDecoder
+(debug) and choose_chunk (design: an H100's balance point). Each usual mistake is named."""
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -26,11 +12,12 @@ from ... import bench
 from ...engine import GPT, GPTConfig, KVCache, generate
 from ..checkpoint import load_course_model
 from . import (
-    PassCounter,
+    Exercise,
+    Refused,
     as_int,
-    cache_state,
     call,
     call_hinted,
+    diagnose,
     expect,
     fail,
     forbid,
@@ -42,21 +29,21 @@ from . import (
 
 
 class _PassLog:
-    """For each forward pass of `model`: the cache it was given (None without one), that cache's
-    length before the pass, and the explicit positions (None when the model derives them from the
-    cache). The pass shapes themselves are counted by PassCounter."""
+    """Every forward pass of `model`: (idx's shape, the cache given or None, that cache's length
+    before the pass, the explicit positions or None)."""
 
     def __init__(self, model: torch.nn.Module):
         self.model, self.passes = model, []
 
     def __enter__(self) -> _PassLog:
         def hook(module, args, kwargs):
-            cache = args[1] if len(args) > 1 else kwargs.get("cache")
-            positions = args[2] if len(args) > 2 else kwargs.get("positions")
-            length = cache.get_seq_length() if isinstance(cache, KVCache) else None
+            idx, cache, positions = (args[i] if len(args) > i else kwargs.get(key)
+                                     for i, key in enumerate(("idx", "cache", "positions")))
             if isinstance(positions, torch.Tensor):
                 positions = [int(p) for p in positions.reshape(-1, positions.shape[-1])[0]]
-            self.passes.append((cache, length, positions))
+            self.passes.append((tuple(idx.shape) if isinstance(idx, torch.Tensor) else None,
+                                cache, cache.get_seq_length() if isinstance(cache, KVCache)
+                                else None, positions))
         self.handle = self.model.register_forward_pre_hook(hook, with_kwargs=True)
         return self
 
@@ -72,12 +59,15 @@ def _token_list(name: str, case: str, expected, got) -> list[int]:
              f"call .tolist())")
     if not isinstance(got, (list, tuple)):
         fail(name, case, expected, got, f"return a list of token ids, not a {type(got).__name__}")
-    ints = [as_int(t) for t in got]
-    for t, i in zip(got, ints):
-        if i is None:
+    for t in got:
+        if as_int(t) is None:
             fail(name, case, expected, list(got), f"every token id must be an int, got {t!r} "
                  f"({type(t).__name__}): int(logits[0, -1].argmax())")
-    return ints
+    return [as_int(t) for t in got]
+
+
+def _shapes(shapes: list, k: int = 8) -> str:
+    return f"passes of shapes {shapes[:k]}{' ...' if len(shapes) > k else ''}"
 
 
 # --- exercise 1: the prefill + decode loop ------------------------------------------------------
@@ -97,9 +87,9 @@ def _greedy(model: GPT, prompt: list[int], n: int, eos_id, row: int = -1) -> lis
     return tokens
 
 
-def _check_decode_passes(name: str, case: str, prompt, shapes, log) -> None:
+def _check_decode_passes(name: str, case: str, prompt, log: list) -> None:
     """One (1, P) prefill into an empty cache, then (1, 1) passes, all into that same cache."""
-    P = len(prompt)
+    P, shapes = len(prompt), [shape for shape, *_ in log]
     if not shapes:
         fail(name, case, f"a first pass of shape (1, {P})", "no forward pass of the model",
              "call model(idx, cache=cache): the prefill on the whole prompt, then one pass per "
@@ -115,25 +105,21 @@ def _check_decode_passes(name: str, case: str, prompt, shapes, log) -> None:
                     "the first new token")
         elif shapes[0] is not None and len(shapes[0]) != 2:
             hint = "idx must have shape (1, T): a batch of one sequence, torch.tensor([ids])"
-        fail(name, case, f"first pass of shape (1, {P}) (the prefill)",
-             f"passes of shapes {shapes[:8]}{' ...' if len(shapes) > 8 else ''}", hint)
+        fail(name, case, f"first pass of shape (1, {P}) (the prefill)", _shapes(shapes), hint)
     for i, shape in enumerate(shapes[1:], 1):
         if shape != (1, 1):
             hint = "each decode pass feeds only the newest token, idx of shape (1, 1)"
             if shape == (1, P + i):
                 hint = ("this is what you get when you recompute the whole sequence every step "
                         "(naive decoding): with a KV cache, feed only the newest token")
-            fail(name, case, f"pass {i + 1} of shape (1, 1) (a decode pass)",
-                 f"passes of shapes {shapes[:8]}{' ...' if len(shapes) > 8 else ''}", hint)
-    caches = [c for c, _, _ in log]
-    if any(c is None for c in caches):
-        i = next(i for i, c in enumerate(caches) if c is None)
-        fail(name, case, "every pass given the cache", f"pass {i + 1} ran without a cache",
-             "call model(idx, cache=cache) every time: without the cache, a decode pass sees "
-             "only its own token")
-    first = caches[0]
-    for i, (cache, length, _) in enumerate(log):
-        if cache is not first:
+            fail(name, case, f"pass {i + 1} of shape (1, 1) (a decode pass)", _shapes(shapes),
+                 hint)
+    for i, (_, cache, length, positions) in enumerate(log):
+        if cache is None:
+            fail(name, case, "every pass given the cache", f"pass {i + 1} ran without a cache",
+                 "call model(idx, cache=cache) every time: without the cache, a decode pass sees "
+                 "only its own token")
+        if cache is not log[0][1]:
             fail(name, case, "every pass into the cache the prefill filled",
                  f"pass {i + 1} got a different cache object",
                  "this is what you get when you make a new cache every step: make one cache "
@@ -143,7 +129,6 @@ def _check_decode_passes(name: str, case: str, prompt, shapes, log) -> None:
                  f"cache length {length}",
                  "start from an empty cache and never crop or reset it: it must hold every "
                  "position fed so far")
-    for i, (_, _, positions) in enumerate(log):
         right = list(range(P)) if i == 0 else [P + i - 1]
         if positions is not None and positions != right:
             hint = ("leave positions out: the model starts them where the cache ends, "
@@ -175,31 +160,27 @@ def _decode_token_hint(model, prompt, n, eos_id, expected, got) -> str:
 
 @guarded
 def check_greedy_decode(greedy_decode) -> None:
-    """greedy_decode(model, prompt_ids, max_new_tokens, eos_id) == generate(..., mode="cached")
-    .tokens, with exactly one (1, T) prefill and one (1, 1) pass per later token, all into the same
-    cache, and without calling minikv.generate."""
-    name = "greedy_decode"
-    model = tiny_model(1)
+    """greedy_decode(model, prompt_ids, max_new_tokens, eos_id) == generate(...).tokens, in one
+    (1, T) prefill and (1, 1) passes into one cache, without calling minikv.generate."""
+    name, model = "greedy_decode", tiny_model(1)
     target, tok = load_course_model("target", "cpu")
     cases = [(model, [1, 2, 3], 12, None), (model, [7], 1, None),
-             (model, [5, 9, 11, 2, 4], 20, None)]
-    eos = generate(model, [1, 2, 3], 12).tokens[5]  # stops at the first time this token appears
-    cases.append((model, [1, 2, 3], 12, eos))
-    # EOS comes first
-    cases.append((model, [5, 9, 11, 2, 4], 6, generate(model, [5, 9, 11, 2, 4], 1).tokens[0]))
-    cases.append((target, tok.encode("The color of dog"), 10, tok.eot_token))
-    cases.append((target, tok.encode("Once upon a time"), 8, tok.eot_token))
+             (model, [5, 9, 11, 2, 4], 20, None),
+             (model, [1, 2, 3], 12, generate(model, [1, 2, 3], 12).tokens[5]),  # EOS later,
+             (model, [5, 9, 11, 2, 4], 6, generate(model, [5, 9, 11, 2, 4], 1).tokens[0]),  # first
+             (target, tok.encode("The color of dog"), 10, tok.eot_token),
+             (target, tok.encode("Once upon a time"), 8, tok.eot_token)]
     for m, prompt, n, eos_id in cases:
         case = (f"prompt {prompt}, max_new_tokens={n}, eos_id={eos_id}"
                 + (" (course target)" if m is target else ""))
         expected = generate(m, prompt, n, mode="cached", eos_id=eos_id).tokens
-        with PassCounter(m) as counter, _PassLog(m) as log, forbid(name, generate):
+        with _PassLog(m) as log, forbid(name, generate):
             got = call(name, case, greedy_decode, m, list(prompt), n, eos_id)
         tokens = _token_list(name, case, expected, got)
-        _check_decode_passes(name, case, prompt, counter.passes, log.passes)
+        _check_decode_passes(name, case, prompt, log.passes)
         expect(tokens == expected, name, case, expected, tokens,
                _decode_token_hint(m, prompt, n, eos_id, expected, tokens))
-        n_passes = len(counter.passes)
+        n_passes = len(log.passes)
         hint = f"one pass per new token: {len(expected)} passes for {len(expected)} tokens"
         if n_passes == len(expected) + 1:
             hint = ("this is what you get when you feed the last token too: it is returned, "
@@ -254,13 +235,32 @@ def _chunked_cases():
         "course target"
 
 
+def _logits_and_cache(name: str, case: str, V: int, got):
+    """The (logits, cache) pair the learner returned, or a CheckFailed saying what came back."""
+    if isinstance(got, torch.Tensor):
+        fail(name, case, "(logits, cache)", f"a tensor of shape {tuple(got.shape)}",
+             "return a pair: the last position's logits AND the cache")
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        fail(name, case, "(logits, cache)", got if not isinstance(got, (tuple, list))
+             else f"a {type(got).__name__} of {len(got)} items", "return a pair (logits, cache)")
+    logits, cache = got
+    if isinstance(logits, KVCache) and isinstance(cache, torch.Tensor):
+        fail(name, case, "(logits, cache)", "(cache, logits)", "return them in that order: "
+             "(logits, cache)")
+    if not isinstance(cache, KVCache):
+        fail(name, case, "a minikv.KVCache", type(cache).__name__,
+             "return the KVCache you filled as the second item")
+    if type(logits).__module__ == "numpy" or not isinstance(logits, torch.Tensor):
+        fail(name, case, f"a torch.Tensor of shape ({V},)", type(logits).__name__,
+             "return the logits as a torch.Tensor (no .numpy(), no .tolist())")
+    return logits.detach().cpu(), cache
+
+
 @guarded
 def check_chunked_prefill(chunked_prefill) -> None:
-    """chunked_prefill(model, ids, chunk) -> (logits (vocab,), cache): the last position's logits
-    and a cache equal (within 1e-5, every layer's K and V) to a one-pass prefill's, filled in
-    ceil(len(ids) / chunk) passes of `chunk` tokens (the last may be shorter) into one cache."""
-    name = "chunked_prefill"
-    n_cases = 0
+    """chunked_prefill(model, ids, chunk) -> (last logits (vocab,), cache), equal within 1e-5
+    (every layer's K and V) to a one-pass prefill's, in ceil(len / chunk) passes into one cache."""
+    name, n_cases = "chunked_prefill", 0
     for model, ids, chunk, label in _chunked_cases():
         L, V = len(ids), model.config.vocab_size
         case = f"{label}, {L} ids, chunk={chunk}"
@@ -268,51 +268,30 @@ def check_chunked_prefill(chunked_prefill) -> None:
         with torch.inference_mode():
             ref_logits = model(torch.tensor([ids]), cache=ref_cache)[0, -1]
             first_chunk_logits = model(torch.tensor([ids[:chunk]]))[0, -1]
-        ref = cache_state(ref_cache)
-        with PassCounter(model) as counter, _PassLog(model) as log:
+        with _PassLog(model) as log:
             got = call(name, case, chunked_prefill, model, list(ids), chunk)
-        # what came back
-        if isinstance(got, torch.Tensor):
-            fail(name, case, "(logits, cache)", f"a tensor of shape {tuple(got.shape)}",
-                 "return a pair: the last position's logits AND the cache")
-        if not isinstance(got, (tuple, list)) or len(got) != 2:
-            fail(name, case, "(logits, cache)", got if not isinstance(got, (tuple, list))
-                 else f"a {type(got).__name__} of {len(got)} items",
-                 "return a pair (logits, cache)")
-        logits, cache = got
-        if isinstance(logits, KVCache) and isinstance(cache, torch.Tensor):
-            fail(name, case, "(logits, cache)", "(cache, logits)", "return them in that order: "
-                 "(logits, cache)")
-        if not isinstance(cache, KVCache):
-            fail(name, case, "a minikv.KVCache", type(cache).__name__,
-                 "return the KVCache you filled as the second item")
-        if type(logits).__module__ == "numpy" or not isinstance(logits, torch.Tensor):
-            fail(name, case, f"a torch.Tensor of shape ({V},)", type(logits).__name__,
-                 "return the logits as a torch.Tensor (no .numpy(), no .tolist())")
-        # the passes
-        sizes = [s[1] if s is not None and len(s) == 2 else s for s in counter.passes]
-        expected_sizes = _chunk_sizes(L, chunk)
-        if any(s is None or len(s) != 2 or s[0] != 1 for s in counter.passes):
-            fail(name, case, "passes of shape (1, chunk)", f"passes of shapes {counter.passes}",
+        logits, cache = _logits_and_cache(name, case, V, got)
+        shapes, want = [shape for shape, *_ in log.passes], _chunk_sizes(L, chunk)
+        if any(s is None or len(s) != 2 or s[0] != 1 for s in shapes):
+            fail(name, case, "passes of shape (1, chunk)", f"passes of shapes {shapes}",
                  "feed idx of shape (1, chunk): a batch of one sequence")
-        expect(sizes == expected_sizes, name, case,
-               f"{len(expected_sizes)} passes of {expected_sizes} tokens",
+        sizes = [s[1] for s in shapes]
+        expect(sizes == want, name, case, f"{len(want)} passes of {want} tokens",
                f"{len(sizes)} passes of {sizes} tokens", _chunk_size_hint(L, chunk, sizes))
-        caches = [c for c, _, _ in log.passes]
-        starts = [sum(expected_sizes[:i]) for i in range(len(expected_sizes))]
-        for i, (c, length, positions) in enumerate(log.passes):
+        for i, (_, c, length, positions) in enumerate(log.passes):
+            start = sum(want[:i])
             if c is None:
                 fail(name, case, "every chunk fed into the cache", f"chunk {i + 1} had no cache",
                      "call model(chunk_ids, cache=cache) for every chunk")
-            if c is not caches[0]:
+            if c is not log.passes[0][1]:
                 fail(name, case, "one cache for every chunk",
                      f"chunk {i + 1} went into a different cache",
                      "this is what you get with a fresh cache per chunk: each chunk must attend "
                      "to the keys and values of the chunks before it, so make ONE cache first")
-            if length != starts[i]:
-                fail(name, case, f"cache length {starts[i]} before chunk {i + 1}",
+            if length != start:
+                fail(name, case, f"cache length {start} before chunk {i + 1}",
                      f"cache length {length}", "start from an empty cache, never crop it")
-            right = list(range(starts[i], starts[i] + expected_sizes[i]))
+            right = list(range(start, start + want[i]))
             if positions is not None and positions != right:
                 hint = (f"chunk {i + 1} must sit at positions {right[0]}..{right[-1]}: leave "
                         f"positions out and the model continues from cache.get_seq_length()")
@@ -321,8 +300,6 @@ def check_chunked_prefill(chunked_prefill) -> None:
                             "every chunk; they must continue where the cache ends (leave "
                             "positions out, the model starts at cache.get_seq_length())")
                 fail(name, case, f"positions {right}", f"positions {positions}", hint)
-        # the logits
-        logits = logits.detach().cpu()
         if tuple(logits.shape) != (V,):
             hint = f"the last position's logits only, shape ({V},): logits[0, -1]"
             if logits.numel() == V:
@@ -336,13 +313,12 @@ def check_chunked_prefill(chunked_prefill) -> None:
             error = float((logits.double() - ref_logits.double()).abs().max())
             fail(name, case, "a one-pass prefill's last logits, within 1e-5",
                  f"logits off by up to {error:.3g}", hint)
-        # the whole cache
         expect(cache.get_seq_length() == L, name, case, f"cache length {L}",
                f"cache length {cache.get_seq_length()}",
                "the cache holds every prompt position once")
-        ref_len, ref_tensors = ref
-        for which, (a, b) in enumerate(zip(ref_tensors, cache.keys + cache.values)):
-            kind, layer = ("keys", "values")[which // len(cache.keys)], which % len(cache.keys)
+        theirs, n_layer = cache.keys + cache.values, len(cache.keys)
+        for which, (a, b) in enumerate(zip(ref_cache.keys + ref_cache.values, theirs)):
+            kind, layer = ("keys", "values")[which // n_layer], which % n_layer
             if b.shape[:2] != a.shape[:2] or b.shape[-1] != a.shape[-1] or \
                     not _close(b[:, :, :L].cpu(), a[:, :, :L]):
                 fail(name, case, f"layer {layer}'s {kind} equal to a one-pass prefill's "
@@ -354,9 +330,9 @@ def check_chunked_prefill(chunked_prefill) -> None:
     passed(name, n_cases)
 
 
-# --- exercise 3: what a pass costs --------------------------------------------------------------
+# --- exercise 3: what a pass costs (a table) ---------------------------------------------------
 
-def _cost(cfg: GPTConfig, n_new: int, n_cached: int, bpv: int, mistake: str | None = None):
+def _cost(cfg: GPTConfig, n_new: int, n_cached: int, bpv: int = 4, mistake: str | None = None):
     """(FLOPs, bytes) by minikv.bench.pass_cost's convention, or as a usual mistake gives it."""
     C, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
     pairs = n_new * n_cached + n_new * (n_new + 1) // 2
@@ -410,56 +386,51 @@ COST_MISTAKES = {
     "always 4 bytes": "this is what you get with 4 bytes per value whatever bytes_per_value "
                       "says: use the argument (2 for fp16 or bf16)",
 }
+FLOPS_HINT = ("2 FLOPs per multiply-add, of every matrix product: each block's weight matrices on "
+              "every new token, the LM head on one row, attention's two products for every "
+              "(query, key) pair the mask lets through, in every layer")
+BYTES_HINT = ("weights of the blocks and ln_f, n_new rows of wte and wpe, all of wte as the head, "
+              "the cached K/V read and the new K/V written, times bytes_per_value")
 
 
-@guarded
-def check_pass_cost(pass_cost) -> None:
-    """pass_cost(cfg, n_new, n_cached, bytes_per_value=4) == minikv.bench.pass_cost(...) as two
-    ints, on GPT-2, the course models and toy shapes, for decode (n_new = 1) and prefill passes,
-    without calling minikv.bench.pass_cost."""
-    name = "pass_cost"
-    configs = [GPTConfig.preset(p) for p in ("gpt2", "target", "draft", "tiny")]
-    configs.append(GPTConfig(vocab_size=97, block_size=64, n_layer=3, n_head=2, n_embd=10))
-    # (4, 12) first: there every usual mistake gives its own numbers
-    passes = [(4, 12), (1, 0), (1, 16), (1, 999), (16, 0), (256, 0), (7, 3)]
-    n_cases = 0
-    for cfg in configs:
-        for n_new, n_cached in passes:
-            for bpv in ((4, 2) if (n_new, n_cached) == (4, 12) else (4,)):
-                case = (f"GPTConfig(vocab_size={cfg.vocab_size}, n_layer={cfg.n_layer}, "
-                        f"n_embd={cfg.n_embd}), n_new={n_new}, n_cached={n_cached}"
-                        + (f", bytes_per_value={bpv}" if bpv != 4 else ""))
-                expected = bench.pass_cost(cfg, n_new, n_cached, bytes_per_value=bpv)
-                kwargs = {} if bpv == 4 else {"bytes_per_value": bpv}
-                with forbid(name, bench.pass_cost):
-                    got = call(name, case, pass_cost, cfg, n_new, n_cached, **kwargs)
-                if type(got).__module__ == "numpy" or isinstance(got, torch.Tensor) or \
-                        not isinstance(got, (tuple, list)) or len(got) != 2:
-                    fail(name, case, expected, got, "return a pair of ints: (flops, bytes)")
-                flops, moved = (as_int(v) for v in got)
-                for label, value, raw in (("FLOPs", flops, got[0]), ("bytes", moved, got[1])):
-                    if value is None:
-                        fail(name, case, expected, tuple(got),
-                             f"{label} must be an int, not a {type(raw).__name__}: count with "
-                             f"integers (// not /, no float())")
-                mistakes = {m: _cost(cfg, n_new, n_cached, bpv, m) for m in COST_MISTAKES}
-                flops_hint = next((COST_MISTAKES[m] for m, (f, _) in mistakes.items()
-                                   if f == flops and f != expected[0]),
-                                  "2 FLOPs per multiply-add, of every matrix product: each "
-                                  "block's weight matrices on every new token, the LM head on "
-                                  "one row, attention's two products for every (query, key) "
-                                  "pair the mask lets through, in every layer")
-                expect(flops == expected[0], name, case + ": the FLOPs", expected[0], flops,
-                       flops_hint)
-                bytes_hint = next((COST_MISTAKES[m] for m, (_, b) in mistakes.items()
-                                   if b == moved and b != expected[1]),
-                                  "weights of the blocks and ln_f, n_new rows of wte and wpe, all "
-                                  "of wte as the head, the cached K/V read and the new K/V "
-                                  "written, times bytes_per_value")
-                expect(moved == expected[1], name, case + ": the bytes", expected[1], moved,
-                       bytes_hint)
-                n_cases += 1
-    passed(name, n_cases)
+def _two_ints(got, *case) -> tuple[int, int]:
+    """The contract: a pair of ints (FLOPs, bytes)."""
+    if type(got).__module__ == "numpy" or not isinstance(got, (tuple, list)) or len(got) != 2:
+        raise Refused("return a pair of ints: (flops, bytes)")
+    for label, raw in zip(("FLOPs", "bytes"), got):
+        if as_int(raw) is None:
+            raise Refused(f"{label} must be an int, not a {type(raw).__name__}: count with "
+                          f"integers (// not /, no float())")
+    return as_int(got[0]), as_int(got[1])
+
+
+def _cost_hint(answers: list) -> str:
+    """No one mistake explains the answers (two at once?): name the FLOPs' own, else the bytes'."""
+    for i, fallback in ((0, FLOPS_HINT), (1, BYTES_HINT)):
+        wrong = [(case, got[i]) for case, got in answers if got[i] != bench.pass_cost(*case)[i]]
+        if wrong:
+            return diagnose({hint: lambda *case, m=m, i=i: _cost(*case, mistake=m)[i]
+                             for m, hint in COST_MISTAKES.items()}, wrong) or fallback
+    return ""
+
+
+PASS_COST = Exercise(
+    "pass_cost",
+    # GPT-2, the course models and toy shapes, decode and prefill passes; (4, 12) first, in fp32
+    # and in bf16: there every usual mistake gives its own numbers
+    cases=[(cfg, n_new, n_cached, *bpv) for cfg in [GPTConfig.preset(p) for p in (
+               "gpt2", "target", "draft", "tiny")] + [GPTConfig(
+               vocab_size=97, block_size=64, n_layer=3, n_head=2, n_embd=10)]
+           for n_new, n_cached in [(4, 12), (1, 0), (1, 16), (1, 999), (16, 0), (256, 0), (7, 3)]
+           for bpv in ([(), (2,)] if (n_new, n_cached) == (4, 12) else [()])],
+    describe=lambda cfg, n_new, n_cached, bpv=4: (
+        f"GPTConfig(vocab_size={cfg.vocab_size}, n_layer={cfg.n_layer}, n_embd={cfg.n_embd}), "
+        f"n_new={n_new}, n_cached={n_cached}" + (f", bytes_per_value={bpv}" if bpv != 4 else "")),
+    reference=bench.pass_cost, solution=_cost, returns=_two_ints, forbid=(bench.pass_cost,),
+    mistakes={hint: functools.partial(_cost, mistake=m) for m, hint in COST_MISTAKES.items()},
+    otherwise=_cost_hint)
+check_pass_cost = PASS_COST.check
+EXERCISES = [PASS_COST]
 
 
 # --- exercise 4: predict, then measure: a batched decode step's intensity -----------------------
@@ -578,11 +549,10 @@ def check_decoder(FixedDecoder) -> None:
         case = f"{label}: FixedDecoder(model).generate({prompt}, {n})"
         expected = generate(model, prompt, n, mode="cached").tokens
         decoder = call(name, f"{label}: FixedDecoder(model)", FixedDecoder, model)
-        with PassCounter(model) as counter, _PassLog(model) as log, forbid(name, generate):
+        with _PassLog(model) as log, forbid(name, generate):
             got = call_hinted(name, case, _decoder_error_hint, decoder.generate, list(prompt), n)
         tokens = _token_list(name, case, expected, got)
-        shapes = counter.passes
-        P = len(prompt)
+        shapes, P = [shape for shape, *_ in log.passes], len(prompt)
         passed_short = (" (it passed the 1-token prompt: with one prompt token, the argmax of "
                         "every position is the argmax of the last, so the bug hides)"
                         if i > 0 else "")
@@ -594,9 +564,9 @@ def check_decoder(FixedDecoder) -> None:
                         f"shape (1, T)). The first new token comes out right, the rest do not, "
                         f"and the cache grows by {P} a step. A decode pass feeds only the newest "
                         f"token, shape (1, 1){passed_short}")
-            fail(name, case, f"passes of shapes [(1, {P}), (1, 1), ...]",
-                 f"passes of shapes {shapes[:5]}{' ...' if len(shapes) > 5 else ''}", hint)
-        _check_decode_passes(name, case, prompt, shapes, log.passes)
+            fail(name, case, f"passes of shapes [(1, {P}), (1, 1), ...]", _shapes(shapes, 5),
+                 hint)
+        _check_decode_passes(name, case, prompt, log.passes)
         if tokens != expected:
             hint = "feed the last position's pick, logits[:, -1:].argmax(-1), shape (1, 1)"
             with torch.no_grad():
@@ -642,9 +612,8 @@ def check_choose_chunk(choose_chunk) -> None:
     if chunk is None or chunk < 1:
         fail(name, case, "a chunk size, a positive int", got, "return the chunk size you choose")
     cfg = GPTConfig.preset("gpt2")
-    valid = [c for c in range(1, CHUNK_PROMPT + 1)
-             if min(i for _, _, i in _chunk_intensities(cfg, c)) >= H100_BALANCE]
-    best = valid[0]
+    best = next(c for c in range(1, CHUNK_PROMPT + 1)
+                if min(i for _, _, i in _chunk_intensities(cfg, c)) >= H100_BALANCE)
     rows = _chunk_intensities(cfg, min(chunk, CHUNK_PROMPT))
     slow = [(k, n, done, i) for k, (n, done, i) in enumerate(rows) if i < H100_BALANCE]
     if slow:
