@@ -9,6 +9,7 @@
     exercises  regenerate exercises/ from solutions/ (--check: only report)
     grade      grade exercise notebooks by what they compute: ✓/✗ per exercise, then the score
     run        execute notebooks in place, saving their outputs
+    mutants    the checkers' mutation score: mutate each solution, count the checks that catch it
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ COMMANDS = {
     "exercises": ("minikv.course.notebooks", True),
     "grade": ("minikv.course.grade", False),
     "run": ("minikv.course.notebooks", True),
+    "mutants": ("minikv.course.mutants", False),
 }
 
 
