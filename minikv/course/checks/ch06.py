@@ -14,6 +14,7 @@ Everything runs on the CPU in about a second and leaves the caller's random stat
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import random
 from collections import deque
@@ -26,10 +27,10 @@ from ...engine.paged import BlockPool, BlockTable, PagedCache, block_hash
 from ...engine.scheduler import FirstComeFirstServed, Scheduler, Sequence
 from ...engine.verify import accept_matching, verify_and_commit
 from . import (
-    CheckFailed,
     Exercise,
     Refused,
     call_hinted,
+    diagnose,
     expect,
     fail,
     forbid,
@@ -50,16 +51,6 @@ def _config(n_layer: int, n_head: int, head_dim: int) -> GPTConfig:
 
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _named(mistakes, got, *case, same=lambda a, b: a == b) -> str:
-    """The hints of the (hint, wrong implementation) pairs that give `got` on this case."""
-    def gives(wrong):
-        try:
-            return bool(same(wrong(*case), got))
-        except Exception:  # noqa: BLE001 - a mistake that cannot run here reproduces nothing
-            return False
-    return "; or ".join(dict.fromkeys(h for h, wrong in mistakes if gives(wrong)))
 
 
 class _Labelled(list):
@@ -101,34 +92,28 @@ def engine_read(pool_keys: torch.Tensor, table: list[int], length: int) -> torch
     return keys[0]
 
 
-def _slots(pool_keys: torch.Tensor, where: list[tuple[int, int]]) -> torch.Tensor:
-    """The keys at (block, slot) after (block, slot), as (nh, len(where), hs)."""
-    return torch.stack([pool_keys[b, :, s] for b, s in where], dim=1)
+def _read(where):
+    """A gather that reads position p at where(table, p // block_size, p % block_size)."""
+    return lambda pool_keys, table, length: torch.stack([pool_keys[where(
+        table, p // pool_keys.size(2), p % pool_keys.size(2))] for p in range(length)], dim=1)
 
 
-NO_PERMUTE = ("this is what you get when you reshape pool_keys[table] (blocks, nh, block_size, "
-              "hs) straight to (nh, -1, hs): reshape keeps the memory order, so it mixes heads "
-              "and blocks. Bring the head axis first (.transpose(0, 1) gives (nh, blocks, "
-              "block_size, hs)), then merge blocks and slots, then cut to length")
-GATHER_MISTAKES = [  # (hint, wrong implementation)
-    ("this is what you get with the blocks in the order of their ids (sorted, or as they sit in "
-     "the pool): a block table lists a sequence's blocks in POSITION order, and its ids can come "
-     "in any order (blocks are taken from wherever the free list had them); position p is in "
-     "block table[p // block_size]", lambda pool_keys, table, length: _slots(pool_keys, [
-         (sorted(table)[p // pool_keys.size(2)], p % pool_keys.size(2)) for p in range(length)])),
-    ("this is what you get when you read block p // block_size of the POOL, as if the sequence "
-     "held the pool's first blocks: p // block_size is an index into the TABLE, and table[p // "
-     "block_size] is the block", lambda pool_keys, table, length: _slots(pool_keys, [
-         (p // pool_keys.size(2), p % pool_keys.size(2)) for p in range(length)])),
-    (NO_PERMUTE, lambda pool_keys, table, length: pool_keys[
-        table[:_ceil(length, pool_keys.size(2))]].reshape(pool_keys.size(1), -1,
-                                                           pool_keys.size(3))[:, :length]),
-    (NO_PERMUTE, lambda pool_keys, table, length: pool_keys[table].reshape(
-        pool_keys.size(1), -1, pool_keys.size(3))[:, :length]),
-    ("this is what you get with block and slot swapped: the block is table[p // block_size], the "
-     "slot inside it p % block_size", lambda pool_keys, table, length: _slots(pool_keys, [
-         (table[p % pool_keys.size(2)], p // pool_keys.size(2)) for p in range(length)])),
-]
+GATHER_MISTAKES = {  # hint -> wrong implementation
+    "this is what you get with the blocks in the order of their ids (sorted, or as they sit in "
+    "the pool): a block table lists a sequence's blocks in POSITION order, and its ids can come "
+    "in any order (blocks are taken from wherever the free list had them); position p is in "
+    "block table[p // block_size]": _read(lambda table, i, s: (sorted(table)[i], slice(None), s)),
+    "this is what you get when you read block p // block_size of the POOL, as if the sequence "
+    "held the pool's first blocks: p // block_size is an index into the TABLE, and table[p // "
+    "block_size] is the block": _read(lambda table, i, s: (i, slice(None), s)),
+    "this is what you get when you reshape pool_keys[table] (blocks, nh, block_size, hs) "
+    "straight to (nh, -1, hs): reshape keeps the memory order, so it mixes heads and blocks. "
+    "Bring the head axis first (.transpose(0, 1) gives (nh, blocks, block_size, hs)), then merge "
+    "blocks and slots, then cut to length": lambda pool_keys, table, length: pool_keys[
+        table].reshape(pool_keys.size(1), -1, pool_keys.size(3))[:, :length],
+    "this is what you get with block and slot swapped: the block is table[p // block_size], the "
+    "slot inside it p % block_size": _read(lambda table, i, s: (table[s], slice(None), i)),
+}
 
 
 def _gather_shape_hint(shape: tuple, nh: int, bs: int, hs: int, table: list[int],
@@ -203,7 +188,7 @@ def check_gather_keys(gather_keys) -> None:
             p = int((got != want).any(dim=2).any(dim=0).nonzero()[0])
             fail(name, case, f"position {p}: pool_keys[{table[p // bs]}, :, {p % bs}]",
                  f"position {p}: {_where_from(pool_keys, got[:, p])}",
-                 _named(GATHER_MISTAKES, got, pool_keys, table, length, same=torch.equal)
+                 diagnose(GATHER_MISTAKES, [((pool_keys, table, length), got)], same=torch.equal)
                  or "position p's keys are pool_keys[table[p // block_size], :, p % "
                     "block_size]: every head's, in position order")
     passed(name, len(GATHER_CASES))
@@ -337,17 +322,14 @@ def _check_reserve_case(name: str, case_id: int, case: tuple, reserve) -> None:
                  COPIED_UNSHARED.format(block=b0) if length % bs and j == length // bs else
                  COPIED_FULL.format(block=b0, length=length) if j < _ceil(length, bs) else
                  "a block the table already holds for later positions stays where it is")
-    if len(got) < n_want:
+    if len(got) != n_want:
         fail(name, where, f"{n_want} blocks (ceil(({length} + {n_new}) / {bs}) = {n_want})",
-             f"{len(got)} blocks: {got}",
-             FLOOR if len(got) == max(len(blocks0), (length + n_new) // bs) else
-             f"too few blocks: the table must hold positions 0 .. {length + n_new - 1}")
-    if len(got) > n_want:
-        fail(name, where, f"{n_want} blocks (ceil(({length} + {n_new}) / {bs}) = {n_want})",
-             f"{len(got)} blocks: {got}",
-             PER_NEW if len(got) == len(blocks0) + _ceil(n_new, bs) else
-             f"more blocks than positions 0 .. {length + n_new - 1} need: a block taken before "
-             f"it is needed is a block another request cannot use")
+             f"{len(got)} blocks: {got}", (
+                 FLOOR if len(got) == max(len(blocks0), (length + n_new) // bs) else
+                 f"too few blocks: the table must hold positions 0 .. {length + n_new - 1}")
+             if len(got) < n_want else PER_NEW if len(got) == len(blocks0) + _ceil(n_new, bs)
+             else f"more blocks than positions 0 .. {length + n_new - 1} need: a block taken "
+                  f"before it is needed is a block another request cannot use")
     taken = [b for b in got if b not in blocks0]
     for b in taken:
         expect(ref0[b] == 0, name, where, "new blocks taken from pool.free",
@@ -705,13 +687,9 @@ def measure_peak(prompt_len: int, prefix_caching: bool) -> int:
     return peak_blocks_in_use(outs.pool)
 
 
-_MODELS: dict = {}
-
-
+@functools.cache
 def _tiny_model():
-    if "tiny" not in _MODELS:
-        _MODELS["tiny"] = tiny_model(0)
-    return _MODELS["tiny"]
+    return tiny_model(0)
 
 
 def _peak_mistakes(prompt_len: int, prefix_caching: bool) -> list[tuple[int, str]]:
@@ -876,35 +854,28 @@ def check_crop(cache_class) -> None:
 def _check_crop_in_decoding(name, cache_class) -> None:
     """Greedy decoding on a paged cache of the student's class, with wrong proposals verified and
     rolled back at lengths of every remainder: the output must be target-only greedy decoding."""
-    model = _tiny_model()
-    prompt, n_new = [3, 17, 200, 41, 9, 77, 5], 24
-    seq = list(prompt)
+    model, prompt, n_new = _tiny_model(), [3, 17, 200, 41, 9, 77, 5], 24
+    seq, case = list(prompt), "greedy decoding on a paged cache with your crop, every round " \
+                              "rolled back"
 
     def verifier(rows, cache):
         cache.reserve(len(rows))
         return model(torch.tensor([rows]), cache=cache)[0]
-    case = "greedy decoding on a paged cache with your crop, every round rolled back"
-    try:
-        with torch.inference_mode():
-            cache = cache_class(BlockPool(model.config, 40, 4), [BlockTable(0)])
-            cache.reserve(len(prompt))
-            seq.append(int(model(torch.tensor([prompt]), cache=cache)[0, -1].argmax()))
-            step = 0
-            while len(seq) - len(prompt) < n_new:
-                # proposals unrelated to the text, so they are refused and the cache rolls back
-                # behind a different remainder of the block size every round
-                proposals = [(seq[-1] * 7 + i + step) % model.config.vocab_size
-                             for i in range(1 + step % 3)]
-                verify_and_commit(seq, proposals, cache, verifier,
+
+    @torch.inference_mode()
+    def decode():
+        cache = cache_class(BlockPool(model.config, 40, 4), [BlockTable(0)])
+        cache.reserve(len(prompt))
+        seq.append(int(model(torch.tensor([prompt]), cache=cache)[0, -1].argmax()))
+        # proposals unrelated to the text: refused, so the cache rolls back at every remainder
+        for step in range(n_new):
+            if len(seq) - len(prompt) < n_new:
+                verify_and_commit(seq, [(seq[-1] * 7 + i + step) % model.config.vocab_size
+                                        for i in range(1 + step % 3)], cache, verifier,
                                   partial(accept_matching, sampling=SamplingParams(),
                                           first_position=len(seq)))
-                step += 1
-    except (NotImplementedError, CheckFailed):
-        raise
-    except Exception as e:  # noqa: BLE001 - a crash after a rollback is this exercise's symptom
-        fail(name, case, "decoding to the end", f"{type(e).__name__}: {e} after "
-             f"{len(seq) - len(prompt)} new tokens", "the table lost a block it still needed "
-             "and the next pass found no slot for a position: " + CROP_SYMPTOM)
+    call_hinted(name, case, lambda e: "the table lost a block it still needed and the next pass "
+                "found no slot for a position: " + CROP_SYMPTOM, decode)
     new, alone = seq[len(prompt):len(prompt) + n_new], generate(model, prompt, n_new).tokens
     if new != alone:
         at = next(i for i, (a, b) in enumerate(zip(new, alone)) if a != b)
@@ -983,6 +954,3 @@ BLOCK_SIZE = Exercise(
 check_choose_block_size = BLOCK_SIZE.check
 
 EXERCISES = (MATCHING, ADMISSION, BLOCK_SIZE)
-
-__all__ = ["check_gather_keys", "check_reserve", "check_matching_blocks", "check_can_admit",
-           "check_predict_peak_blocks", "check_crop", "check_choose_block_size", "CheckFailed"]
