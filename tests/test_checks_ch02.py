@@ -32,17 +32,6 @@ def cached_attention(q, k, v, fill=lambda mask: ~mask):
     return torch.softmax(scores, dim=-1) @ v
 
 
-def kv_engine(p, n):  # asks the engine instead of counting
-    model, ids = minikv.GPT(minikv.GPTConfig.preset("tiny")), list(range(1, p + 1))
-    return tuple(minikv.generate(model, ids, n, mode=m).stats.kv_computed
-                 for m in ("naive", "cached"))
-
-
-def in_place(q, k, v):  # scales k in place: inside the model, the cache's own k
-    k /= 1.0001
-    return cached_attention(q, k, v)
-
-
 # --- exercise 4: a right MyKVCache, and its mutants (a method or two replaced) -------------------
 def crops(keep):
     """A crop keeping keep(t, max_length) of every layer's keys and values."""
@@ -78,8 +67,7 @@ class MyKVCache(Cache):
     crop = crops(lambda t, n: t[:, :, :n])
 
 
-class Counted(MyKVCache):
-    """A length counter that update moves on by adds(layer_idx, T), and crop sets."""
+class Counted(MyKVCache):  # a length that update moves on by adds(layer_idx, T)
     length = 0
 
     def get_seq_length(self, layer_idx=0):
@@ -89,17 +77,9 @@ class Counted(MyKVCache):
         self.length += self.adds(layer_idx, key.shape[2])
         return super().update(key, value, layer_idx)
 
-    def crop(self, max_length):
-        super().crop(max_length)
-        self.length = max_length
-
 
 def mutant(base=MyKVCache, **methods):
     return type("Mutant", (base,), methods)
-
-
-def crop_first(self, n):  # crops layer 0 only
-    self.keys[0], self.values[0] = self.keys[0][:, :, :n], self.values[0][:, :, :n]
 
 
 StubCache = mutant(get_seq_length=stub, update=stub, crop=stub)
@@ -107,7 +87,7 @@ update = MyKVCache.update
 CACHE_MUTANTS = [  # (a wrong MyKVCache, a fragment of the message that names the mistake)
     (mutant(get_seq_length=lambda s, i=0: 0), "position-offset bug"),
     (mutant(get_seq_length=lambda s, i=0: len(s.keys)), "number of layers"),
-    (mutant(Counted, adds=lambda s, i, T: T), "once per layer"),
+    (mutant(get_seq_length=lambda s, i=0: sum(k.shape[2] for k in s.keys)), "once per layer"),
     (mutant(Counted, adds=lambda s, i, T: i == 0), "counts passes"),
     (mutant(get_seq_length=lambda s, i=0: s.keys[0].size(1) if s.keys else 0), "wrong dimension"),
     (mutant(get_seq_length=lambda s, i=0: float(MyKVCache.get_seq_length(s))), "a Python int"),
@@ -126,7 +106,8 @@ CACHE_MUTANTS = [  # (a wrong MyKVCache, a fragment of the message that names th
     (mutant(crop=lambda s, n: None), "grows but never crops"),
     (mutant(Counted, adds=lambda s, i, T: T * (i == 0), crop=lambda s, n: setattr(s, "length", n)),
      "positions crop removed"),
-    (mutant(crop=crop_first), "every layer's keys and"),
+    (mutant(crop=lambda s, n: [ts.__setitem__(0, ts[0][:, :, :n]) for ts in (s.keys, s.values)]
+            and None), "every layer's keys and"),  # crops layer 0 only
     (mutant(crop=lambda s, n: setattr(s, "keys", [k[:, :, :n] for k in s.keys])), "only the keys"),
     (mutant(crop=crops(lambda t, n: t[:, :, t.shape[2] - n:])), "kept the LAST"),
     (mutant(crop=lambda s, n: MyKVCache.__init__(s)), "crop emptied the cache"),
@@ -148,8 +129,7 @@ def prealloc(when: str):
     return mutant(FixedCache, __init__=lambda s, m, n: FixedCache.__init__(s, m, n, when))
 
 
-class FixedCachePerLayer(prealloc("every")):
-    """Also right: a length per layer; the model's positions come from the last layer's."""
+class FixedCachePerLayer(prealloc("every")):  # also right: a length per layer, the last's read
     def __init__(self, model, max_len):
         super().__init__(model, max_len)
         self.lengths = [0] * len(self.keys)
@@ -201,12 +181,13 @@ WRONG = [  # (checker, arguments, a fragment of the message that names the mista
     (WORK, (lambda p, n: np.array(kv_work(p, n), dtype=np.float32),), "a pair (naive, cached)"),
     (WORK, (lambda p, n: kv_work(p, n)[0] - kv_work(p, n)[1],), "a pair (naive, cached)"),
     (WORK, (lambda p, n: (*kv_work(p, n), 0),), "a pair (naive, cached) of two"),
-    (WORK, (kv_engine,), "called minikv's own"),
+    (WORK, (lambda p, n: minikv.generate(minikv.GPT(minikv.GPTConfig.preset("tiny")), [1] * p,
+                                         n).stats.kv_computed,), "called minikv's own"),
     (ATTENTION, (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),),
      "is_causal=True"),
     (ATTENTION, (lambda q, k, v: cached_attention(q, k, v, fill=lambda mask: mask),),
      "mask inverted"),
-    (ATTENTION, (in_place,), "changed in place"),
+    (ATTENTION, (lambda q, k, v: cached_attention(q, k.mul_(1.0001), v),), "changed in place"),
     (ATTENTION, (lambda q, k, v: cached_attention(q[..., -1:, :], k, v),),
      "one output row per new query"),
     (ATTENTION, (lambda q, k, v: cached_attention(q, k, v).transpose(1, 2),), "heads in dim 1"),
