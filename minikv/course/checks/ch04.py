@@ -29,8 +29,10 @@ CPU, in about a second, leaving the caller's random state alone.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -398,6 +400,15 @@ def _as_distribution(got, p, q, a):
     return got
 
 
+def _residual_otherwise(runs) -> str:
+    p, q, a = next(case for case, got in runs if not RESIDUAL.same(got, reference_residual(*case)))
+    if a.label.startswith("one speculative step"):
+        return ("the residual decides where refused draws go; it must fill exactly what acceptance "
+                "leaves of p")
+    return ("what p(x) still lacks once acceptance has delivered its share of x (drafted, then "
+            "accepted), divided by its sum")
+
+
 RESIDUAL = Exercise(
     "residual", cases=_residual_cases(),
     describe=lambda p, q, a: f"{a.label}: p={_as_list(p)}, q={_as_list(q)}, a={_as_list(a)}",
@@ -428,8 +439,7 @@ RESIDUAL = Exercise(
         "there re-proposes the refused tokens instead of filling what p still lacks":
             lambda p, q, a: _normalised(q * (1 - a)),
     },
-    otherwise="what p(x) still lacks once acceptance has delivered its share of x (drafted, then "
-              "accepted), divided by its sum")
+    otherwise=_residual_otherwise)
 check_residual = RESIDUAL.check
 
 
@@ -455,59 +465,72 @@ def reference_alpha(trace, index: int | None = None) -> float | None:
     return accepted / judged if judged else None
 
 
-NOTHING_JUDGED = ("nothing was judged here: return None (n/a), not a number; 0.0 would read as "
-                  "'every proposal was rejected'")
+def _ratio(a, b):
+    return a / b if b else None
 
 
-def _alpha_mistakes(trace, index: int | None) -> list[tuple[float | None, str]]:
+def _pooled(wrong):
+    """A wrong pooled α, of the rounds' (accepted, rejected?, proposed); right at every index."""
+    return lambda trace, index=None: (wrong(_rounds(trace), sum(a for a, _, _ in _rounds(trace)))
+                                      if index is None else reference_alpha(trace, index))
+
+
+def _index_mistakes(trace, index: int) -> list[tuple[float | None, str]]:
     rounds = _rounds(trace)
-
-    def ratio(a, b):
-        return a / b if b else None
-    if index is None:
-        accepted = sum(a for a, _, _ in rounds)
-        proposed = sum(n for _, _, n in rounds)
-        rejections = sum(r for _, r, _ in rounds)
-        return [
-            (ratio(accepted, proposed),
-             "this is what you get with accepted / proposed: it counts the proposals after a "
-             "round's first rejection, which the target never judged, as rejected, so it reads "
-             "α too low (the more so the longer γ)"),
-            (ratio(accepted, accepted + len(rounds)),
-             "this is what you get when every round counts as a rejection: a fully accepted "
-             "round ends in the bonus token, not in a rejection"),
-            (ratio(sum(a / n for a, _, n in rounds if n), sum(n > 0 for _, _, n in rounds)),
-             "this is what you get when you average each round's rate: pool the judgements of "
-             "the whole trace"),
-            (ratio(accepted + len(rounds), accepted + len(rounds) + rejections),
-             "this is what you get when you count the target's own token as an accepted "
-             "proposal: only the draft's proposals are judged"),
-            (ratio(len(rounds) - rejections, len(rounds)),
-             "this is the fraction of rounds without a rejection, not of judged proposals "
-             "accepted"),
-        ]
     ok = sum(a > index for a, _, _ in rounds)
-    mistakes = [
-        (ratio(ok, sum(n > index for _, _, n in rounds)),
+    return [
+        (_ratio(ok, sum(n > index for _, _, n in rounds)),
          f"this is what you get when every round that PROPOSED a proposal number {index} counts "
          f"it as judged: after a rejection earlier in its round it was never judged (a round "
          f"stops at its first rejection); count it only where every proposal before it was "
          f"accepted"),
-        (ratio(ok, len(rounds)),
+        (_ratio(ok, len(rounds)),
          "this is what you get when you divide by every round: only the rounds that judged this "
          "proposal count"),
         (reference_alpha(trace, None),
          "this is α pooled over every proposal: index asks about one position in the round"),
-    ]
-    for shift in (1, -1):
-        if index + shift >= 0:
-            mistakes.append((reference_alpha(trace, index + shift),
-                             f"this is the α of proposal {index + shift}: index counts from 0 "
-                             f"(index=0 is the first proposal of a round)"))
-    return mistakes
+    ] + [(reference_alpha(trace, index + shift), f"this is the α of proposal {index + shift}: "
+          f"index counts from 0 (index=0 is the first proposal of a round)")
+         for shift in (1, -1) if index + shift >= 0]
 
 
-def _alpha_cases():
+def _alpha_otherwise(runs) -> str:
+    (trace, index), got = next((case, got) for case, got in runs
+                               if not _same(got, reference_alpha(*case)))
+    hints = [h for wrong, h in ([] if index is None else _index_mistakes(trace, index))
+             if wrong is not None and _same(got, wrong)]
+    return "; or ".join(dict.fromkeys(hints)) or (
+        "α = accepted / judged: a proposal is judged when every proposal before it in its round "
+        "was accepted; the first rejection ends the round")
+
+
+class _Trace(tuple):
+    """A trace's events (which cannot be changed), labelled with the run they come from."""
+
+    def __new__(cls, label: str, events):
+        trace = super().__new__(cls, events)
+        trace.label = label
+        return trace
+
+
+class _Lazy(Sequence):
+    """A sequence made on first use: cases that run the models wait for the check."""
+
+    def __init__(self, make):
+        self.make = make
+
+    @functools.cached_property
+    def items(self) -> list:
+        return self.make()
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+def _alpha_runs():
     """(label, the run)."""
     prompt = [3, 17, 200, 41, 9]
     for seed, gamma in ((0, 2), (1, 4), (2, 6)):
@@ -536,10 +559,12 @@ def _alpha_cases():
         course_target, course_draft, ids, 60, gamma=3, temperature=0.8, seed=1, trace=True)
 
 
-def _alpha_crash_hint(error: Exception) -> str:
-    if isinstance(error, ZeroDivisionError):
-        return "nothing was judged: return None (n/a) then, without dividing by zero"
-    return "your function raised on this input"
+def _alpha_cases() -> list[tuple]:
+    """(trace, None) for every run, then (trace, index) up to past its longest round."""
+    with torch.inference_mode():
+        traces = [_Trace(label, out.trace) for label, out in _alpha_runs()]
+    return [(t, None) for t in traces] + [
+        (t, i) for t in traces for i in range(max((n for _, _, n in _rounds(t)), default=0) + 2)]
 
 
 def _same(got, want) -> bool:
@@ -548,50 +573,41 @@ def _same(got, want) -> bool:
     return math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-12)
 
 
-def _check_alpha(name, label, trace, index, alpha_from_trace, want) -> None:
-    case = label + ("" if index is None else f", index={index}")
-    kwargs = {} if index is None else {"index": index}
-    got = call_hinted(name, case, _alpha_crash_hint, alpha_from_trace, list(trace), **kwargs)
-    if want is None:
+def _as_alpha(got, trace, index):
+    if reference_alpha(trace, index) is None:
         if got is not None:
-            fail(name, case, None, got, NOTHING_JUDGED)
-        return
+            raise Refused("nothing was judged here: return None (n/a), not a number; 0.0 would "
+                          "read as 'every proposal was rejected'")
+        return None
     if isinstance(got, bool) or not isinstance(got, (int, float)):
-        kind = f"{type(got).__module__}.{type(got).__name__}".replace("builtins.", "")
-        fail(name, case, want, got, "a proposal was judged here, so α is a number: "
-             "return a Python float" if got is None else
-             f"return a Python float, not a {kind} (float(...))")
-    if not _same(got, want):
-        hints = dict.fromkeys(h for wrong, h in _alpha_mistakes(trace, index)
-                              if wrong is not None and not _same(wrong, want)
-                              and _same(got, wrong))
-        hint = "; or ".join(hints) or (
-            "α = accepted / judged: a proposal is judged when every proposal before it in its "
-            "round was accepted; the first rejection ends the round")
-        fail(name, case, want, got, hint)
+        raise Refused("a proposal was judged here, so α is a number: return a Python float"
+                      if got is None else f"return a Python float, not a {_type(got)} (float(...))")
+    return got
 
 
-@one_thread
-@guarded
-def check_alpha_from_trace(alpha_from_trace) -> None:
-    """alpha_from_trace(trace) == the engine's stats.alpha (None when nothing was judged), and
-    alpha_from_trace(trace, index=i) == accepted / judged for the i-th proposal of a round."""
-    name = "alpha_from_trace"
-    n_cases = 0
-    with torch.inference_mode():
-        runs = list(_alpha_cases())
-        for label, out in runs:  # pooled first: the chapter's estimator, and the engine's
-            want = out.stats.alpha
-            assert _same(reference_alpha(out.trace), want), label
-            _check_alpha(name, label, out.trace, None, alpha_from_trace, want)
-            n_cases += 1
-        for label, out in runs:
-            longest = max((n for _, _, n in _rounds(out.trace)), default=0)
-            for index in range(longest + 2):  # past the longest round: never judged
-                _check_alpha(name, label, out.trace, index, alpha_from_trace,
-                             reference_alpha(out.trace, index))
-                n_cases += 1
-    passed(name, n_cases)
+ALPHA = _Exercise(
+    "alpha_from_trace", cases=_Lazy(_alpha_cases),
+    describe=lambda trace, index: trace.label + ("" if index is None else f", index={index}"),
+    reference=reference_alpha, returns=_as_alpha, same=_same,
+    raised=_crash_hint(ZeroDivisionError, "nothing was judged: return None (n/a) then, without "
+                       "dividing by zero"),
+    mistakes={
+        "this is what you get with accepted / proposed: it counts the proposals after a round's "
+        "first rejection, which the target never judged, as rejected, so it reads α too low (the "
+        "more so the longer γ)": _pooled(lambda r, ok: _ratio(ok, sum(n for _, _, n in r))),
+        "this is what you get when every round counts as a rejection: a fully accepted round ends "
+        "in the bonus token, not in a rejection": _pooled(lambda r, ok: _ratio(ok, ok + len(r))),
+        "this is what you get when you average each round's rate: pool the judgements of the "
+        "whole trace": _pooled(lambda r, ok: _ratio(sum(a / n for a, _, n in r if n),
+                                                    sum(n > 0 for _, _, n in r))),
+        "this is what you get when you count the target's own token as an accepted proposal: only "
+        "the draft's proposals are judged": _pooled(lambda r, ok: _ratio(
+            ok + len(r), ok + len(r) + sum(j for _, j, _ in r))),
+        "this is the fraction of rounds without a rejection, not of judged proposals accepted":
+            _pooled(lambda r, ok: _ratio(len(r) - sum(j for _, j, _ in r), len(r))),
+    },
+    otherwise=_alpha_otherwise)
+check_alpha_from_trace = ALPHA.check
 
 
 # --- exercise 4: choose γ -----------------------------------------------------------------------
@@ -1044,4 +1060,4 @@ def check_choose_gamma(choose_gamma) -> None:
     print(line.getvalue(), end="")
 
 
-EXERCISES = (BEST_GAMMA, RESIDUAL)
+EXERCISES = (BEST_GAMMA, RESIDUAL, ALPHA)
