@@ -1,5 +1,7 @@
-"""Chapter 03's checkers accept the solutions (and other right ways), let the stubs' error through,
-and reject every plausible wrong answer with a hint that names the mistake, quickly."""
+"""Chapter 03's checkers that are code accept the solutions (and other right ways), let a stub's
+NotImplementedError through and name every plausible wrong answer's mistake in its hint, leaving
+the random state alone. clause_cuts is a table, tested from its mistakes in test_checks_table.py;
+here, only what its mistakes cannot state: wrong types, and hints made from the answers."""
 import copy
 import re
 
@@ -9,9 +11,12 @@ import torch
 
 import minikv
 from minikv.course.checks import CheckFailed, ch03
-from minikv.course.corpus import CoinFlip
 
 from conftest import stub
+
+SUFFIX = ". What's the state? A:"
+CUTS, ANSWERS, SHARED = (ch03.check_clause_cuts, ch03.check_intermediate_answers,
+                         ch03.check_shared_prefix_answers)
 
 
 @pytest.fixture(autouse=True)
@@ -23,407 +28,130 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def suffix_of(question):
-    return question.question(0)[len(question.prefix(0)):]
-
-
-def word(tok, logits):
-    return tok.decode([int(logits[0, -1].argmax())]).strip()
-
-
 def t(ids):
     return torch.tensor([ids])
 
 
+def word(tok, logits, at=-1):
+    return tok.decode([int(logits[0, at].argmax())]).strip()
+
+
 # --- exercise 1: clause_cuts ---------------------------------------------------------------------
-def question_of(prompt):
-    """The CoinFlip a plain prompt was written from (so that wrong answers can be written with
-    prefix(i), as a student who rebuilt it would)."""
+def texts(prompt):
+    """The prompt's statement up to the end of the start sentence and of each clause."""
     statement = prompt[:prompt.rindex(". What's the state?")]
-    start, _, people = statement.partition(". ")
-    steps = []
-    for clause in people.split(", then ") if people else []:
-        flips = clause.endswith(" flips")
-        steps.append((clause.removesuffix(" flips").removesuffix(" doesn't flip"), flips))
-    return CoinFlip(start.split()[-1], tuple(steps))
+    start, _, people = statement.partition(". ")  # the start sentence has no '. '
+    ends = [m.start() for m in re.finditer(", then ", people)] + [len(people)] if people else []
+    return [start] + [f"{start}. {people[:end]}" for end in ends]
 
 
 def clause_cuts(tok, prompt):
-    statement = prompt[:prompt.rindex(". What's the state?")]
-    start, _, people = statement.partition(". ")
-    texts = [start]
-    for k, clause in enumerate(people.split(", then ") if people else []):
-        texts.append(texts[-1] + (". " if k == 0 else ", then ") + clause)
-    return [len(tok.encode(text)) for text in texts]
+    return [len(tok.encode(text)) for text in texts(prompt)]
 
 
 def clause_cuts_walk(tok, prompt):
-    """Also right: encode the prompt once, walk its tokens until the text reaches each clause's
-    end (found in the text). In bytes: a name's character may span several tokens, and one of
-    them alone is no text."""
-    question = question_of(prompt)
-    ids, cuts, text = tok.encode(prompt), [], b""
-    ends = [len(question.prefix(i).encode()) for i in range(len(question.steps) + 1)]
-    for k, token in enumerate(ids):
+    """Also right: walk the prompt's tokens until the text reaches each clause's end, in bytes (a
+    name's character may span several tokens, one of them alone no text)."""
+    ends, text, cuts = [len(x.encode()) for x in texts(prompt)], b"", []
+    for k, token in enumerate(tok.encode(prompt)):
         text += tok.decode_single_token_bytes(token)
         if len(text) in ends and len(cuts) < len(ends):
             cuts.append(k + 1)
     return np.array(cuts)  # a numpy array of ints is a list of ints
 
 
-def cuts_with(tok, prompt, length):
-    question = question_of(prompt)
-    return [length(question, i) for i in range(len(question.steps) + 1)]
-
-
-def clause_cuts_chars(tok, prompt):  # the character offsets of the clause ends
-    return cuts_with(tok, prompt, lambda q, i: len(q.prefix(i)))
-
-
-def clause_cuts_words(tok, prompt):
-    return cuts_with(tok, prompt, lambda q, i: len(q.prefix(i).split()))
-
-
-def clause_cuts_last_index(tok, prompt):  # the position of the clause's last token
-    return [c - 1 for c in clause_cuts(tok, prompt)]
-
-
-def clause_cuts_with_comma(tok, prompt):  # the cut after the ',' / '.' that follows
-    return [c + 1 for c in clause_cuts(tok, prompt)]
-
-
-def clause_cuts_question_form(tok, prompt):
-    return cuts_with(tok, prompt, lambda q, i: len(tok.encode(q.question(i))))
-
-
-def clause_cuts_no_start(tok, prompt):
-    return clause_cuts(tok, prompt)[1:]
-
-
-def clause_cuts_range_n(tok, prompt):
-    return clause_cuts(tok, prompt)[:-1]
-
-
-def clause_cuts_clauses_apart(tok, prompt):  # each clause's tokens, the separators forgotten
-    question = question_of(prompt)
-    cuts = [len(tok.encode(question.prefix(0)))]
-    for who, flips in question.steps:
-        cuts.append(cuts[-1] + len(tok.encode(f"{who} flips" if flips else f"{who} doesn't flip")))
-    return cuts
-
-
-def clause_cuts_separator_tokens(tok, prompt):  # every ',' or '.' token ends a clause
-    return [k for k, t in enumerate(tok.encode(prompt)) if tok.decode([t]) in (",", ".")]
-
-
-def clause_cuts_split_on_dots(tok, prompt):  # every '. ' ends a sentence, names' too
-    statement = prompt[:prompt.rindex(". What's the state?")]
-    parts = [p for chunk in statement.split(". ") for p in chunk.split(", then ")]
-    texts, seps = [parts[0]], statement[len(parts[0]):]
-    for part in parts[1:]:
-        sep = ". " if seps.startswith(". ") else ", then "
-        texts.append(texts[-1] + sep + part)
-        seps = statement[len(texts[-1]):]
-    return [len(tok.encode(text)) for text in texts]
-
-
-def clause_cuts_floats(tok, prompt):  # e.g. from an average or a division
-    return [float(c) for c in clause_cuts(tok, prompt)]
-
-
-def clause_cuts_float_array(tok, prompt):
-    return np.array(clause_cuts(tok, prompt), dtype=float)
-
-
-def clause_cuts_none(tok, prompt):
-    clause_cuts(tok, prompt)  # forgot to return
+def split_on_dots(tok, prompt):  # every '. ' ends a sentence, names' too
+    parts = re.split(r"(\. |, then )", prompt[:prompt.rindex(". What's the state?")])
+    return [len(tok.encode("".join(parts[:i + 1]))) for i in range(0, len(parts), 2)]
 
 
 # --- exercise 2: intermediate_answers, one cache rolled back --------------------------------------
-def asked(model, tok, question, cache, feed=None, read=None, roll=None, statement=None,
-          cuts=None):
-    """The solution's loop with one of its steps swapped for a mistake: feed(ids, done, cut) fills
-    a clause, read(logits) decodes the answer, roll(cut, before) rolls the cache back."""
-    statement = statement or tok.encode(question.prefix(len(question.steps)))
-    cuts = cuts or clause_cuts(tok, question.prompt())
-    suffix = t(tok.encode(suffix_of(question)))
-    answers, done = [], 0
-    with torch.no_grad():
-        for cut in cuts:
-            if feed:
-                feed(statement, done, cut)
-            else:
-                model(t(statement[done:cut]), cache=cache)
-            done = cut
-            before = cache.get_seq_length()
-            logits = model(suffix, cache=cache)
-            answers.append(read(logits) if read else word(tok, logits))
-            if roll:
-                roll(cut, before)
-            else:
-                cache.crop(cut)
-    return answers
+def asked(feed=lambda m, c, ids, done, cut: m(t(ids[done:cut]), cache=c), read=word,
+          roll=lambda cache, cut, before: cache.crop(cut), cot=False):
+    """The solution with one step swapped for a mistake: feed(model, cache, ids, done, cut) fills
+    a clause, read(tok, logits) decodes the answer, roll(cache, cut, before) rolls back."""
+    def intermediate_answers(model, tok, question, cache):
+        n, answers, done = len(question.steps), [], 0
+        statement = tok.encode(question.prefix(n, cot=cot))
+        with torch.no_grad():
+            for cut in [len(tok.encode(question.prefix(i, cot=cot))) for i in range(n + 1)]:
+                feed(model, cache, statement, done, cut)
+                done, before = cut, cache.get_seq_length()
+                answers.append(read(tok, model(t(tok.encode(SUFFIX)), cache=cache)))
+                roll(cache, cut, before)
+        return answers
+    return intermediate_answers
 
 
-def intermediate_answers(model, tok, question, cache):
-    return asked(model, tok, question, cache)
-
-
-def intermediate_answers_generate(model, tok, question, cache):
+def answers_generate(model, tok, question, cache):
     """Also right: generate() with 3 tokens for each question, then crop back to the cut."""
-    statement = tok.encode(question.prefix(len(question.steps)))
-    answers, done = [], 0
+    statement, answers, done = tok.encode(question.prefix(len(question.steps))), [], 0
     for cut in clause_cuts(tok, question.prompt()):
         minikv.generate(model, statement[done:cut], 1, cache=cache)
-        done = cut
-        out = minikv.generate(model, tok.encode(suffix_of(question)), 3, cache=cache)
+        done, out = cut, minikv.generate(model, tok.encode(SUFFIX), 3, cache=cache)
         answers.append(tok.decode(out.tokens[:1]).strip())
         cache.crop(cut)
     return answers
 
 
-def intermediate_answers_recomputed(model, tok, question, cache):
-    """Right answers, but every question's prefix computed again (the cache filled as well)."""
-    with torch.inference_mode():
+def answers_recomputed(model, tok, question, cache):  # right, each question's prefix recomputed
+    with torch.no_grad():
         model(t(tok.encode(question.prefix(len(question.steps)))), cache=cache)
-        return [word(tok, model(t(tok.encode(question.question(i))), last_only=True))
+        return [word(tok, model(t(tok.encode(question.question(i)))))
                 for i in range(len(question.steps) + 1)]
 
 
-def intermediate_answers_recomputed_own_cache(model, tok, question, cache):
-    """A new cache per question: the given one ignored, the prefix recomputed each time."""
-    answers = []
-    with torch.inference_mode():
-        for cut in clause_cuts(tok, question.prompt()):
-            mine = minikv.KVCache.for_model(model, max_len=200)
-            model(t(tok.encode(question.prompt())[:cut]), cache=mine)
-            answers.append(word(tok, model(t(tok.encode(suffix_of(question))), cache=mine)))
-    return answers
-
-
-def intermediate_answers_forked(model, tok, question, cache):
-    """The chapter's way: a fork per question (a copy of the whole prefix each time)."""
-    statement = tok.encode(question.prefix(len(question.steps)))
-    answers, done = [], 0
-    with torch.inference_mode():
-        for cut in clause_cuts(tok, question.prompt()):
-            model(t(statement[done:cut]), cache=cache)
-            done = cut
-            answers.append(word(tok, model(t(tok.encode(suffix_of(question))),
-                                           cache=cache.fork())))
-    return answers
-
-
-def intermediate_answers_no_rollback(model, tok, question, cache):
-    """Asks in the cache and never rolls it back: later clauses follow a question."""
-    return asked(model, tok, question, cache, roll=lambda cut, before: None)
-
-
-def intermediate_answers_crop_no_restore(model, tok, question, cache):
-    """The statement once, then crop the cache to each cut (last first) and ask there: the answers
-    are right, but the cache loses the clauses after the cut and nothing restores them."""
-    statement = tok.encode(question.prefix(len(question.steps)))
-    with torch.inference_mode():
-        model(t(statement), cache=cache)
-        answers = []
-        for cut in reversed(clause_cuts(tok, question.prompt())):
-            cache.crop(cut)
-            answers.append(word(tok, model(t(tok.encode(suffix_of(question))), cache=cache)))
+def answers_crop_no_restore(model, tok, question, cache):
+    """The statement once, then cropped to each cut (last first) and asked there."""
+    n, answers = len(question.steps), []
+    with torch.no_grad():
+        model(t(tok.encode(question.prefix(n))), cache=cache)
+        for i in reversed(range(n + 1)):
+            cache.crop(len(tok.encode(question.prefix(i))))
+            answers.append(word(tok, model(t(tok.encode(SUFFIX)), cache=cache)))
     return answers[::-1]
 
 
-def intermediate_answers_roll_past(model, tok, question, cache):
-    """Rolls back to one position after the cut: the suffix's first token stays each time."""
-    return asked(model, tok, question, cache, roll=lambda cut, before: cache.crop(before + 1))
-
-
-def intermediate_answers_positions_restart(model, tok, question, cache):
-    """Seed 003's bug: each clause fed at positions 0, 1, ... as if it were alone."""
-    def feed(statement, done, cut):
-        model(t(statement[done:cut]), cache=cache, positions=torch.arange(cut - done))
-    return asked(model, tok, question, cache, feed=feed)
-
-
-def intermediate_answers_clause_overlap(model, tok, question, cache):
-    """Slices each clause as statement[done - 1:cut]: the previous clause's last token fed again
-    (and rolls back to the length it had before the question)."""
-    def feed(statement, done, cut):
-        model(t(statement[max(done - 1, 0):cut]), cache=cache)
-    return asked(model, tok, question, cache, feed=feed,
-                 roll=lambda cut, before: cache.crop(before))
-
-
-def intermediate_answers_cot(model, tok, question, cache):
-    """Rolled back right, but the statement in the chain-of-thought form."""
-    n = len(question.steps)
-    return asked(model, tok, question, cache, statement=tok.encode(question.prefix(n, cot=True)),
-                 cuts=[len(tok.encode(question.prefix(i, cot=True))) for i in range(n + 1)])
-
-
-def intermediate_answers_first_position(model, tok, question, cache):
-    """Reads the answer at the suffix's first position instead of its last."""
-    return asked(model, tok, question, cache,
-                 read=lambda logits: tok.decode([int(logits[0, 0].argmax())]).strip())
-
-
-def intermediate_answers_truth(model, tok, question, cache):
-    intermediate_answers(model, tok, question, cache)
-    return list(question.states)
-
-
-def intermediate_answers_skip_start(model, tok, question, cache):
-    return intermediate_answers(model, tok, question, cache)[1:]
-
-
-def intermediate_answers_with_space(model, tok, question, cache):  # " tails", not "tails"
-    return asked(model, tok, question, cache,
-                 read=lambda logits: tok.decode([int(logits[0, -1].argmax())]))
-
-
-def intermediate_answers_token_ids(model, tok, question, cache):
-    return asked(model, tok, question, cache, read=lambda logits: int(logits[0, -1].argmax()))
-
-
-def intermediate_answers_numpy(model, tok, question, cache):
-    return np.array(intermediate_answers(model, tok, question, cache))
+right_answers = asked()
 
 
 # --- exercise 3: shared_prefix_answers ------------------------------------------------------------
-def shared_prefix_answers(model, prefix_ids, suffixes, n_new):
-    longest = max(len(s) for s in suffixes)
-    prefix_cache = minikv.KVCache.for_model(model, max_len=len(prefix_ids) + longest + n_new)
-    with torch.inference_mode():
-        model(t(prefix_ids), cache=prefix_cache)
-        continuations = []
-        for suffix in suffixes:
-            cache = prefix_cache.fork()
-            logits = model(t(suffix), cache=cache, last_only=True)
-            tokens = [int(logits[0, -1].argmax())]
-            while len(tokens) < n_new:
-                tokens.append(int(model(t(tokens[-1:]), cache=cache)[0, -1].argmax()))
-            continuations.append(tokens)
-    return continuations, prefix_cache
+def shared(room=100, prefill=lambda m, ids, c: m(t(ids), cache=c), fork=lambda c: c.fork(),
+           decode=lambda m, s, n, c: minikv.generate(m, s, n, cache=c).tokens,
+           out=lambda outs, cache, suffixes: (outs, cache)):
+    """Prefix sharing by generate() on forks, one step swapped for a mistake."""
+    def shared_prefix_answers(model, prefix_ids, suffixes, n_new):
+        cache = minikv.KVCache.for_model(model, max_len=len(prefix_ids) + room)
+        with torch.no_grad():
+            prefill(model, prefix_ids, cache)
+            outs = [decode(model, s, n_new, fork(cache)) for s in suffixes]
+        return out(outs, cache, suffixes)
+    return shared_prefix_answers
 
 
-def shared_prefix_answers_generate(model, prefix_ids, suffixes, n_new):
-    """Also right: generate() on each fork."""
-    prefix_cache = minikv.KVCache.for_model(model, max_len=150)
-    with torch.inference_mode():
-        model(t(prefix_ids), cache=prefix_cache)
-    outs = [minikv.generate(model, s, n_new, cache=prefix_cache.fork()).tokens for s in suffixes]
-    return outs, prefix_cache
+def shared_crop(model, prefix_ids, suffixes, n_new):
+    """Also right: each suffix on the prefix's cache itself, cropped back after it."""
+    def decode(m, s, n, cache):
+        out = minikv.generate(m, s, n, cache=cache).tokens
+        cache.crop(len(prefix_ids))
+        return out
+    return shared(fork=lambda c: c, decode=decode)(model, prefix_ids, suffixes, n_new)
 
 
-def shared_prefix_answers_crop(model, prefix_ids, suffixes, n_new):
-    """Also right: continue on the prefix's cache itself and roll it back with crop after each
-    suffix (the later slots are overwritten, the prefix's are not touched)."""
-    cache = minikv.KVCache.for_model(model, max_len=150)
-    with torch.inference_mode():
-        model(t(prefix_ids), cache=cache)
-        outs = []
-        for s in suffixes:
-            outs.append(minikv.generate(model, s, n_new, cache=cache).tokens)
-            cache.crop(len(prefix_ids))
-    return outs, cache
+def shared_last_fed(m, s, n, cache):  # the last new token fed back too
+    out = minikv.generate(m, s, n, cache=cache).tokens
+    m(t(out[-1:]), cache=cache)
+    return out
 
 
-def shared_prefix_answers_recomputed(model, prefix_ids, suffixes, n_new):
-    """Right tokens, but the prefix computed again for every suffix."""
-    prefix_cache = minikv.KVCache.for_model(model, max_len=len(prefix_ids))
-    with torch.inference_mode():
-        model(t(prefix_ids), cache=prefix_cache)
-    return [minikv.generate(model, prefix_ids + s, n_new).tokens for s in suffixes], prefix_cache
+def kept_copy(model, prefix_ids, suffixes, n_new):  # one cache shared, a clean copy returned
+    clean = []
+    outs, _ = shared(fork=lambda c: clean.append(c.fork()) or c)(model, prefix_ids, suffixes, n_new)
+    return outs, clean[0]
 
 
-def shared_prefix_answers_no_fork(model, prefix_ids, suffixes, n_new):
-    """One cache shared by every suffix: each suffix sees the ones before it."""
-    cache = minikv.KVCache.for_model(model, max_len=200)
-    with torch.inference_mode():
-        model(t(prefix_ids), cache=cache)
-        return [minikv.generate(model, s, n_new, cache=cache).tokens for s in suffixes], cache
-
-
-def shared_prefix_answers_no_fork_kept_copy(model, prefix_ids, suffixes, n_new):
-    """Shares one cache without forking, but returns a clean copy taken before: the continuations
-    are contaminated."""
-    cache = minikv.KVCache.for_model(model, max_len=200)
-    with torch.inference_mode():
-        model(t(prefix_ids), cache=cache)
-        clean = cache.fork()
-        return [minikv.generate(model, s, n_new, cache=cache).tokens for s in suffixes], clean
-
-
-def shared_prefix_answers_last_fed(model, prefix_ids, suffixes, n_new):
-    """Feeds every new token back, the last one too: one K/V vector per suffix too many."""
-    prefix_cache = minikv.KVCache.for_model(model, max_len=200)
-    with torch.inference_mode():
-        model(t(prefix_ids), cache=prefix_cache)
-        continuations = []
-        for suffix in suffixes:
-            cache, feed, tokens = prefix_cache.fork(), suffix, []
-            for _ in range(n_new):
-                tokens.append(int(model(t(feed), cache=cache)[0, -1].argmax()))
-                feed = tokens[-1:]
-            model(t(feed), cache=cache)
-            continuations.append(tokens)
-    return continuations, prefix_cache
-
-
-def shared_prefix_answers_prefix_token_by_token(model, prefix_ids, suffixes, n_new):
-    """Right K/V count, but the prefix prefilled one token per pass."""
-    prefix_cache = minikv.KVCache.for_model(model, max_len=200)
-    with torch.inference_mode():
-        for token in prefix_ids:
-            model(t([token]), cache=prefix_cache)
-    outs = [minikv.generate(model, s, n_new, cache=prefix_cache.fork()).tokens for s in suffixes]
-    return outs, prefix_cache
-
-
-def shared_prefix_answers_cache_too_small(model, prefix_ids, suffixes, n_new):
-    """Sizes the prefix's cache for the prefix alone: its forks have no room for the rest."""
-    prefix_cache = minikv.KVCache.for_model(model, max_len=len(prefix_ids))
-    with torch.inference_mode():
-        model(t(prefix_ids), cache=prefix_cache)
-    outs = [minikv.generate(model, s, n_new, cache=prefix_cache.fork()).tokens for s in suffixes]
-    return outs, prefix_cache
-
-
-def shared_prefix_answers_no_cache_returned(model, prefix_ids, suffixes, n_new):
-    return shared_prefix_answers(model, prefix_ids, suffixes, n_new)[0]
-
-
-def shared_prefix_answers_with_suffix(model, prefix_ids, suffixes, n_new):  # suffix + new tokens
-    outs, cache = shared_prefix_answers(model, prefix_ids, suffixes, n_new)
-    return [list(s) + o for s, o in zip(suffixes, outs)], cache
-
-
-def shared_prefix_answers_float_tensor(model, prefix_ids, suffixes, n_new):
-    outs, cache = shared_prefix_answers(model, prefix_ids, suffixes, n_new)
-    return [torch.tensor(o, dtype=torch.float32) for o in outs], cache
-
-
-def shared_prefix_answers_first_token_missed(model, prefix_ids, suffixes, n_new):
-    """Ignores the suffix pass's token: starts from the token after it."""
-    prefix_cache = minikv.KVCache.for_model(model, max_len=200)
-    with torch.inference_mode():
-        model(t(prefix_ids), cache=prefix_cache)
-        outs = []
-        for s in suffixes:
-            out = minikv.generate(model, s, n_new, cache=prefix_cache.fork()).tokens
-            outs.append(out[1:] + out[-1:])
-    return outs, prefix_cache
-
-
-# --- the tests ------------------------------------------------------------------------------------
-RIGHT = [
-    (ch03.check_clause_cuts, clause_cuts),
-    (ch03.check_clause_cuts, clause_cuts_walk),
-    (ch03.check_intermediate_answers, intermediate_answers),
-    (ch03.check_intermediate_answers, intermediate_answers_generate),
-    (ch03.check_shared_prefix_answers, shared_prefix_answers),
-    (ch03.check_shared_prefix_answers, shared_prefix_answers_generate),
-    (ch03.check_shared_prefix_answers, shared_prefix_answers_crop),
-]
+RIGHT = [(CUTS, clause_cuts), (CUTS, clause_cuts_walk), (ANSWERS, right_answers),
+         (ANSWERS, answers_generate), (SHARED, shared()), (SHARED, shared_crop)]
 
 
 @pytest.mark.parametrize("check, right", RIGHT, ids=lambda f: f.__name__)
@@ -432,243 +160,129 @@ def test_right_answers_pass(check, right, capsys):
     assert capsys.readouterr().out.startswith("✓")
 
 
-@pytest.mark.parametrize("check", [ch03.check_clause_cuts, ch03.check_intermediate_answers,
-                                   ch03.check_shared_prefix_answers], ids=lambda f: f.__name__)
-def test_stub_raises_not_implemented(check):
-    with pytest.raises(NotImplementedError):
-        check(stub)
-
-
 WRONG = [
-    # exercise 1
-    (ch03.check_clause_cuts, clause_cuts_chars, "character counts"),
-    (ch03.check_clause_cuts, clause_cuts_words, "word counts"),
-    (ch03.check_clause_cuts, clause_cuts_last_index, "positions of each clause's last token"),
-    (ch03.check_clause_cuts, clause_cuts_with_comma, "counted the token after the clause"),
-    (ch03.check_clause_cuts, clause_cuts_question_form, "lengths of whole questions"),
-    (ch03.check_clause_cuts, clause_cuts_no_start, "index 0 is the cut after the start"),
-    (ch03.check_clause_cuts, clause_cuts_range_n, "the last cut is after the last person"),
-    (ch03.check_clause_cuts, clause_cuts_clauses_apart, "not the separators"),
-    (ch03.check_clause_cuts, clause_cuts_separator_tokens, "a name can contain a '.'"),
-    (ch03.check_clause_cuts, clause_cuts_split_on_dots, "a name can contain a '.'"),
-    (ch03.check_clause_cuts, clause_cuts_floats, "6.0 is not 6"),
-    (ch03.check_clause_cuts, clause_cuts_float_array, "6.0 is not 6"),
-    (ch03.check_clause_cuts, clause_cuts_none, "forget to return"),
-    # exercise 2
-    (ch03.check_intermediate_answers, intermediate_answers_recomputed,
-     "recomputing the prefix for every question"),
-    (ch03.check_intermediate_answers, intermediate_answers_recomputed_own_cache,
+    (CUTS, lambda tok, p: [float(c) for c in clause_cuts(tok, p)], "6.0 is not 6"),
+    (CUTS, lambda tok, p: np.array(clause_cuts(tok, p), dtype=float), "6.0 is not 6"),
+    (CUTS, lambda tok, p: None, "forget to return"),
+    (CUTS, lambda tok, p: [k for k, x in enumerate(tok.encode(p)) if tok.decode([x]) in ",."],
+     "a name can contain a '.'"),  # every ',' or '.' token ends a clause
+    (CUTS, split_on_dots, "a name can contain a '.'"),
+    (ANSWERS, answers_recomputed, "recomputing the prefix for every question"),
+    (ANSWERS, lambda m, tok, q, c: right_answers(m, tok, q, minikv.KVCache.for_model(
+        m, max_len=200)), "no fork() (it copies the whole prefix"),  # a new cache
+    (ANSWERS, lambda m, tok, q, c: right_answers(m, tok, q, c.fork()),
      "no fork() (it copies the whole prefix"),
-    (ch03.check_intermediate_answers, intermediate_answers_forked,
-     "no fork() (it copies the whole prefix"),
-    (ch03.check_intermediate_answers, intermediate_answers_no_rollback,
+    (ANSWERS, asked(roll=lambda c, cut, before: None),
      "roll the cache back (crop) to the cut before the next clause"),
-    (ch03.check_intermediate_answers, intermediate_answers_crop_no_restore,
-     "the whole statement went in first"),
-    (ch03.check_intermediate_answers, intermediate_answers_roll_past,
-     "the roll-back is off by one"),
-    (ch03.check_intermediate_answers, intermediate_answers_positions_restart,
-     "seed 003's position bug"),
-    (ch03.check_intermediate_answers, intermediate_answers_clause_overlap,
-     "fed one token too many"),
-    (ch03.check_intermediate_answers, intermediate_answers_cot, "chain-of-thought"),
-    (ch03.check_intermediate_answers, intermediate_answers_first_position,
-     "the argmax of the LAST position's logits"),
-    (ch03.check_intermediate_answers, intermediate_answers_truth, "true states S_i"),
-    (ch03.check_intermediate_answers, intermediate_answers_skip_start, "you left out i = 0"),
-    (ch03.check_intermediate_answers, intermediate_answers_with_space, "leading space"),
-    (ch03.check_intermediate_answers, intermediate_answers_token_ids, "not a token id"),
-    (ch03.check_intermediate_answers, intermediate_answers_numpy, "not a ndarray"),
-    # exercise 3
-    (ch03.check_shared_prefix_answers, shared_prefix_answers_recomputed,
-     "recomputing the prefix for every suffix"),
-    (ch03.check_shared_prefix_answers, shared_prefix_answers_no_fork,
-     "sharing one cache without forking"),
-    (ch03.check_shared_prefix_answers, shared_prefix_answers_no_fork_kept_copy,
-     "contaminated"),
-    (ch03.check_shared_prefix_answers, shared_prefix_answers_last_fed,
-     "fed the last new token back"),
-    (ch03.check_shared_prefix_answers, shared_prefix_answers_prefix_token_by_token,
+    (ANSWERS, answers_crop_no_restore, "the whole statement went in first"),
+    (ANSWERS, asked(roll=lambda c, cut, before: c.crop(before + 1)), "the roll-back is off by one"),
+    (ANSWERS, asked(roll=lambda c, cut, before: c.crop(before - 1)), "the roll-back is off by"),
+    (ANSWERS, asked(feed=lambda m, c, ids, done, cut: m(t(ids[done:cut]), cache=c, positions=(
+        torch.arange(cut - done)))), "seed 003's position bug"),
+    (ANSWERS, asked(feed=lambda m, c, ids, done, cut: m(t(ids[max(done - 1, 0):cut]), cache=c),
+                    roll=lambda c, cut, before: c.crop(before)), "fed one token too many"),
+    (ANSWERS, asked(cot=True), "chain-of-thought"),
+    (ANSWERS, asked(read=lambda tok, x: word(tok, x, 0)), "the argmax of the LAST position's"),
+    (ANSWERS, lambda m, tok, q, c: right_answers(m, tok, q, c) and q.states, "true states S_i"),
+    (ANSWERS, lambda *args: right_answers(*args)[1:], "you left out i = 0"),
+    (ANSWERS, asked(read=lambda tok, x: tok.decode([int(x[0, -1].argmax())])), "leading space"),
+    (ANSWERS, asked(read=lambda tok, x: int(x[0, -1].argmax())), "not a token id"),
+    (ANSWERS, lambda *args: np.array(right_answers(*args)), "not a ndarray"),
+    (SHARED, lambda m, p, ss, n: shared(room=0, decode=lambda m_, s, n_, c: minikv.generate(
+        m_, p + s, n_).tokens)(m, p, ss, n), "recomputing the prefix for every suffix"),
+    (SHARED, shared(fork=lambda c: c), "sharing one cache without forking"),
+    (SHARED, kept_copy, "contaminated"),
+    (SHARED, shared(decode=shared_last_fed), "fed the last new token back"),
+    (SHARED, shared(prefill=lambda m, ids, c: [m(t([i]), cache=c) for i in ids]),
      "not prefilled in one pass"),
-    (ch03.check_shared_prefix_answers, shared_prefix_answers_cache_too_small,
-     "a fork has the max_len of the cache it copies"),
-    (ch03.check_shared_prefix_answers, shared_prefix_answers_no_cache_returned,
-     "AND the prefix's KVCache"),
-    (ch03.check_shared_prefix_answers, shared_prefix_answers_with_suffix,
+    (SHARED, shared(room=0), "a fork has the max_len of the cache it copies"),
+    (SHARED, lambda *args: shared()(*args)[0], "AND the prefix's KVCache"),
+    (SHARED, shared(out=lambda outs, c, ss: ([s + o for s, o in zip(ss, outs)], c)),
      "without the suffix"),
-    (ch03.check_shared_prefix_answers, shared_prefix_answers_float_tensor, "list of int"),
-    (ch03.check_shared_prefix_answers, shared_prefix_answers_first_token_missed,
+    (SHARED, shared(out=lambda outs, c, ss: ([torch.tensor(o).float() for o in outs], c)),
+     "list of int"),
+    (SHARED, shared(out=lambda outs, c, ss: ([o[1:] + o[-1:] for o in outs], c)),
      "the first new token is the argmax of the suffix's last position"),
 ]
 
 
-@pytest.mark.parametrize("check, wrong, mistake", WRONG, ids=lambda f: getattr(f, "__name__", ""))
+# --- exercises 4 to 6: predict the differing slots, fix a fork, plan forks in 48 MiB --------------
+def forked(fork):
+    """A ForkableCache whose fork() is `fork`."""
+    return type("Cache", (minikv.KVCache,), {"fork": fork})
+
+
+def twin(cache, keys=lambda ts: ts, values=None):  # copy.copy, with new lists of keys and values
+    twin = copy.copy(cache)
+    twin.keys, twin.values = keys(cache.keys), (values or keys)(cache.values)
+    return twin
+
+
+def clones(tensors):
+    return [x.clone() for x in tensors]
+
+
+ForkableCache, FixedForkCache = forked(copy.copy), forked(lambda self: twin(self, clones))
+
+NEW_WRONG = [
+    (ch03.check_predict_differing_slots, [
+        (lambda: 96, "in layer 0, only the start-state token's own slot differs"),
+        (lambda: 12, "one slot per layer?"), (lambda: 8, "one layer's worth"),
+        (lambda: 156, "the slots before the start-state token never see it"),
+        (lambda: 88, "layer 0's own slot for the start-state token differs too"),
+        (lambda: 78, "the start-state token's own slot differs too"),
+        (lambda: 0, "differ in one token"), (lambda: 100, "layer 0 sees only each slot's own"),
+        (lambda: 89.0, "an int"),
+        (lambda: minikv.generate(minikv.GPT(minikv.GPTConfig.preset("tiny")), [1], 2).tokens[0],
+         "BEFORE the measurement")]),
+    (ch03.check_fork, [
+        (ForkableCache, "right when decoded alone, wrong when the requests take turns: the "
+                        "forks are not independent. the fork shares its source's lists of"),
+        (forked(lambda self: twin(self, list)), "new lists, but of the same tensors"),
+        (forked(lambda self: twin(self, clones, lambda ts: ts)), "copies the keys but shares the"),
+        (forked(lambda self: twin(self, lambda ts: [x[:, :, :self.get_seq_length()].clone()
+                                                   for x in ts])), "the fork has no room"),
+        (forked(lambda self: self), "fork() returned the cache itself"),
+        (forked(minikv.KVCache.fork), "called minikv's own"),
+        (FixedForkCache(1, 1, 1, 1, 4), "pass the class itself")]),
+    (ch03.check_choose_fork_plan, [
+        (lambda: (130, 21), "you left out the document's own cache"),
+        (lambda: (131, 19), "the answer's last token is never fed"),
+        (lambda: (111, 23), "a request overflows its fork"),
+        (lambda: (100, 20), "a fork has the max_len of the cache it copies"),
+        (lambda: (256, 9), "a request fits, but in fewer positions too"),
+        (lambda: (130, 19), "not 48 x 10**6"), (lambda: (130, 15), "more requests fit too"),
+        (lambda: (130, 41), "float32, 4 bytes"), (lambda: (90, 3), "the document itself does not"),
+        (lambda: (300, 2), "the target has 256 positions"), (lambda: 130, "a pair of positive"),
+        (lambda: (130.0, 20.0), "a pair of positive ints")]),
+]
+
+
+@pytest.mark.parametrize("check, wrong, mistake", WRONG + [(check, *w) for check, ws in NEW_WRONG
+                                                           for w in ws], ids=lambda v: (
+    re.sub(r"\W+", "_", v[:30]) if isinstance(v, str) else ""))
 def test_wrong_answer_is_named(check, wrong, mistake):
-    with pytest.raises(CheckFailed, match="hint: .*" + re.escape(mistake)):
+    with pytest.raises(CheckFailed, match=re.escape(mistake)):
         check(wrong)
 
 
-def test_checkers_leave_the_random_state_alone():
-    torch.manual_seed(123)
-    before = torch.random.get_rng_state()
-    ch03.check_intermediate_answers(intermediate_answers)
-    ch03.check_shared_prefix_answers(shared_prefix_answers)
-    assert torch.equal(torch.random.get_rng_state(), before)
-
-
-def test_a_patched_checker_does_not_silence_the_check_cell():
-    """An exercise cell that replaces the checker's function changes nothing: the check cell runs a
-    fresh copy loaded from the package's file."""
-    from minikv.course import checks
-    original = ch03.check_clause_cuts
-    ch03.check_clause_cuts = lambda fn: print("✓ clause_cuts: all 99 cases pass")
-    try:
-        with pytest.raises(CheckFailed, match="character counts"):
-            checks.fresh("ch03").check_clause_cuts(clause_cuts_chars)
-    finally:
-        ch03.check_clause_cuts = original
-
-
-def intermediate_answers_roll_short(model, tok, question, cache):
-    """Rolls back to one position before the cut: each clause's last token is lost."""
-    return asked(model, tok, question, cache, roll=lambda cut, before: cache.crop(before - 1))
-
-
-def test_a_roll_back_one_short_is_named():
-    with pytest.raises(CheckFailed, match="hint: .*(off by one|not the statement's)"):
-        ch03.check_intermediate_answers(intermediate_answers_roll_short)
-
-
-# --- exercise 4: predict, then measure: the slots the start state reaches -------------------------
-@pytest.mark.parametrize("wrong, mistake", [
-    (lambda: 96, "in layer 0, only the start-state token's own slot differs"),
-    (lambda: 12, "one slot per layer?"),
-    (lambda: 8, "one layer's worth"),
-    (lambda: 156, "the slots before the start-state token never see it"),
-    (lambda: 88, "layer 0's own slot for the start-state token differs too"),
-    (lambda: 78, "the start-state token's own slot differs too"),
-    (lambda: 0, "differ in one token"),
-    (lambda: 100, "layer 0 sees only each slot's own token"),
-    (lambda: 89.0, "an int"),
-    (lambda: minikv.generate(minikv.GPT(minikv.GPTConfig.preset("tiny")), [1], 2).tokens[0],
-     "BEFORE the measurement"),
-])
-def test_predict_differing_slots_names_the_mistake(wrong, mistake):
-    with pytest.raises(CheckFailed, match=re.escape(mistake)):
-        ch03.check_predict_differing_slots(wrong)
-
-
-# --- exercise 5: debug forks that share their buffers ---------------------------------------------
-class ForkableCache(minikv.KVCache):  # the notebook's, as shipped
-    def fork(self):
-        return copy.copy(self)
-
-
-class FixedForkCache(ForkableCache):
-    def fork(self):
-        twin = copy.copy(self)
-        twin.keys = [k.clone() for k in self.keys]
-        twin.values = [v.clone() for v in self.values]
-        return twin
-
-
-class DeepForkCache(ForkableCache):  # also right
-    def fork(self):
-        return copy.deepcopy(self)
-
-
-class ForkNewLists(ForkableCache):
-    def fork(self):
-        twin = copy.copy(self)
-        twin.keys, twin.values = list(self.keys), list(self.values)
-        return twin
-
-
-class ForkKeysOnly(ForkableCache):
-    def fork(self):
-        twin = copy.copy(self)
-        twin.keys = [k.clone() for k in self.keys]
-        return twin
-
-
-class ForkLiveOnly(ForkableCache):
-    def fork(self):
-        twin, n = copy.copy(self), self.get_seq_length()
-        twin.keys = [k[:, :, :n].clone() for k in self.keys]
-        twin.values = [v[:, :, :n].clone() for v in self.values]
-        return twin
-
-
-class ForkIsItself(ForkableCache):
-    def fork(self):
-        return self
-
-
-class ForkEngine(ForkableCache):
-    def fork(self):
-        return minikv.KVCache.fork(self)
-
-
-@pytest.mark.parametrize("wrong, mistake", [
-    (ForkableCache, "the fork shares its source's lists of buffers"),
-    (ForkNewLists, "new lists, but of the same tensors"),
-    (ForkKeysOnly, "copies the keys but shares the values"),
-    (ForkLiveOnly, "the fork has no room"),
-    (ForkIsItself, "fork() returned the cache itself"),
-    (ForkEngine, "called minikv's own"),
-    (FixedForkCache(1, 1, 1, 1, 4), "pass the class itself"),
-])
-def test_fork_names_the_mistake(wrong, mistake):
-    with pytest.raises(CheckFailed, match=re.escape(mistake)):
-        ch03.check_fork(wrong)
-
-
-def test_the_shipped_fork_fails_only_when_requests_take_turns():
-    with pytest.raises(CheckFailed, match="requests taking turns.*\n(.*\n)*.*right when decoded "
-                                          "alone"):
-        ch03.check_fork(ForkableCache)
-
-
-# --- exercise 6: design: requests on forks in 48 MiB ----------------------------------------------
-@pytest.mark.parametrize("wrong, mistake", [
-    (lambda: (130, 21), "you left out the document's own cache"),
-    (lambda: (131, 19), "the answer's last token is never fed"),
-    (lambda: (111, 23), "a request overflows its fork"),
-    (lambda: (100, 20), "a fork has the max_len of the cache it copies"),
-    (lambda: (256, 9), "a request fits, but in fewer positions too"),
-    (lambda: (130, 19), "not 48 x 10**6"),
-    (lambda: (130, 15), "more requests fit too"),
-    (lambda: (130, 41), "float32, 4 bytes"),
-    (lambda: (90, 3), "the document itself does not fit"),
-    (lambda: (300, 2), "the target has 256 positions"),
-    (lambda: 130, "a pair of positive ints"),
-    (lambda: (130.0, 20.0), "a pair of positive ints"),
-])
-def test_choose_fork_plan_names_the_mistake(wrong, mistake):
-    with pytest.raises(CheckFailed, match=re.escape(mistake)):
-        ch03.check_choose_fork_plan(wrong)
-
-
-def test_new_exercises_pass_and_leave_the_random_state_alone(capsys):
+def test_checkers_pass_and_leave_the_random_state_alone(capsys):
     torch.manual_seed(9)
     before = torch.random.get_rng_state()
+    ch03.check_intermediate_answers(right_answers)
+    ch03.check_shared_prefix_answers(shared())
     ch03.check_predict_differing_slots(lambda: 89)
     ch03.check_fork(FixedForkCache)
-    ch03.check_fork(DeepForkCache)
+    ch03.check_fork(forked(copy.deepcopy))  # also right
     ch03.check_choose_fork_plan(lambda: (130, 20))
-    assert capsys.readouterr().out.count("✓") == 4
+    assert capsys.readouterr().out.count("✓") == 6
     assert torch.equal(torch.random.get_rng_state(), before)
 
 
-class StubForkCache(ForkableCache):
-    def fork(self):
-        stub()
-
-
-@pytest.mark.parametrize("check, args", [(ch03.check_predict_differing_slots, stub),
-                                         (ch03.check_fork, StubForkCache),
-                                         (ch03.check_choose_fork_plan, stub)])
-def test_new_stubs_raise_not_implemented(check, args):
+@pytest.mark.parametrize("check, args", [
+    (ANSWERS, stub), (SHARED, stub), (ch03.check_predict_differing_slots, stub),
+    (ch03.check_fork, forked(stub)), (ch03.check_choose_fork_plan, stub)])
+def test_stubs_raise_not_implemented(check, args):
     with pytest.raises(NotImplementedError):
         check(args)
 

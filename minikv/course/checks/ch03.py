@@ -1,26 +1,16 @@
 """Checkers for chapter 03 (seed 000, the KV cache inside reasoning: coin flips).
 
-Every expectation is computed at run time, from the corpus and the engine: cache cuts from the
-tokenizer (`len(tok.encode(question.prefix(i)))`), the model's answers by asking each question from
-scratch, K/V work by `KVCounter`'s hooks, forward passes by `PassCounter`, and the caches a
-function fills are compared, every layer, keys and values, with a one-pass prefill of the same
-tokens. So the checkers keep working when the course models are retrained or the corpus's names
-change. Cases run on the shipped models (loaded on the CPU) and on small random models
-(`tiny_model`), whose answers are far from the truth, so a function that returns the truth instead
-of the model's answers is caught.
-
-Exercise 1 reads the cuts from the prompt's text alone (the chapter computes them from
-`question.prefix(i)`); exercise 2 asks every question on the one cache given, rolled back after
-each answer, with fork() and new caches refused (the chapter forks). Three exercises make the
-learner think before typing: predict_differing_slots (how many (layer, position) slots hold other
-K/V when only the start state differs, then counted on two caches), FixedForkCache (a fork() that
-shares its source's buffers, fixed: prefix caching with requests taking turns) and
-choose_fork_plan (a document cache's max_len and how many requests fit on forks in 48 MiB,
-measured on real caches).
+Every expectation is measured at run time from the corpus and the engine (cuts from the tokenizer,
+answers asked from scratch, K/V work by KVCounter, passes by PassCounter, caches compared with a
+one-pass prefill), on the shipped models and on random ones (`tiny_model`), far from the truth.
+Exercises: clause_cuts (a table), intermediate_answers (one cache, rolled back),
+shared_prefix_answers (forks), predict_differing_slots, FixedForkCache, choose_fork_plan.
 """
 from __future__ import annotations
 
+import functools
 import random
+from collections.abc import Sequence
 
 import torch
 
@@ -30,7 +20,10 @@ from ..corpus import CoinFlip, coin_flip_eval
 from ..tokenizer import load_tokenizer
 from . import (
     CheckFailed,
+    EngineCalled,
+    Exercise,
     PassCounter,
+    Refused,
     as_int,
     call,
     call_hinted,
@@ -38,6 +31,7 @@ from . import (
     forbid,
     guarded,
     int_list,
+    kind,
     passed,
     prediction,
     tiny_model,
@@ -46,33 +40,11 @@ from . import (
 NEAR_TIE = 1e-3  # top-two logits closer than this: either token is accepted (kernels' rounding)
 
 
-def _show(value, width: int = 90) -> str:
-    text = repr(value)
-    text = text if len(text) <= width else text[:width] + "..."
-    return f"{type(value).__name__} {text}"
-
-
-def _floats(value) -> bool:
-    """Is `value` a list, tuple, array or tensor of floats (numbers, but not ints)?"""
-    dtype = getattr(value, "dtype", None)
-    if dtype is not None:
-        return getattr(dtype, "is_floating_point", False) or getattr(dtype, "kind", "") == "f"
-    return (isinstance(value, (list, tuple)) and len(value) > 0
-            and all(isinstance(v, float) for v in value))
-
-
-def _suffix(q: CoinFlip) -> str:
-    """The text a question adds after the statement's cut: ". What's the state? A:"."""
-    return q.question(0)[len(q.prefix(0)):]
-
-
 def _promise(tok, q: CoinFlip) -> tuple[list[int], list[int], list[int]]:
-    """The statement's tokens, the cuts after each clause and the suffix's tokens, after checking
-    the chapter's claim on this question: each prefix's tokens, and each question's, start the
-    full prompt's tokens (clauses end on token boundaries). A corpus that broke it would make
-    every fork wrong; that is no learner's fault, so it is not a CheckFailed."""
+    """The statement's tokens, the cuts after each clause and the suffix's tokens, once the
+    chapter's claim holds: clauses end on token boundaries (else the corpus is at fault)."""
     n = len(q.steps)
-    statement, suffix = tok.encode(q.prefix(n)), tok.encode(_suffix(q))
+    statement, suffix = tok.encode(q.prefix(n)), tok.encode(q.question(0)[len(q.prefix(0)):])
     cuts = [len(tok.encode(q.prefix(i))) for i in range(n + 1)]
     for i, cut in enumerate(cuts):
         if (statement[:cut] != tok.encode(q.prefix(i))
@@ -83,8 +55,7 @@ def _promise(tok, q: CoinFlip) -> tuple[list[int], list[int], list[int]]:
 
 
 def _questions() -> list[CoinFlip]:
-    """Held-out questions (the corpus's test split, 1 to 8 people, two of each), nobody at all,
-    and two with long names made of many tokens."""
+    """Held-out questions (1 to 8 people, two of each), nobody at all, and long names."""
     qs = coin_flip_eval(2, seed=30)
     qs.append(CoinFlip("tails", ()))
     qs.append(CoinFlip("tails", (("Maximilian", True), ("Anastasia-Rose", False),
@@ -97,79 +68,114 @@ def _questions() -> list[CoinFlip]:
 
 # --- exercise 1: where the states live ----------------------------------------------------------
 
-def check_clause_cuts(clause_cuts) -> None:
-    """clause_cuts(tok, prompt) -> the cache's length after the start sentence and after each
-    person's clause, found in the prompt's text: [len(tok.encode(question.prefix(i))) for i =
-    0..n]."""
-    name = "clause_cuts"
-    tok = load_tokenizer()
-    cases = _questions()
-    cases.insert(3, CoinFlip("tails", (("Emma Blackman", True), ("Mr. Papas", False),
-                                       ("Bo", True))))
-    for q in cases:
-        n = len(q.steps)
-        case = f"{q.prompt()!r} ({n} {'person' if n == 1 else 'people'})"
-        # the property the cuts are for (checked by _promise): the prompt's first cut tokens
-        # are exactly the tokens of prefix(i), so a cache cut there is prefix(i)'s cache
-        statement, want, suffix = _promise(tok, q)
-        got = call(name, case, clause_cuts, tok, q.prompt())
-        cuts = int_list(got)
-        if cuts is None:
-            fail(name, case, want, _show(got),
-                 "cache lengths are ints: 6.0 is not 6; count tokens with len(...), an int"
-                 if _floats(got) else
-                 "return a list of ints, one cache length per cut (did you forget to return it?)")
-        # the usual mistakes, each recognised by what it produces
-        words = [len(q.prefix(i).split()) for i in range(n + 1)]
-        chars = [len(q.prefix(i)) for i in range(n + 1)]
-        question = [len(tok.encode(q.question(i))) for i in range(n + 1)]
-        clauses = [(f"{who} flips" if flips else f"{who} doesn't flip") for who, flips in q.steps]
-        apart = [len(tok.encode(q.prefix(0)))]
-        for clause in clauses:  # each clause's own tokens, without the ". " / ", then " between
-            apart.append(apart[-1] + len(tok.encode(clause)))
-        hints = [
-            (want[1:], "index 0 is the cut after the start sentence, before anyone: n + 1 cuts"),
-            (want[:-1], "the last cut is after the last person: i runs over 0..n, n + 1 cuts"),
-            (chars, "these are character counts (len of the text): a cache holds one slot per "
-                    "TOKEN; count tok.encode(...)"),
-            (words, "these are word counts: a cache holds one slot per TOKEN, and a word can be "
-                    "several tokens (\"'s\", long names); count tok.encode(...)"),
-            ([c - 1 for c in want], "off by one: these are the positions of each clause's last "
-                                    "token; the cache's length after it is one more"),
-            ([c + 1 for c in want], "off by one: you counted the token after the clause (the ',' "
-                                    "or '.'), which belongs to what comes next"),
-            (question, "these are the lengths of whole questions, the suffix \". What's the "
-                       "state? A:\" included: the cut is before the suffix"),
-            (apart, "you added up each clause's own tokens but not the separators between "
-                    "clauses ('.', ', then')"),
-        ]
-        hint = next((h for wrong, h in hints if cuts == wrong and wrong != want),
-                    "the cut after person i is the cache's length once the prompt's tokens up to "
-                    "the end of that clause are in it")
-        dotted = [who for who, _ in q.steps if "." in who]
-        if dotted and hint.startswith("the cut after"):
-            hint = (f"a name can contain a '.' ({dotted[0]!r}): a clause ends at ', then ' or at "
-                    f"the question's '. What's the state?', not at every '.'")
-        if len(cuts) != n + 1 and cuts not in (want[1:], want[:-1]):
-            hint = f"one cut per step: i = 0 (the start sentence) up to n = {n}, so {n + 1} ints"
-            if dotted and len(cuts) > n + 1:
-                hint += (f"; a name can contain a '.' ({dotted[0]!r}), and it ends no clause: a "
-                         f"clause ends at ', then ' or at the question's '. What's the state?'")
-        if cuts != want:
-            bad = next((i for i, (c, w) in enumerate(zip(cuts, want)) if c != w), None)
-            if bad is not None and 0 <= cuts[bad] <= len(statement) + len(suffix):
-                prompt_ids = statement + suffix
-                hint += (f" (your cut {bad} keeps the prompt's first {cuts[bad]} tokens, "
-                         f"{tok.decode(prompt_ids[:cuts[bad]])!r}; the clause ends at "
-                         f"{q.prefix(bad)!r})")
-            fail(name, case, want, cuts, hint)
-    passed(name, len(cases))
+class _Later(Sequence):
+    """Cases made on first use: the tokenizer is too slow to load at every import."""
+
+    def __init__(self, make):
+        self.make = make
+
+    @functools.cached_property
+    def cases(self) -> list:
+        return self.make()
+
+    def __getitem__(self, i):
+        return self.cases[i]
+
+    def __len__(self) -> int:
+        return len(self.cases)
+
+
+_Q: dict[str, CoinFlip] = {}  # prompt -> its question, for the cases
+
+
+def _cut_cases() -> list[tuple]:
+    qs = _questions()
+    qs.insert(3, CoinFlip("tails", (("Emma Blackman", True), ("Mr. Papas", False), ("Bo", True))))
+    _Q.update((q.prompt(), q) for q in qs)
+    return [(load_tokenizer(), q.prompt()) for q in qs]
+
+
+def clause_cuts(tok, prompt) -> list[int]:
+    """[len(tok.encode(question.prefix(i))) for i = 0..n], the chapter's promise checked."""
+    return _promise(tok, _Q[prompt])[1]
+
+
+def _per_cut(length):
+    """A wrong clause_cuts: length(tok, question, i) for each cut i."""
+    return lambda tok, prompt: [length(tok, _Q[prompt], i)
+                                for i in range(len(_Q[prompt].steps) + 1)]
+
+
+def _said(tok, prompt) -> str:
+    n = len(_Q[prompt].steps)
+    return f"{prompt!r} ({n} {'person' if n == 1 else 'people'})"
+
+
+def _cut_list(got, *case) -> list[int]:
+    dtype = getattr(got, "dtype", None)
+    floats = getattr(dtype, "is_floating_point", False) or getattr(dtype, "kind", "") == "f" or (
+        isinstance(got, (list, tuple)) and len(got) > 0 and all(isinstance(v, float) for v in got))
+    if int_list(got) is None:
+        raise Refused("cache lengths are ints: 6.0 is not 6; count tokens with len(...), an int"
+                      if floats else "return a list of ints, one cache length per cut"
+                      + ("" if got is None else " (did you forget to return it?)"))
+    return int_list(got)
+
+
+def _cuts_hint(answers) -> str:
+    """The first wrong answer explained: a '.' in a name, the count of cuts, where it cuts."""
+    (tok, prompt), cuts = next((case, got) for case, got in answers if got != clause_cuts(*case))
+    q, want = _Q[prompt], clause_cuts(tok, prompt)
+    n, dotted = len(q.steps), [who for who, _ in q.steps if "." in who]
+    hint = ("the cut after person i is the cache's length once the prompt's tokens up to the end "
+            "of that clause are in it")
+    if dotted:
+        hint = (f"a name can contain a '.' ({dotted[0]!r}): a clause ends at ', then ' or at the "
+                f"question's '. What's the state?', not at every '.'")
+    if len(cuts) != n + 1:
+        hint = f"one cut per step: i = 0 (the start sentence) up to n = {n}, so {n + 1} ints"
+        if dotted and len(cuts) > n + 1:
+            hint += (f"; a name can contain a '.' ({dotted[0]!r}), and it ends no clause: a "
+                     f"clause ends at ', then ' or at the question's '. What's the state?'")
+    bad, ids = next((i for i, (c, w) in enumerate(zip(cuts, want)) if c != w), None), tok.encode(
+        prompt)
+    if bad is not None and 0 <= cuts[bad] <= len(ids):
+        hint += (f" (your cut {bad} keeps the prompt's first {cuts[bad]} tokens, "
+                 f"{tok.decode(ids[:cuts[bad]])!r}; the clause ends at {q.prefix(bad)!r})")
+    return hint
+
+
+CUTS = Exercise(
+    "clause_cuts", cases=_Later(_cut_cases), describe=_said, reference=clause_cuts,
+    returns=_cut_list, otherwise=_cuts_hint, mistakes={
+        "index 0 is the cut after the start sentence, before anyone: n + 1 cuts":
+            lambda tok, prompt: clause_cuts(tok, prompt)[1:],
+        "the last cut is after the last person: i runs over 0..n, n + 1 cuts":
+            lambda tok, prompt: clause_cuts(tok, prompt)[:-1],
+        "these are character counts (len of the text): a cache holds one slot per TOKEN; count "
+        "tok.encode(...)": _per_cut(lambda tok, q, i: len(q.prefix(i))),
+        "these are word counts: a cache holds one slot per TOKEN, and a word can be several "
+        "tokens (\"'s\", long names); count tok.encode(...)":
+            _per_cut(lambda tok, q, i: len(q.prefix(i).split())),
+        "off by one: these are the positions of each clause's last token; the cache's length "
+        "after it is one more": lambda tok, prompt: [c - 1 for c in clause_cuts(tok, prompt)],
+        "off by one: you counted the token after the clause (the ',' or '.'), which belongs to "
+        "what comes next": lambda tok, prompt: [c + 1 for c in clause_cuts(tok, prompt)],
+        "these are the lengths of whole questions, the suffix \". What's the state? A:\" "
+        "included: the cut is before the suffix":
+            _per_cut(lambda tok, q, i: len(tok.encode(q.question(i)))),
+        "you added up each clause's own tokens but not the separators between clauses ('.', "
+        "', then')": _per_cut(lambda tok, q, i: len(tok.encode(q.prefix(0))) + sum(
+            len(tok.encode(f"{who} flips" if flips else f"{who} doesn't flip"))
+            for who, flips in q.steps[:i])),
+    })
+check_clause_cuts = CUTS.check
+EXERCISES = [CUTS]
 
 
 # --- exercise 2: intermediate answers Z_i, on one cache, rolled back ----------------------------
 
 def _from_scratch(model: GPT, ids: list[int]) -> torch.Tensor:
-    """The last position's logits for `ids`, fed whole into a model without a cache."""
     return model(torch.tensor([ids], device=model.device), last_only=True)[0, -1].float()
 
 
@@ -187,13 +193,18 @@ def _prefilled(model: GPT, ids: list[int], max_len: int) -> KVCache:
 
 
 def _first_difference(cache: KVCache, reference: KVCache, length: int) -> int | None:
-    """The first position (< length) where some layer's key or value differs from the
-    reference's, or None when every layer, keys and values, matches."""
+    """The first position (< length) where some layer's key or value differs, else None."""
     same = torch.ones(length, dtype=torch.bool)
     for a, b in zip(cache.keys + cache.values, reference.keys + reference.values):
         close = torch.isclose(a[:, :, :length], b[:, :, :length], atol=1e-4, rtol=1e-4)
         same &= close.all(dim=3).all(dim=1).all(dim=0).cpu()
     return None if bool(same.all()) else int((~same).nonzero()[0])
+
+
+def _holds(model: GPT, cache: KVCache, ids: list[int], extra: int = 0) -> bool:
+    """Does `cache` hold a prefill of `ids`, every layer, K and V (and at most `extra` more)?"""
+    return (len(ids) <= cache.get_seq_length() <= len(ids) + extra and len(ids) > 0
+            and _first_difference(cache, _prefilled(model, ids, len(ids)), len(ids)) is None)
 
 
 def _cases_for_answers():
@@ -214,10 +225,8 @@ _NO_COPY = ("every question is asked on the ONE cache you are given: no fork() (
             "cut (crop) before the next clause")
 
 
-def _asked(name, case, model, tok, q, cache, statement, intermediate_answers):
+def _asked(name, case, model, tok, q, cache, statement, cot, intermediate_answers):
     """Run the learner's function with no fork and no new cache allowed, naming an overflow."""
-    cot = tok.encode(q.prefix(len(q.steps), cot=True))
-
     def overflow(e: Exception) -> str:
         if "KV cache overflow" not in str(e):
             return "your function raised on this input"
@@ -232,25 +241,22 @@ def _asked(name, case, model, tok, q, cache, statement, intermediate_answers):
     try:
         with forbid(name, KVCache.fork, KVCache.__init__):
             return call_hinted(name, case, overflow, intermediate_answers, model, tok, q, cache)
-    except CheckFailed as e:
-        if "called minikv's own" not in str(e):
-            raise
-        raise CheckFailed(f"{name}: wrong for {case}\n  your function called "
-                          f"{str(e).split('own ')[1].split(';')[0]}\n  hint: {_NO_COPY}") from None
+    except EngineCalled as e:
+        raise CheckFailed(f"{name}: wrong for {case}\n  your function called {e.called}()\n  "
+                          f"hint: {_NO_COPY}") from None
 
 
+@guarded
 def check_intermediate_answers(intermediate_answers) -> None:
-    """intermediate_answers(model, tok, question, cache) -> the model's greedy answer after each
-    person i = 0..n, all asked on the one cache given, without a fork or a second cache: the
-    function fills it with the statement clause by clause, asks after each clause and rolls it
-    back, and leaves it holding exactly the statement."""
+    """intermediate_answers(model, tok, question, cache) -> the greedy answer after each person
+    i = 0..n, asked on the one cache given (no fork, no new cache), left holding the statement."""
     name = "intermediate_answers"
     tok, cases = _cases_for_answers()
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
+    with torch.no_grad():
         for model, model_name, q in cases:
-            n = len(q.steps)
-            case = f"{model_name}, {q.prompt()!r}"
+            case, n = f"{model_name}, {q.prompt()!r}", len(q.steps)
             statement, cuts, suffix = _promise(tok, q)
+            cot = tok.encode(q.prefix(n, cot=True))
             # what each question gives from scratch: the greedy token after "A:", as a word
             accepted = [[tok.decode([t]).strip() for t in _accepted(
                 _from_scratch(model, statement[:cut] + suffix))] for cut in cuts]
@@ -259,39 +265,36 @@ def check_intermediate_answers(intermediate_answers) -> None:
             room = min(model.config.block_size, len(statement) + len(suffix) + 2)
             cache = KVCache.for_model(model, max_len=room)
             with KVCounter(model) as counter:
-                got = _asked(name, case, model, tok, q, cache, statement, intermediate_answers)
-            _check_answer_shape(name, case, q, want, got)
-            cot = tok.encode(q.prefix(n, cot=True))
+                got = _asked(name, case, model, tok, q, cache, statement, cot,
+                             intermediate_answers)
+            if not isinstance(got, (list, tuple)):
+                fail(name, case, want, got,
+                     "return a list of str, the answer after each step i = 0..n"
+                     + (" (did you forget to return it?)" if got is None else
+                        f", not a {type(got).__name__}"))
+            if any(not isinstance(a, str) for a in got):
+                fail(name, case, want, got,
+                     "each answer is a str: decode the greedy token with tok.decode([token]) and "
+                     "strip its leading space (not a token id or a tensor)")
+            if len(got) != n + 1:
+                hint = (f"one answer per cut: i = 0 (the start sentence, before anyone) up to n = "
+                        f"{n}, so {n + 1} answers")
+                fail(name, case, want, list(got), "you left out i = 0, the answer after the start "
+                     "sentence: " + hint if list(got) == want[1:] else hint)
             _check_kv_work(name, case, model, counter.count, statement, cot, cuts, suffix, cache)
             _check_main_cache(name, case, model, cache, statement, cot, cuts, suffix)
-            _check_answers(name, case, q, want, accepted, list(got))
+            if all(g in a for g, a in zip(got, accepted)):
+                continue
+            hint = ("with the cache cut after person i, feed the question's suffix into it and "
+                    "decode the greedy token after 'A:' (the argmax of the LAST position's "
+                    "logits), stripped of its leading space")
+            if list(got) == q.states and want != q.states:
+                hint = ("these are the true states S_i (question.states), not the model's answers "
+                        "Z_i: ask the model")
+            elif [g.strip() for g in got] == want:
+                hint = "strip the answer's leading space: ' tails' -> 'tails'"
+            fail(name, case, want, list(got), hint)
     passed(name, len(cases))
-
-
-def _check_answer_shape(name, case, q, want, got) -> None:
-    n = len(q.steps)
-    if not isinstance(got, (list, tuple)):
-        fail(name, case, want, _show(got),
-             "return a list of str, the answer after each step i = 0..n"
-             + (" (did you forget to return it?)" if got is None else
-                f", not a {type(got).__name__}"))
-    if any(not isinstance(a, str) for a in got):
-        fail(name, case, want, _show(got),
-             "each answer is a str: decode the greedy token with tok.decode([token]) and strip "
-             "its leading space (not a token id or a tensor)")
-    if len(got) != n + 1:
-        hint = (f"one answer per cut: i = 0 (the start sentence, before anyone) up to n = {n}, "
-                f"so {n + 1} answers")
-        if list(got) == want[1:]:
-            hint = "you left out i = 0, the answer after the start sentence: " + hint
-        fail(name, case, want, list(got), hint)
-
-
-def _holds(model: GPT, cache: KVCache, ids: list[int], extra: int = 0) -> bool:
-    """Does `cache` hold the K/V a prefill of `ids` leaves, every layer, K and V (and at most
-    `extra` positions more)?"""
-    return (len(ids) <= cache.get_seq_length() <= len(ids) + extra and len(ids) > 0
-            and _first_difference(cache, _prefilled(model, ids, len(ids)), len(ids)) is None)
 
 
 def _check_kv_work(name, case, model, count, statement, cot, cuts, suffix, cache) -> None:
@@ -322,28 +325,26 @@ def _check_kv_work(name, case, model, count, statement, cot, cuts, suffix, cache
 
 
 def _check_main_cache(name, case, model, cache, statement, cot, cuts, suffix) -> None:
-    """The cache the function was given holds the statement, every layer, keys and values, and
-    nothing else: every question was rolled back."""
+    """The cache given holds the statement, every layer, K and V, and nothing else."""
     S, s, length = len(statement), len(suffix), cache.get_seq_length()
     where = case + " (the cache you were given, after your function returned)"
-    want = f"{S} positions: the statement's K/V in every layer"
+    want, now = f"{S} positions: the statement's K/V in every layer", f"{length} positions"
     if length == 0:
         fail(name, where, want, "an empty cache",
              "fill the cache you are given (the `cache` argument) with the statement, clause by "
              "clause, asking each question in it and rolling it back after the answer")
     if cot != statement and _holds(model, cache, cot):
-        fail(name, where, want, f"{length} positions",
+        fail(name, where, want, now,
              "that is the chain-of-thought statement (prefix(i, cot=True), \"..., so it's "
              "tails\"): fill the cache with the plain form, question.prefix(i)")
-    starts = [0] + cuts[:-1]
-    overlap = [t for a, b in zip(starts, cuts) for t in statement[max(a - 1, 0):b]]
+    overlap = [t for a, b in zip([0] + cuts[:-1], cuts) for t in statement[max(a - 1, 0):b]]
     if overlap != statement and _holds(model, cache, overlap):
         fail(name, where, want, f"{length} positions = {S} + {len(overlap) - S}",
              "each clause after the first was fed one token too many: a slice like "
              "ids[done - 1:cut] feeds the previous clause's last token again. The next clause "
              "starts at ids[done]")
     if any(_holds(model, cache, statement[:c] + suffix, extra=2) for c in cuts[:-1]):
-        fail(name, where, want, f"{length} positions",
+        fail(name, where, want, now,
              "the whole statement went in first, then the cache was cropped back to each cut "
              "and asked there: crop only moves the length back, so the clauses after the cut "
              "are lost (overwritten by the question) and nothing restores them. Ask as you go: "
@@ -355,14 +356,13 @@ def _check_main_cache(name, case, model, cache, statement, cot, cuts, suffix) ->
              f"answer, roll the cache back (crop) to the cut, so the next clause follows the "
              f"last one, not a question")
     if abs(length - S) in (1, len(cuts)):  # one position off, at one question or at each
-        fail(name, where, want, f"{length} positions",
+        fail(name, where, want, now,
              "the roll-back is off by one: after a question, crop to the cut itself, the "
              "cache's length before the suffix went in")
     if length != S:
-        fail(name, where, want, f"{length} positions",
+        fail(name, where, want, now,
              "the cache must hold exactly the statement's tokens, prefix(n), once")
-    reference = _prefilled(model, statement, S)
-    bad = _first_difference(cache, reference, S)
+    bad = _first_difference(cache, _prefilled(model, statement, S), S)
     if bad is None:
         return
     restarted = KVCache.for_model(model, max_len=S)  # seed 003's bug, clause by clause
@@ -381,30 +381,15 @@ def _check_main_cache(name, case, model, cache, statement, cot, cuts, suffix) ->
          "each clause once, in order, and crop back to the cut after each question")
 
 
-def _check_answers(name, case, q, want, accepted, got) -> None:
-    if all(g in a for g, a in zip(got, accepted)):
-        return
-    hint = ("with the cache cut after person i, feed the question's suffix into it and decode "
-            "the greedy token after 'A:' (the argmax of the LAST position's logits), stripped "
-            "of its leading space")
-    if got == q.states and want != q.states:
-        hint = ("these are the true states S_i (question.states), not the model's answers Z_i: "
-                "ask the model")
-    elif [g.strip() for g in got] == want:
-        hint = "strip the answer's leading space: ' tails' -> 'tails'"
-    fail(name, case, want, got, hint)
-
-
 # --- exercise 3: prefix sharing by hand ---------------------------------------------------------
 
 def _cases_for_prefixes():
     target, tok = load_course_model("target", "cpu")
     rng = random.Random(33)
     a, b = tiny_model(4), tiny_model(5)
-    vocab = a.config.vocab_size
 
     def ids(k):
-        return [rng.randrange(vocab) for _ in range(k)]
+        return [rng.randrange(a.config.vocab_size) for _ in range(k)]
     story = tok.encode("Once upon a time there was a little fox named Max.")
     coin = tok.encode("A coin's state is heads. Alice flips, then Bob doesn't flip")
     return [
@@ -419,27 +404,16 @@ def _cases_for_prefixes():
     ]
 
 
-def _continuations(model: GPT, prefix: list[int], suffixes: list[list[int]], n_new: int,
-                   fork: bool = True) -> list[list[int]]:
-    """Greedy continuations decoded on forks of one prefix cache (fork=False: on the prefix cache
-    itself, one suffix after the other: what sharing without forking gives)."""
-    shared = _prefilled(model, prefix, len(prefix) + sum(len(s) + n_new for s in suffixes))
-    outs = []
-    for s in suffixes:
-        outs.append(generate(model, s, n_new, cache=shared.fork() if fork else shared).tokens)
-    return outs
-
-
+@guarded
 def check_shared_prefix_answers(shared_prefix_answers) -> None:
     """shared_prefix_answers(model, prefix_ids, suffixes, n_new) -> (continuations, prefix_cache):
-    the greedy n_new tokens after prefix + suffix, for each suffix, with the prefix's K/V
-    computed once (one pass) and each suffix continued on a fork of its cache, which is left
-    holding the prefix only."""
+    n_new greedy tokens after prefix + each suffix, the prefix prefilled once, each suffix on a
+    fork of its cache, which is left holding the prefix only."""
     name = "shared_prefix_answers"
     cases = _cases_for_prefixes()
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
+    with torch.no_grad():
         for model, model_name, prefix, suffixes, n_new in cases:
-            case = (f"{model_name}, prefix {prefix}, suffixes {suffixes}, n_new={n_new}")
+            case = f"{model_name}, prefix {prefix}, suffixes {suffixes}, n_new={n_new}"
             # the reference: each prefix + suffix generated from scratch, with its logits
             refs = [generate(model, prefix + s, n_new, return_logits=True) for s in suffixes]
             want = [r.tokens for r in refs]
@@ -448,43 +422,53 @@ def check_shared_prefix_answers(shared_prefix_answers) -> None:
                     got = call(name, case, shared_prefix_answers, model, list(prefix),
                                [list(s) for s in suffixes], n_new)
                 except CheckFailed as e:
-                    if "the cache holds" not in str(e):
+                    if "larger cache" not in str(e):  # generate's: the fork is too small
                         raise
                     raise CheckFailed(f"{e}\n  hint: a fork has the max_len of the cache it "
                                       f"copies: make the prefix's cache big enough for the "
                                       f"prefix, the longest suffix and n_new tokens") from None
-            continuations, prefix_cache = _unpack(name, case, want, got)
-            tokens = _token_lists(name, case, want, continuations, prefix, suffixes, n_new)
+            if not (isinstance(got, tuple) and len(got) == 2):
+                fail(name, case, "(continuations, prefix_cache)", kind(got),
+                     "return a pair: the list of continuations AND the prefix's KVCache "
+                     "(return continuations, prefix_cache)" if isinstance(got, (list, tuple))
+                     and len(got) == len(want) and all(isinstance(g, (list, tuple, torch.Tensor))
+                                                       for g in got) else
+                     "return a tuple of two things: (continuations, prefix_cache)")
+            tokens = _token_lists(name, case, want, got[0], prefix, suffixes, n_new)
             _check_prefix_work(name, case, counter.count, passes.passes, prefix, suffixes, n_new)
-            _check_prefix_cache(name, case, model, prefix_cache, prefix, suffixes, n_new)
-            _check_continuations(name, case, model, want, refs, tokens, prefix, suffixes, n_new)
+            _check_prefix_cache(name, case, model, got[1], prefix, suffixes, n_new)
+            for k, (ref, row) in enumerate(zip(refs, tokens)):
+                t = next((t for t, (a, b) in enumerate(zip(ref.tokens, row)) if a != b), None)
+                if t is None or row[t] in _accepted(ref.logits[t]):  # a near tie: may differ on
+                    continue
+                hint = ("greedy decoding on a fork of the prefix's cache: the suffix in one pass, "
+                        "then feed each new token; each continuation must equal generating "
+                        "prefix + suffix from scratch")
+                shared = _prefilled(model, prefix, len(prefix) + sum(len(s) + n_new
+                                                                     for s in suffixes))
+                if len(suffixes) > 1 and tokens == [generate(model, s, n_new, cache=shared).tokens
+                                                    for s in suffixes]:
+                    hint = ("these are the tokens you get when every suffix continues on ONE "
+                            "shared cache, without forking: suffix 2 then sees suffix 1 and its "
+                            "tokens (contaminated). Fork the prefix's cache for each suffix")
+                elif row == ref.tokens[1:] + row[-1:] or row[1:] == ref.tokens[:-1]:
+                    hint = ("off by one: the first new token is the argmax of the suffix's last "
+                            "position; then feed each new token to get the next")
+                fail(name, f"{case}, suffix {k}", want[k], row, hint)
     passed(name, len(cases))
 
 
-def _unpack(name, case, want, got):
-    if isinstance(got, tuple) and len(got) == 2:
-        return got
-    looks_like_tokens = isinstance(got, (list, tuple)) and len(got) == len(want) and all(
-        isinstance(g, (list, tuple, torch.Tensor)) for g in got)
-    fail(name, case, "(continuations, prefix_cache)", _show(got),
-         "return a pair: the list of continuations AND the prefix's KVCache "
-         "(return continuations, prefix_cache)" if looks_like_tokens else
-         "return a tuple of two things: (continuations, prefix_cache)")
-
-
 def _token_lists(name, case, want, continuations, prefix, suffixes, n_new):
-    rows = continuations
-    if isinstance(rows, torch.Tensor) and rows.dim() == 2:
-        rows = list(rows)
+    rows = list(continuations) if isinstance(continuations, torch.Tensor) and \
+        continuations.dim() == 2 else continuations
     if not isinstance(rows, (list, tuple)):
-        fail(name, case, want, _show(continuations),
+        fail(name, case, want, continuations,
              "continuations: a list with one list of token ids per suffix")
     if len(rows) != len(suffixes):
-        fail(name, case, want, _show(continuations),
-             f"one continuation per suffix: {len(suffixes)} lists")
+        fail(name, case, want, continuations, f"one continuation per suffix: {len(suffixes)} lists")
     tokens = [int_list(r) for r in rows]
     if any(t is None for t in tokens):
-        fail(name, case, want, _show(continuations),
+        fail(name, case, want, continuations,
              "each continuation is a list of int token ids (not floats, not text)")
     for t, s in zip(tokens, suffixes):
         if len(t) != n_new:
@@ -500,7 +484,6 @@ def _token_lists(name, case, want, continuations, prefix, suffixes, n_new):
 def _check_prefix_work(name, case, count, passes, prefix, suffixes, n_new) -> None:
     P, m = len(prefix), len(suffixes)
     right = P + sum(len(s) + n_new - 1 for s in suffixes)
-    where = case + " (K/V vectors your function computed, per layer)"
     if count != right:
         if count == right + m:
             hint = (f"off by one per suffix: you fed the last new token back into the model. "
@@ -515,9 +498,9 @@ def _check_prefix_work(name, case, count, passes, prefix, suffixes, n_new) -> No
         else:
             hint = ("too little K/V work: the prefix once, then each suffix and all but the last "
                     "of its new tokens, must each go through the model")
-        fail(name, where, f"{P} + sum(len(suffix) + n_new - 1) = {right}", count, hint)
-    want_passes = 1 + m * n_new
-    if len(passes) != want_passes:
+        fail(name, case + " (K/V vectors your function computed, per layer)",
+             f"{P} + sum(len(suffix) + n_new - 1) = {right}", count, hint)
+    if len(passes) != 1 + m * n_new:
         singles = sum(1 for shape in passes if shape is not None and shape[1] == 1)
         hint = ("one pass for the prefix, then per suffix one pass over the whole suffix and "
                 "one pass per further token")
@@ -526,15 +509,14 @@ def _check_prefix_work(name, case, count, passes, prefix, suffixes, n_new) -> No
                     f"all of prefix_ids in one model(...) call; " + hint)
         elif singles > m * (n_new - 1):
             hint = "a suffix was fed token by token: feed each suffix in one pass; " + hint
-        fail(name, case + " (forward passes)", want_passes, len(passes), hint)
+        fail(name, case + " (forward passes)", 1 + m * n_new, len(passes), hint)
 
 
 def _check_prefix_cache(name, case, model, prefix_cache, prefix, suffixes, n_new) -> None:
-    where = case + " (the prefix cache you returned)"
-    P = len(prefix)
+    where, P = case + " (the prefix cache you returned)", len(prefix)
     want = f"a KVCache holding the {P} prefix positions, as a prefill leaves them"
     if not isinstance(prefix_cache, KVCache):
-        fail(name, where, want, _show(prefix_cache),
+        fail(name, where, want, kind(prefix_cache),
              "return the KVCache you prefilled with the prefix, second in the pair")
     if (prefix_cache.n_layer != model.config.n_layer or prefix_cache.batch_size != 1
             or prefix_cache.n_head != model.config.n_head):
@@ -560,56 +542,28 @@ def _check_prefix_cache(name, case, model, prefix_cache, prefix, suffixes, n_new
              "prefix_cache.fork()")
 
 
-def _check_continuations(name, case, model, want, refs, tokens, prefix, suffixes, n_new) -> None:
-    for k, (ref, got) in enumerate(zip(refs, tokens)):
-        for t, (token, logits) in enumerate(zip(ref.tokens, ref.logits)):
-            if got[t] == token:
-                continue
-            if got[t] in _accepted(logits):  # a near tie: later tokens may differ too
-                break
-            hint = ("greedy decoding on a fork of the prefix's cache: the suffix in one pass, "
-                    "then feed each new token; each continuation must equal generating "
-                    "prefix + suffix from scratch")
-            if len(suffixes) > 1 and tokens == _continuations(model, prefix, suffixes, n_new,
-                                                             fork=False):
-                hint = ("these are the tokens you get when every suffix continues on ONE shared "
-                        "cache, without forking: suffix 2 then sees suffix 1 and its tokens "
-                        "(contaminated). Fork the prefix's cache for each suffix")
-            elif got == ref.tokens[1:] + got[-1:] or got[1:] == ref.tokens[:-1]:
-                hint = ("off by one: the first new token is the argmax of the suffix's last "
-                        "position; then feed each new token to get the next")
-            fail(name, f"{case}, suffix {k}", want[k], got, hint)
-
-
 # --- exercise 4: predict, then measure: which slots the start state reaches ---------------------
 
 SLOT_DIFFERS = 1e-3  # identical inputs give identical K/V (0.0); a real difference is far above
 
 
-def _statement_cache(model: GPT, tok, start: str) -> tuple[KVCache, list[int]]:
-    q = CoinFlip(start, (("Alice", True), ("Bob", True)))
-    ids = tok.encode(q.prefix(2))
-    cache = _prefilled(model, ids, len(ids))
-    return cache, ids
-
-
 @guarded
 def check_predict_differing_slots(predict_differing_slots) -> None:
-    """predict_differing_slots() -> how many (layer, position) slots of the target's cache hold
-    different keys or values for "A coin's state is heads. Alice flips, then Bob flips" and the
-    same statement starting from tails, counted on the two caches."""
+    """predict_differing_slots() -> how many (layer, position) slots of the target's cache differ
+    between "A coin's state is heads. Alice flips, then Bob flips" and the same from tails."""
     name = "predict_differing_slots"
-    with torch.random.fork_rng(devices=[]):
-        got = prediction(name, f"{name}()", predict_differing_slots, GPT.forward, generate,
-                         why="a prediction is committed BEFORE the measurement; reason from "
-                             "chapter section 4")
-        value = as_int(got)
-        if value is None:
-            fail(name, f"{name}()", "an int (a number of slots)", _show(got),
-                 "return the number of (layer, position) slots you predict, an int")
-        target, tok = load_course_model("target", "cpu")
-        with torch.no_grad():
-            (a, ids), (b, other) = (_statement_cache(target, tok, s) for s in ("heads", "tails"))
+    got = prediction(name, f"{name}()", predict_differing_slots, GPT.forward, generate,
+                     why="a prediction is committed BEFORE the measurement; reason from "
+                         "chapter section 4")
+    value = as_int(got)
+    if value is None:
+        fail(name, f"{name}()", "an int (a number of slots)", got,
+             "return the number of (layer, position) slots you predict, an int")
+    target, tok = load_course_model("target", "cpu")
+    with torch.no_grad():
+        ids, other = (tok.encode(CoinFlip(s, (("Alice", True), ("Bob", True))).prefix(2))
+                      for s in ("heads", "tails"))
+        a, b = _prefilled(target, ids, len(ids)), _prefilled(target, other, len(other))
     L, T = target.config.n_layer, len(ids)
     differ = torch.zeros(L, T, dtype=torch.bool)
     for layer in range(L):
@@ -650,12 +604,10 @@ def check_predict_differing_slots(predict_differing_slots) -> None:
 
 def _fork_cases():
     target, tok = load_course_model("target", "cpu")
-    rng = random.Random(34)
-    a = tiny_model(4)
-    vocab = a.config.vocab_size
+    rng, a = random.Random(34), tiny_model(4)
 
     def ids(k):
-        return [rng.randrange(vocab) for _ in range(k)]
+        return [rng.randrange(a.config.vocab_size) for _ in range(k)]
     coin = tok.encode("A coin's state is heads. Alice flips, then Bob doesn't flip")
     return [
         (a, "a random model, requests one after the other", ids(10), [ids(3), ids(5)], 6, False),
@@ -667,53 +619,22 @@ def _fork_cases():
 
 
 def _serve(model, cache_cls, prefix, suffixes, n_new, turns: bool, seen: dict):
-    """Prefix caching with `cache_cls`'s fork(): prefill the prefix, fork one cache per request,
-    then decode each request greedily on its own fork, one request after the other or taking
-    turns (one pass per request in each round, as a server's batch does). Returns (the source
-    cache, the forks, the tokens per request); the forks are made through the learner's fork.
-    `seen` gets the source and the forks as they are made, for a diagnosis if this raises."""
-    room = len(prefix) + max(len(s) for s in suffixes) + n_new
-    source = cache_cls.for_model(model, max_len=room)
+    """Prefix caching with cache_cls's fork(): the prefix prefilled, a fork per request, each
+    decoded greedily, one after the other or taking turns (a server's batch); `seen` gets the
+    source and the forks as they are made. -> (source, forks, tokens per request)"""
+    source = cache_cls.for_model(model, max_len=len(prefix) + max(map(len, suffixes)) + n_new)
     model(torch.tensor([prefix]), cache=source)
-    forks, tokens = [], [[] for _ in suffixes]
+    forks, tokens, feeds = [], [[] for _ in suffixes], [list(s) for s in suffixes]
     seen.update(source=source, forks=forks)
-    feeds = [list(s) for s in suffixes]
-
-    def step(k):
-        logits = model(torch.tensor([feeds[k]]), cache=forks[k])[0, -1]
-        tokens[k].append(int(logits.argmax()))
-        feeds[k] = tokens[k][-1:]
     if turns:
         forks += [source.fork() for _ in suffixes]
-        for _ in range(n_new):
-            for k in range(len(suffixes)):
-                step(k)
-    else:
-        for k in range(len(suffixes)):
+    for k in ([k for _ in range(n_new) for k in range(len(suffixes))] if turns else
+              [k for k in range(len(suffixes)) for _ in range(n_new)]):
+        if len(forks) == k:
             forks.append(source.fork())
-            for _ in range(n_new):
-                step(k)
+        tokens[k].append(int(model(torch.tensor([feeds[k]]), cache=forks[k])[0, -1].argmax()))
+        feeds[k] = tokens[k][-1:]
     return source, forks, tokens
-
-
-def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _fork_error_hint(seen: dict):
-    """The hint for a crash while serving: what the forks made so far share or lack, or else
-    the overflow of a fork without room."""
-    def hint(e: Exception) -> str:
-        if seen.get("forks"):
-            diagnosis = _fork_diagnosis(seen["source"], seen["forks"])
-            if diagnosis:
-                return diagnosis
-        if "KV cache overflow" in str(e):
-            return ("the fork has no room: it holds only the live positions, so the request's "
-                    "tokens cannot be appended. A fork keeps the source's capacity (max_len): "
-                    "copy whole buffers")
-        return "your cache raised on this input"
-    return hint
 
 
 def _fork_diagnosis(source, forks) -> str:
@@ -725,16 +646,18 @@ def _fork_diagnosis(source, forks) -> str:
         return "the fork must be a cache like its source (a KVCache with keys and values)"
     if twin.max_len < source.max_len:
         return ""  # copied, but too small: the overflow says so
-    keys = any(_shares(x, y) for x, y in zip(twin.keys, source.keys))
-    values = any(_shares(x, y) for x, y in zip(twin.values, source.values))
+    shared = [any(x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+                  for x, y in zip(mine, theirs))
+              for mine, theirs in ((twin.keys, source.keys), (twin.values, source.values))]
     if twin.keys is source.keys:
         return ("the fork shares its source's lists of buffers: every fork writes its suffix "
                 "into the same tensors, at the same slots after the prefix. One request alone "
                 "never notices; requests taking turns overwrite each other's keys and values")
-    if keys and values:
+    if all(shared):
         return ("the fork has new lists, but of the same tensors: the buffers themselves must be "
                 "copied (clone them), or the requests overwrite each other's keys and values")
-    if keys or values:
+    if any(shared):
+        keys = shared[0]
         return (f"the fork copies the {'values' if keys else 'keys'} but shares the "
                 f"{'keys' if keys else 'values'}: copy both")
     if twin.get_seq_length() != source.get_seq_length():
@@ -742,17 +665,30 @@ def _fork_diagnosis(source, forks) -> str:
     return ""
 
 
+def _fork_error_hint(seen: dict):
+    """A crash while serving: what the forks made so far share or lack, or a fork without room."""
+    def hint(e: Exception) -> str:
+        if seen.get("forks") and _fork_diagnosis(seen["source"], seen["forks"]):
+            return _fork_diagnosis(seen["source"], seen["forks"])
+        if "KV cache overflow" in str(e):
+            return ("the fork has no room: it holds only the live positions, so the request's "
+                    "tokens cannot be appended. A fork keeps the source's capacity (max_len): "
+                    "copy whole buffers")
+        return "your cache raised on this input"
+    return hint
+
+
 @guarded
 def check_fork(FixedForkCache) -> None:
-    """FixedForkCache(minikv.KVCache) with its own fork(): prefix caching with requests decoded
-    one after the other and taking turns, every continuation as generating prefix + suffix from
-    scratch, the source cache untouched; the engine's KVCache.fork is not called."""
+    """FixedForkCache(minikv.KVCache) with its own fork(): requests served one after the other and
+    taking turns as from scratch, the source untouched, without the engine's KVCache.fork."""
     name = "FixedForkCache"
     if not (isinstance(FixedForkCache, type) and issubclass(FixedForkCache, KVCache)):
         fail(name, "FixedForkCache", "a subclass of the notebook's ForkableCache",
-             _show(FixedForkCache), "pass the class itself: class FixedForkCache(ForkableCache)")
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        for model, label, prefix, suffixes, n_new, turns in _fork_cases():
+             kind(FixedForkCache), "pass the class itself: class FixedForkCache(ForkableCache)")
+    cases = _fork_cases()
+    with torch.no_grad():
+        for model, label, prefix, suffixes, n_new, turns in cases:
             case = f"{label}: prefix {len(prefix)} tokens, suffixes {suffixes}, n_new={n_new}"
             want = [generate(model, prefix + s, n_new, return_logits=True) for s in suffixes]
             seen: dict = {}
@@ -776,7 +712,7 @@ def check_fork(FixedForkCache) -> None:
                 fail(name, case + " (the source cache afterwards)",
                      f"the prefix's {len(prefix)} positions, as prefilled", "changed",
                      _fork_diagnosis(source, forks) or "a fork must leave its source alone")
-    passed(name, len(_fork_cases()))
+    passed(name, len(cases))
 
 
 # --- exercise 6: design: requests served at once on forks, in a memory budget --------------------
@@ -787,9 +723,7 @@ DOC, QUESTION, ANSWER, FORK_BUDGET = 100, 11, 20, 48 * 2**20
 @guarded
 def check_choose_fork_plan(choose_fork_plan) -> None:
     """choose_fork_plan() -> (max_len of the document's cache, requests served at once): the
-    smallest max_len with which a request's fork holds its question and answer, and the most
-    requests whose forks, with the document's cache, fit 48 MiB; measured on real caches of the
-    target."""
+    smallest max_len that holds a request on a fork, and the most requests in 48 MiB, measured."""
     name = "choose_fork_plan"
     got = call(name, f"{name}()", choose_fork_plan)
     pair = int_list(got)
@@ -797,26 +731,20 @@ def check_choose_fork_plan(choose_fork_plan) -> None:
             f"{QUESTION}-token question and a {ANSWER}-token answer, each on its own fork, "
             f"{FORK_BUDGET // 2**20} MiB for all caches alive at once")
     if pair is None or len(pair) != 2 or min(pair) < 1:
-        fail(name, case, "a pair of positive ints (max_len, requests)", _show(got),
+        fail(name, case, "a pair of positive ints (max_len, requests)", got,
              "return the document cache's max_len and the number of requests at once")
-    max_len, requests = pair
-    target, _ = load_course_model("target", "cpu")
-    need = DOC + QUESTION + ANSWER - 1  # the last answer token is never fed
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        fits, fork = False, None
-        if max_len <= target.config.block_size:
-            try:  # the document prefilled, then one request on a fork of its cache
-                document = KVCache.for_model(target, max_len=max_len)
-                target(torch.arange(DOC)[None] % target.config.vocab_size, cache=document)
-                fork = document.fork()
-                generate(target, list(range(3, 3 + QUESTION)), ANSWER, cache=fork)
-                fits = True
-            except ValueError:
-                pass
+    (max_len, requests), (target, _) = pair, load_course_model("target", "cpu")
     if max_len > target.config.block_size:
         fail(name, case, f"a max_len the target accepts (at most {target.config.block_size})",
              max_len, "the target has 256 positions: a cache cannot be longer")
-    if not fits:
+    try:  # the document prefilled, then one request on a fork of its cache
+        with torch.no_grad():
+            fork = _prefilled(target, [t % target.config.vocab_size for t in range(DOC)],
+                              max_len).fork()
+            generate(target, list(range(3, 3 + QUESTION)), ANSWER, cache=fork)
+    except ValueError:
+        fork = None
+    if fork is None:
         hint = ("a request overflows its fork: a fork has the max_len of the cache it copies, so "
                 "the document's cache needs room for the document, the question and the answer")
         if max_len < DOC:
@@ -825,9 +753,8 @@ def check_choose_fork_plan(choose_fork_plan) -> None:
             hint += " (the answer's tokens go into the fork too, all but the last)"
         fail(name, case, "a max_len with which a request fits in its fork",
              f"max_len={max_len}: the fork overflows", hint)
-    per_cache = fork.allocated_nbytes  # every cache alive: the document's and each fork
-    alive = requests + 1
-    used = alive * per_cache
+    per_cache, alive = fork.allocated_nbytes, requests + 1  # the document's cache and each fork
+    used, need = alive * per_cache, DOC + QUESTION + ANSWER - 1  # the last token is never fed
     if used > FORK_BUDGET:
         hint = ("over budget: every fork allocates a whole cache of max_len positions, and the "
                 "document's own cache stays alive too")
@@ -845,8 +772,7 @@ def check_choose_fork_plan(choose_fork_plan) -> None:
              "position: the answer's last token is never fed" if max_len == need + 1 else
              "a request fits, but in fewer positions too, and every cache alive pays for each "
              "position")
-    best = FORK_BUDGET // per_cache - 1
-    if requests != best:
+    if requests != FORK_BUDGET // per_cache - 1:
         hint = "it fits, but more requests fit too"
         if requests == 48 * 10**6 // per_cache - 1:
             hint += ": 48 MiB is 48 x 2**20 bytes, not 48 x 10**6"
@@ -858,4 +784,4 @@ def check_choose_fork_plan(choose_fork_plan) -> None:
 
 __all__ = ["check_clause_cuts", "check_intermediate_answers", "check_shared_prefix_answers",
            "check_predict_differing_slots", "check_fork", "check_choose_fork_plan",
-           "CheckFailed"]
+           "CheckFailed", "EXERCISES"]
