@@ -36,7 +36,6 @@ from . import (
     forbid,
     guarded,
     int_list,
-    kind,
     one_of,
     one_thread,
     passed,
@@ -80,8 +79,7 @@ GATHER_CASES = [
 
 
 def engine_read(pool_keys: torch.Tensor, table: list[int], length: int) -> torch.Tensor:
-    """(nh, length, hs): what one pass through the engine's PagedCache that writes the last
-    position (the very key already there) returns for the sequence."""
+    """(nh, length, hs): what a pass through PagedCache writing the last position reads back."""
     num_blocks, nh, bs, hs = pool_keys.shape
     pool = BlockPool(_config(1, nh, hs), num_blocks, bs, dtype=pool_keys.dtype)
     pool.keys[0].copy_(pool_keys)
@@ -142,12 +140,9 @@ def _gather_shape_hint(shape: tuple, nh: int, bs: int, hs: int, table: list[int]
             "block_size] holds the (nh, hs) keys of every head")
 
 
-def _gather_crash_hint(error: Exception) -> str:
-    if isinstance(error, IndexError):
-        return ("an index out of range: position p is in block table[p // block_size] (the "
+OUT_OF_RANGE = ("an index out of range: position p is in block table[p // block_size] (the "
                 "table's entries are the block ids; p // block_size indexes the table), at slot "
                 "p % block_size (0 to block_size - 1), for p = 0 .. length - 1")
-    return "your function raised on this input"
 
 
 def _where_from(pool_keys: torch.Tensor, row: torch.Tensor) -> str:
@@ -159,8 +154,7 @@ def _where_from(pool_keys: torch.Tensor, row: torch.Tensor) -> str:
 
 @guarded
 def check_gather_keys(gather_keys) -> None:
-    """gather_keys(pool_keys, table, length) -> (nh, length, hs): position p's keys are
-    pool_keys[table[p // block_size], :, p % block_size], as the engine's PagedCache reads them."""
+    """gather_keys(pool_keys, table, length) -> (nh, length, hs), as PagedCache reads them."""
     name = "gather_keys"
     for i, (label, num_blocks, nh, bs, hs, table, length) in enumerate(GATHER_CASES):
         pool_keys = torch.randn(num_blocks, nh, bs, hs,
@@ -170,13 +164,14 @@ def check_gather_keys(gather_keys) -> None:
         want = engine_read(pool_keys, table, length)
         given, given_table = pool_keys.clone(), list(table)
         with forbid(name, PagedCache.update, PagedCache._indices):
-            got = call_hinted(name, case, _gather_crash_hint, gather_keys, given, given_table,
-                              length)
+            got = call_hinted(name, case, lambda e: OUT_OF_RANGE if isinstance(e, IndexError)
+                              else "your function raised on this input", gather_keys, given,
+                              given_table, length)
         expect(torch.equal(given, pool_keys) and given_table == table, name, case,
                "pool_keys and table left as they were", "they changed", "reading through a "
                "table writes nothing: no in-place operation on the pool or the table")
         if not isinstance(got, torch.Tensor):
-            fail(name, case, f"a tensor of shape {tuple(want.shape)}", kind(got),
+            fail(name, case, f"a tensor of shape {tuple(want.shape)}", type(got).__name__,
                  "return a torch tensor (nh, length, hs): torch.stack or torch.cat the keys, or "
                  "index pool_keys" + (" (did you forget to return it?)" if got is None else ""))
         expect(got.shape == want.shape, name, case, f"shape {tuple(want.shape)} (nh, length, hs)",
@@ -240,8 +235,7 @@ def reserve_pool(case: tuple, seed: int) -> tuple[BlockPool, list[BlockTable], B
 
 def _kv_differences(before: BlockPool, old: BlockTable, after: BlockPool,
                     new: BlockTable) -> list[tuple[int, bool]]:
-    """(layer, values?) of every tensor whose positions read differently through `new` in `after`
-    than through `old` in `before`."""
+    """(layer, values?) of the tensors read differently through `new` than through `old`."""
     def read(pool, table, layer, values):
         src, bs = (pool.values if values else pool.keys)[layer], pool.page_size
         return [src[table.blocks[p // bs], :, p % bs] for p in range(table.length)]
@@ -278,17 +272,11 @@ KV_COPY = {frozenset([True]): "you copied the keys but not the values: copy both
                                "pool.values"}
 
 
-def _reserve_crash_hint(table_was_empty: bool):
-    def hint(error: Exception) -> str:
-        if isinstance(error, IndexError) and table_was_empty:
-            return ("a new request's table is empty (length 0): it has no last block to look "
-                    "at. Only a block the table already holds, partly filled (table.length % "
-                    "block_size != 0), can need a copy")
-        if isinstance(error, MemoryError):
-            return ("the pool ran out of free blocks: take only the blocks positions 0 .. "
-                    "length + n_new - 1 need")
-        return "your function raised on this input"
-    return hint
+EMPTY_TABLE = ("a new request's table is empty (length 0): it has no last block to look at. Only "
+               "a block the table already holds, partly filled (table.length % block_size != 0), "
+               "can need a copy")
+POOL_FULL = ("the pool ran out of free blocks: take only the blocks positions 0 .. length + n_new "
+             "- 1 need")
 
 
 def _check_reserve_case(name: str, case_id: int, case: tuple, reserve) -> None:
@@ -301,7 +289,9 @@ def _check_reserve_case(name: str, case_id: int, case: tuple, reserve) -> None:
     PagedCache(want_pool, [want]).reserve(n_new)  # the engine, on a copy
     with forbid(name, PagedCache.reserve, BlockPool.reserve, BlockPool.blocks_needed,
                 BlockPool.copy_on_write):
-        call_hinted(name, where, _reserve_crash_hint(not blocks0), reserve, pool, mine, n_new)
+        call_hinted(name, where, lambda e: EMPTY_TABLE if isinstance(e, IndexError) and not
+                    blocks0 else POOL_FULL if isinstance(e, MemoryError) else
+                    "your function raised on this input", reserve, pool, mine, n_new)
     got, n_want = mine.blocks, len(want.blocks)
     expect(mine.length == length, name, where, f"table.length = {length}",
            f"table.length = {mine.length}", "reserve makes room and writes nothing: the length "
@@ -375,8 +365,7 @@ def _check_reserve_case(name: str, case_id: int, case: tuple, reserve) -> None:
 
 @guarded
 def check_reserve(reserve) -> None:
-    """reserve(pool, table, n_new): room for n_new more positions, a shared partly filled block
-    that will be written copied first, as the engine's PagedCache.reserve does."""
+    """reserve(pool, table, n_new): room for n_new more positions, as PagedCache.reserve."""
     for i, case in enumerate(RESERVE_CASES):
         _check_reserve_case("reserve", i, case, reserve)
     passed("reserve", len(RESERVE_CASES))
@@ -401,16 +390,8 @@ def published(bs: int, prompts: list[tuple[list[int], list[int]]]) -> dict[str, 
     return by_hash
 
 
-class _Hashes(dict):
-    """by_hash, carrying what the case is about (`label`), for the message."""
-
-    def __init__(self, label: str, by_hash: dict):
-        super().__init__(by_hash)
-        self.label = label
-
-
-def _matching_cases() -> list[tuple[list[int], int, _Hashes]]:
-    """(prompt, block_size, by_hash labelled with what the case is about)."""
+def _matching_cases() -> list[tuple[_Labelled, int, dict[str, int]]]:
+    """(prompt labelled with what the case is about, block_size, by_hash)."""
     P, T, U, V, W, X = (_tokens(s, n) for s, n in ((1, 12), (2, 4), (3, 4), (4, 4), (5, 4),
                                                      (6, 8)))
     cached = published(4, [(P, [5, 2, 8])])
@@ -438,7 +419,7 @@ def _matching_cases() -> list[tuple[list[int], int, _Hashes]]:
          published(16, [(shared + q1, list(range(20, 34)))])),
         ("blocks of 1 token", [5, 6, 7], 1, published(1, [([5, 6, 7, 8], [0, 1, 2, 3])])),
     ]
-    return [(prompt, bs, _Hashes(label, by_hash)) for label, prompt, bs, by_hash in cases]
+    return [(_Labelled(label, prompt), bs, by_hash) for label, prompt, bs, by_hash in cases]
 
 
 def engine_shared_prefix(prompt: list[int], bs: int, by_hash: dict[str, int]) -> list[int]:
@@ -489,7 +470,7 @@ def _matching_otherwise(answers) -> str:
 
 MATCHING = Exercise(
     "matching_blocks", cases=_matching_cases(),
-    describe=lambda prompt, bs, by_hash: (f"{by_hash.label}: prompt={_show_prompt(prompt)}, "
+    describe=lambda prompt, bs, by_hash: (f"{prompt.label}: prompt={_show_prompt(prompt)}, "
                                           f"block_size={bs}"),
     reference=engine_shared_prefix, solution=_match, returns=_block_ids,
     forbid=(BlockPool.cached_prefix,),
@@ -523,8 +504,7 @@ check_matching_blocks = MATCHING.check
 # --- exercise 4 (a table): the admission rule ----------------------------------------------------
 
 class _Pool(BlockPool):
-    """A case's pool (just the books), with what the case is about (`label`) and the request's
-    prompt and tokens; equal to another when their books are."""
+    """A case's pool, its `label`, the request's prompt and tokens; equal when the books are."""
 
     def __eq__(self, other) -> bool:
         return (self.ref, list(self.free), self.by_hash) == (other.ref, list(other.free),
@@ -580,8 +560,7 @@ def admission_state(case: tuple) -> tuple[_Pool, int, list[int], int]:
 
 
 def engine_admits(pool: _Pool, n_tokens: int, shared: list[int], n_running: int) -> bool:
-    """The server's answer: its scheduler's admission rule on the case's pool, with n_running
-    requests running."""
+    """The server's answer: its scheduler's admission rule on the case's pool."""
     s = Sequence(99, Request(list(pool.prompt), 1), list(pool.prompt), False)
     s.tokens = list(pool.tokens)
     scheduler = Scheduler(copy.deepcopy(pool))
@@ -666,25 +645,13 @@ PEAK_SAMPLES, PEAK_NEW, PEAK_BLOCK = 4, 7, 4
 PEAK_KEYS = [(10, True), (12, True), (12, False)]  # (prompt tokens, prefix caching)
 
 
-def peak_blocks_in_use(pool: BlockPool) -> int:
-    """The most blocks held at once (reference count above 0), replayed from the pool's log."""
-    ref: dict[int, int] = {}
-    peak = 0
-    for what, block, _ in pool.log:
-        step = {"allocate": 1 - ref.get(block, 0), "share": 1, "free": -1, "unshare": -1}
-        if what in step:
-            ref[block] = ref.get(block, 0) + step[what]
-            peak = max(peak, sum(v > 0 for v in ref.values()))
-    return peak
-
-
 def measure_peak(prompt_len: int, prefix_caching: bool) -> int:
-    """PEAK_SAMPLES requests with the same prompt, served together in blocks of PEAK_BLOCK, on a
-    tiny random model (no request stops early, so the blocks do not depend on its tokens)."""
+    """The peak for PEAK_SAMPLES requests with the same prompt, served on a tiny random model."""
     requests = [Request(list(range(100, 100 + prompt_len)), PEAK_NEW) for _ in range(PEAK_SAMPLES)]
     with torch.inference_mode():
-        outs = serve(_tiny_model(), requests, page_size=PEAK_BLOCK, prefix_caching=prefix_caching)
-    return peak_blocks_in_use(outs.pool)
+        outs = serve(_tiny_model(), requests, page_size=PEAK_BLOCK, prefix_caching=prefix_caching,
+                     trace=True)
+    return max(sum(ref > 0 for ref in step.ref) for step in outs.pool_steps)
 
 
 @functools.cache
@@ -720,8 +687,7 @@ def _peak_mistakes(prompt_len: int, prefix_caching: bool) -> list[tuple[int, str
 @one_thread
 @guarded
 def check_predict_peak_blocks(predict_peak_blocks) -> None:
-    """predict_peak_blocks() -> {(prompt tokens, prefix caching): the most blocks in use at once}
-    for 4 requests with the same prompt, 7 new tokens each, blocks of 4; measured with serve()."""
+    """predict_peak_blocks() -> {(prompt tokens, prefix caching): the most blocks in use}."""
     name = "predict_peak_blocks"
     case = (f"{PEAK_SAMPLES} requests with the same prompt, {PEAK_NEW} new tokens each, arriving "
             f"together, blocks of {PEAK_BLOCK}, a large pool")
@@ -764,8 +730,7 @@ class BuggyPagedCache(PagedCache):
             self.pool.release(t.blocks.pop(), t.owner)
 
 
-# (what the case is about, block_size, this table (blocks, length), the others' blocks, new
-# length)
+# (what the case is about, block_size, this table (blocks, length), others' blocks, new length)
 CROP_CASES = [
     ("a rollback to the middle of a block", 4, ([3, 0, 5], 11), [], 6),
     ("a rollback to a block boundary", 4, ([3, 0, 5], 11), [], 8),
@@ -808,9 +773,7 @@ def _cropped(cache_class, case) -> tuple:
 
 @guarded
 def check_crop(cache_class) -> None:
-    """cache_class(pool, [table]).crop(n): a paged rollback, against the engine's PagedCache.crop
-    on the same pool (table, reference counts, free list), then as the cache of a verify-and-
-    rollback decode on a tiny model, against target-only greedy decoding."""
+    """cache_class(pool, [table]).crop(n), against PagedCache.crop, then in a rollback decode."""
     name = "crop"
     if not (isinstance(cache_class, type) and issubclass(cache_class, PagedCache)):
         fail(name, "the class", "a subclass of PagedCache (of BuggyPagedCache)", cache_class,
@@ -852,8 +815,7 @@ def check_crop(cache_class) -> None:
 
 
 def _check_crop_in_decoding(name, cache_class) -> None:
-    """Greedy decoding on a paged cache of the student's class, with wrong proposals verified and
-    rolled back at lengths of every remainder: the output must be target-only greedy decoding."""
+    """Greedy verify-and-rollback decoding on cache_class must give target-only greedy tokens."""
     model, prompt, n_new = _tiny_model(), [3, 17, 200, 41, 9, 77, 5], 24
     seq, case = list(prompt), "greedy decoding on a paged cache with your crop, every round " \
                               "rolled back"
@@ -889,8 +851,7 @@ BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def blocks_taken(lengths: list[int], block_size: int) -> int:
-    """Blocks the engine's PagedCache.reserve takes for sequences of these lengths, one table
-    each, in one pool."""
+    """Blocks PagedCache.reserve takes for sequences of these lengths, one table each."""
     pool = BlockPool(_config(1, 1, 1), max(sum(_ceil(n, block_size) for n in lengths), 1),
                      block_size)
     for i, n in enumerate(lengths):
