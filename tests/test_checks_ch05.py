@@ -1,12 +1,12 @@
 """Chapter 05's checkers that are code (choose, predict_server_passes, verify_window) accept the
-solutions, let a stub's NotImplementedError through and reject plausible wrong answers with a hint
-that names the mistake, quickly, leaving the caller's random state alone. The tables
-(invariant_split_sum, verify_schedule, choose_determinism) are tested from their own mistakes in
-test_checks_table.py; here, only what a table cannot state: wrong types, inputs changed in place,
-two mistakes at once, and independent solutions."""
-import functools
+solutions, let a stub's NotImplementedError through and name plausible mistakes, leaving the
+caller's random state alone. The tables' own mistakes are tested in test_checks_table.py; here,
+only what a table cannot state (wrong types, inputs changed in place, two mistakes at once) and
+independent solutions."""
 import hashlib
 import math
+import re
+from functools import partial
 
 import numpy as np
 import pytest
@@ -17,8 +17,12 @@ from minikv.course.checks import CheckFailed, ch05
 
 from conftest import stub
 
-# --- exercise 1: the same request draws the same tokens wherever it runs --------------------------
+CHOOSE, SPLIT, SCHEDULE, PASSES, WINDOW, DESIGN = (
+    ch05.check_choose, ch05.check_invariant_split_sum, ch05.check_verify_schedule,
+    ch05.check_predict_server_passes, ch05.check_verify_window, ch05.check_choose_determinism)
 
+
+# --- exercise 1: the same request draws the same tokens wherever it runs --------------------------
 def choose(logits, seed, position, temperature, mix=lambda s, p: s * 1_000_003 + p):
     if temperature == 0:
         return int(logits.argmax())
@@ -27,14 +31,7 @@ def choose(logits, seed, position, temperature, mix=lambda s, p: s * 1_000_003 +
     return int(torch.multinomial(probs, 1, generator=g))
 
 
-def _mixed(mix):
-    """choose, with another mix of (seed, position) into the generator's seed."""
-    return functools.partial(choose, mix=mix)
-
-
-def _greedy_else(draw):
-    """A choose that takes the argmax at temperature 0, and draw(logits, seed, position,
-    temperature) otherwise."""
+def _greedy_else(draw):  # the argmax at temperature 0, else draw(logits, seed, position, t)
     def choose_(logits, seed, position, temperature):
         return int(logits.argmax()) if temperature == 0 else draw(logits, seed, position,
                                                                   temperature)
@@ -56,13 +53,13 @@ def _own(seed, position):
 _SHARED, _PER_SEED = torch.Generator().manual_seed(0), {}
 
 CHOOSE_WRONG = [
-    (_mixed(lambda s, p: s * p), r"seed \* position"),
-    (_mixed(lambda s, p: s ^ p), "symmetric in seed and position"),
-    (_mixed(lambda s, p: s * 1_000 + p), r"seed \* 1,000 \+ position"),
-    (_mixed(lambda s, p: s * 100_000 + p), r"seed \* 100,000 \+ position"),
-    (_mixed(lambda s, p: s), "seeded by the seed alone"),
-    (_mixed(lambda s, p: p), "seeded by the position alone"),
-    (_mixed(lambda s, p: s + p), r"seed \+ position"),
+    (partial(choose, mix=lambda s, p: s * p), r"seed \* position"),
+    (partial(choose, mix=lambda s, p: s ^ p), "symmetric in seed and position"),
+    (partial(choose, mix=lambda s, p: s * 1_000 + p), r"seed \* 1,000 \+ position"),
+    (partial(choose, mix=lambda s, p: s * 100_000 + p), r"seed \* 100,000 \+ position"),
+    (partial(choose, mix=lambda s, p: s), "seeded by the seed alone"),
+    (partial(choose, mix=lambda s, p: p), "seeded by the position alone"),
+    (partial(choose, mix=lambda s, p: s + p), r"seed \+ position"),
     (_greedy_else(lambda x, s, p, t: _draw(_soft(x, t))), "global RNG"),
     (_greedy_else(lambda x, s, p, t: torch.manual_seed(s * 1_000_003 + p) and _draw(_soft(x, t))),
      "torch.manual_seed inside choose"),
@@ -83,15 +80,7 @@ CHOOSE_WRONG = [
 ]
 
 
-def test_other_good_mixes_are_accepted():
-    """The exercise asks for a mix without collisions, not for the engine's constant."""
-    ch05.check_choose(_mixed(lambda s, p: hash((s, p)) % 2**63))
-    ch05.check_choose(_mixed(lambda s, p: int.from_bytes(
-        hashlib.sha256(f"{s}/{p}".encode()).digest()[:8], "big")))
-
-
-# --- the tables: what their mistakes cannot state ------------------------------------------------
-
+# --- the tables (independent solutions), then exercises 4 and 5 -----------------------------------
 def invariant_split_sum(x, n_splits, chunk=16):
     n_chunks = math.ceil(x.numel() / chunk)
     per_worker = math.ceil(n_chunks / n_splits)
@@ -105,105 +94,16 @@ def invariant_split_sum(x, n_splits, chunk=16):
     return total
 
 
-def sums_in_place(x, n_splits, chunk=16):
-    total = invariant_split_sum(x, n_splits, chunk)
-    x.zero_()  # "free" the input
-    return total
-
-
-def verify_schedule(max_new_tokens, window):
-    passes, first = [], 0
-    while first < max_new_tokens - 1:
-        k = min(window - 1, max_new_tokens - 2 - first)
-        passes.append((first, k))
-        first += k + 1
-    return passes
-
-
-def schedule_counts(max_new_tokens, window):  # the old exercise's answer: (rounds, fast steps)
-    rounds = math.ceil((max_new_tokens - 1) / window)
-    return rounds, max_new_tokens - 1 - rounds
-
-
 def choose_determinism(n_det, overhead):
     n, steps, rounds = 8, 19, 5
     verify = steps + n_det * rounds if n_det < n else steps - rounds + n * rounds
     return "verify" if verify <= steps * (1 + overhead) else "invariant"
 
 
-TABLE_WRONG = [
-    (ch05.check_invariant_split_sum, lambda x, n, c: float(invariant_split_sum(x, n, c)),
-     "0-d float32 tensor"),
-    (ch05.check_invariant_split_sum, lambda x, n, c: invariant_split_sum(x, n, c).numpy(),
-     "0-d float32 tensor"),
-    (ch05.check_invariant_split_sum, lambda x, n, c: invariant_split_sum(x.double(), n, c),
-     "no float64"),
-    (ch05.check_invariant_split_sum, sums_in_place, "in-place operations on x"),
-    (ch05.check_invariant_split_sum, lambda x, n, c: invariant_split_sum(x, n, c + n - 1),
-     "depends on the number of splits"),
-    (ch05.check_verify_schedule, schedule_counts, "not the counts"),
-    (ch05.check_verify_schedule, lambda n, w: [(float(f), float(k)) for f, k in
-                                               verify_schedule(n, w)], "pairs of ints"),
-    (ch05.check_verify_schedule, lambda n, w: None, "did you forget to return it"),
-    (ch05.check_verify_schedule, lambda n, w: verify_schedule(n, w)[n], "raised on this input"),
-    (ch05.check_verify_schedule, ch05.served_schedule, "called minikv's own"),
-    (ch05.check_choose_determinism, lambda n, o: "invariant", "nothing to verify"),  # two at once
-    (ch05.check_choose_determinism, lambda n, o: choose_determinism(n, o) == "verify",
-     'return "verify" or "invariant"'),
-]
-
-
-@pytest.mark.parametrize("check, wrong, fragment", TABLE_WRONG, ids=lambda v: (
-    v.replace(" ", "_")[:20] if isinstance(v, str) else None))
-def test_a_table_rejects_what_its_mistakes_cannot_state(check, wrong, fragment):
-    with pytest.raises(CheckFailed, match=fragment):
-        check(wrong)
-
-
-def test_independent_solutions_pass_the_tables():
-    ch05.check_invariant_split_sum(invariant_split_sum)
-    ch05.check_verify_schedule(verify_schedule)
-    ch05.check_verify_schedule(lambda n, w: np.array(verify_schedule(n, w)))  # 2-D array: fine
-    ch05.check_choose_determinism(choose_determinism)
-
-
-def test_split_kv_style_sum_really_depends_on_the_split_count():
-    """The lesson's premise: cutting into n_splits pieces changes the bits of a float32 sum."""
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(1000, generator=g) * 10 ** (torch.rand(1000, generator=g) * 6 - 3)
-    assert len({float(ch05._equal_pieces(x, n, 16)) for n in (1, 2, 3, 5, 8)}) > 1
-    assert len({float(invariant_split_sum(x, n)) for n in (1, 2, 3, 5, 8)}) == 1
-
-
-# --- exercise 4 (predict, then measure): the server's passes --------------------------------------
-
 def predict_server_passes():
     steps, rounds = 19, 5
     return {0: steps, 1: steps + rounds, 4: steps - rounds + 4 * rounds}
 
-
-@pytest.mark.parametrize("hint", ch05.PASSES_MISTAKES, ids=lambda h: h[:30])
-def test_a_prediction_with_a_usual_mistake_is_named(hint):
-    wrong = ch05.PASSES_MISTAKES[hint]
-    with pytest.raises(CheckFailed) as info:
-        ch05.check_predict_server_passes(lambda: {d: wrong(d) for d in ch05.PREDICT_D})
-    assert str(info.value).endswith(hint)
-
-
-PREDICT_WRONG = [
-    (lambda: {**predict_server_passes(), 4: 34.0}, "a whole number"),
-    (lambda: {"0": 19, "1": 24, "4": 34}, r"\{0: \.\.\., 1: \.\.\., 4: \.\.\.\}"),
-    (lambda: None, "did you forget to return it"),
-    (lambda: {0: 19, 1: 24, 4: ch05.server_passes(4)}, "a prediction is made before"),
-    (lambda: {0: 19, 1: 23, 4: 39}, "the last window is partial"),  # two mistakes at once
-]
-
-
-def test_the_measured_passes_are_the_prediction():
-    assert {d: ch05.server_passes(d) for d in range(5)} == {0: 19, 1: 24, 2: 29, 3: 34, 4: 34}
-
-
-# --- exercise 5 (debug): a verifier window --------------------------------------------------------
 
 def verify_window(model, seq, proposals, cache, sampling, start, window, *, judge_at=0, own_at=0,
                   crop_first=True, crop_after=True):
@@ -223,44 +123,68 @@ def verify_window(model, seq, proposals, cache, sampling, start, window, *, judg
     return accepted
 
 
-WINDOW_WRONG = [
-    (ch05.verify_window_buggy, "verify_window_buggy unchanged"),
-    (functools.partial(verify_window, judge_at=-1, own_at=-1), "verify_window_buggy unchanged"),
-    (functools.partial(verify_window, own_at=-1), "the verifier's own token wrong"),
-    (functools.partial(verify_window, crop_first=False), "replay the window's rows in ONE pass"),
-    (functools.partial(verify_window, crop_after=False), "the cache wrong"),  # padding's K/V kept
-    (ch05._engine_window, "called minikv's own"),
+schedule = ch05.reference_schedule
+SOLUTIONS = [  # (checker, a right answer): other mixes than the engine's, other forms
+    (CHOOSE, choose), (CHOOSE, partial(choose, mix=lambda s, p: hash((s, p)) % 2**63)),
+    (CHOOSE, partial(choose, mix=lambda s, p: int.from_bytes(
+        hashlib.sha256(f"{s}/{p}".encode()).digest()[:8], "big"))),
+    (SPLIT, invariant_split_sum), (SCHEDULE, lambda n, w: np.array(schedule(n, w))),  # 2-D array
+    (PASSES, predict_server_passes), (WINDOW, verify_window), (DESIGN, choose_determinism)]
+
+WRONG = [(CHOOSE, wrong, fragment) for wrong, fragment in CHOOSE_WRONG] + [
+    (SPLIT, lambda x, n, c: float(invariant_split_sum(x, n, c)), "0-d float32 tensor"),
+    (SPLIT, lambda x, n, c: invariant_split_sum(x, n, c).numpy(), "0-d float32 tensor"),
+    (SPLIT, lambda x, n, c: invariant_split_sum(x.double(), n, c), "no float64"),
+    (SPLIT, lambda x, n, c: (invariant_split_sum(x, n, c), x.zero_())[0],  # "frees" the input
+     "in-place operations on x"),
+    (SPLIT, lambda x, n, c: invariant_split_sum(x, n, c + n - 1), "depends on the number of"),
+    (SCHEDULE, lambda n, w: (math.ceil((n - 1) / w), n - 1 - math.ceil((n - 1) / w)),
+     "not the counts"),  # the old exercise's answer: (rounds, fast steps)
+    (SCHEDULE, lambda n, w: [(float(f), float(k)) for f, k in schedule(n, w)], "pairs of ints"),
+    (SCHEDULE, lambda n, w: None, "did you forget to return it"),
+    (SCHEDULE, lambda n, w: schedule(n, w)[n], "raised on this input"),
+    (SCHEDULE, ch05.served_schedule, "called minikv's own"),
+    (DESIGN, lambda n, o: "invariant", "nothing to verify"),  # two mistakes at once
+    (DESIGN, lambda n, o: choose_determinism(n, o) == "verify", 'return "verify" or "invariant"'),
+    (PASSES, lambda: {**predict_server_passes(), 4: 34.0}, "a whole number"),
+    (PASSES, lambda: {"0": 19, "1": 24, "4": 34}, r"\{0: \.\.\., 1: \.\.\., 4: \.\.\.\}"),
+    (PASSES, lambda: None, "did you forget to return it"),
+    (PASSES, lambda: {0: 19, 1: 24, 4: ch05.server_passes(4)}, "a prediction is made before"),
+    (PASSES, lambda: {0: 19, 1: 23, 4: 39}, "the last window is partial"),  # two at once
+    *[(PASSES, lambda wrong=wrong: {d: wrong(d) for d in ch05.PREDICT_D}, re.escape(hint) + r"\Z")
+      for hint, wrong in ch05.PASSES_MISTAKES.items()],
+    (WINDOW, ch05.verify_window_buggy, "verify_window_buggy unchanged"),
+    (WINDOW, partial(verify_window, judge_at=-1, own_at=-1), "verify_window_buggy unchanged"),
+    (WINDOW, partial(verify_window, own_at=-1), "the verifier's own token wrong"),
+    (WINDOW, partial(verify_window, crop_first=False), "replay the window's rows in ONE pass"),
+    (WINDOW, partial(verify_window, crop_after=False), "the cache wrong"),  # padding's K/V kept
+    (WINDOW, ch05._engine_window, "called minikv's own"),
 ]
 
 
-CHECKS = {
-    "choose": (ch05.check_choose, choose, CHOOSE_WRONG),
-    "predict_server_passes": (ch05.check_predict_server_passes, predict_server_passes,
-                              PREDICT_WRONG),
-    "verify_window": (ch05.check_verify_window, verify_window, WINDOW_WRONG),
-}
+def _id(v):
+    return v.replace(" ", "_")[:20] if isinstance(v, str) else getattr(v, "__name__", None)
 
 
-@pytest.mark.parametrize("name", CHECKS)
-def test_solution_passes(name, capsys):
-    checker, solution, _ = CHECKS[name]
+@pytest.mark.parametrize("checker, solution", SOLUTIONS, ids=_id)
+def test_the_solutions_pass_and_the_random_state_stays(checker, solution, capsys):
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
     checker(solution)
-    assert f"✓ {name}: all " in capsys.readouterr().out
+    assert "✓ " in capsys.readouterr().out
+    assert torch.equal(before, torch.random.get_rng_state())
 
 
-@pytest.mark.parametrize("name", CHECKS)
-def test_stub_raises_not_implemented(name):
+@pytest.mark.parametrize("checker", [CHOOSE, PASSES, WINDOW], ids=_id)
+def test_a_stub_goes_through(checker):
     with pytest.raises(NotImplementedError):
-        CHECKS[name][0](stub)
+        checker(stub)
 
 
-@pytest.mark.parametrize("name, wrong, fragment",
-                         [(n, w, f) for n, (_, _, ws) in CHECKS.items() for w, f in ws],
-                         ids=lambda v: v if isinstance(v, str) and not v.isspace()
-                         and len(v) < 25 else getattr(v, "__name__", None))
-def test_wrong_answer_rejected_with_its_mistake_named(name, wrong, fragment):
+@pytest.mark.parametrize("checker, wrong, fragment", WRONG, ids=_id)
+def test_every_mistake_is_named(checker, wrong, fragment):
     with pytest.raises(CheckFailed, match=fragment):
-        CHECKS[name][0](wrong)
+        checker(wrong)
 
 
 def test_the_engine_chooses_as_the_exercise_asks():
@@ -270,14 +194,3 @@ def test_the_engine_chooses_as_the_exercise_asks():
         for t in (0.0, 0.7, 1.5):
             want = minikv.SamplingParams(t, seed=i).choose(logits, 3 * i)
             assert choose(logits, i, 3 * i, t) == want
-
-
-def test_checkers_leave_the_random_state_alone_and_are_fast():
-    import time
-    torch.manual_seed(123)
-    before = torch.random.get_rng_state()
-    for checker, solution, _ in CHECKS.values():
-        start = time.perf_counter()
-        checker(solution)
-        assert time.perf_counter() - start < 5, checker.__name__
-    assert torch.equal(before, torch.random.get_rng_state())
