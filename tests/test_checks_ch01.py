@@ -1,6 +1,5 @@
-"""Chapter 01's checkers written as code (pass_cost is a table, tested in test_checks_table.py):
-the solutions pass and leave the random state alone, stubs go through, and every wrong answer
-below fails with a hint that names its mistake."""
+"""Chapter 01's checkers written as code (pass_cost is a table: test_checks_table.py): solutions
+pass, leaving the random state alone, stubs go through, each wrong answer below gets its hint."""
 from functools import partial
 
 import numpy as np
@@ -11,14 +10,14 @@ import minikv
 from minikv.course.checks import CheckFailed, ch01
 from minikv.engine.generate import generate as engine_generate
 
-from conftest import solution_check_cells, stub
+from conftest import stub
 
 cost = ch01.PASS_COST.solution
 
 
-def greedy_decode(model, prompt_ids, max_new_tokens, eos_id=None, *, pieces=lambda p: [p],
-                  feed=lambda m, idx, cache, i, seq: m(idx, cache=cache), row=-1, short=0,
-                  drop_eos=False, extra=False):
+def greedy(model, prompt_ids, max_new_tokens, eos_id=None, *, pieces=lambda p: [p],
+           feed=lambda m, idx, cache, i, seq: m(idx, cache=cache), row=-1, short=0,
+           drop_eos=False, extra=False):
     """The solution, or with a usual mistake switched on: how the prefill is cut (`pieces`), how a
     pass is run (`feed`), the position picked, stopping early, dropping the EOS, one extra pass."""
     cache = minikv.KVCache.for_model(model, max_len=len(prompt_ids) + max_new_tokens + 1)
@@ -39,12 +38,12 @@ def greedy_decode(model, prompt_ids, max_new_tokens, eos_id=None, *, pieces=lamb
                 return tokens
 
 
-def chunked_prefill(model, ids, chunk, *, step=0, width=0, at=lambda start, n: None,
-                    fresh=False, keep_first=False, drop_last=False, last=lambda x: x[0, -1]):
-    """The solution, or with a usual mistake switched on: chunks `step` apart of `width` tokens,
-    positions at(start, n), a fresh cache per chunk, the first chunk's logits, no last chunk, the
-    logits returned as last(logits)."""
-    step, width = step or chunk, width or chunk
+def chunked(model, ids, chunk, *, step=0, width=0, at=lambda start, n: None, fresh=False,
+            keep_first=False, drop_last=False, last=lambda x: x[0, -1]):
+    """The solution, or with a usual mistake switched on: chunks chunk + step apart of chunk +
+    width tokens, positions at(start, n), a fresh cache per chunk, the first chunk's logits, no
+    last chunk, the logits returned as last(logits)."""
+    step, width = max(chunk + step, 1), max(chunk + width, 1)
     cache, logits = minikv.KVCache.for_model(model, max_len=2 * len(ids) + 2), []
     with torch.inference_mode():
         for start in range(0, len(ids) - (len(ids) % step if drop_last else 0), step):
@@ -57,9 +56,9 @@ def chunked_prefill(model, ids, chunk, *, step=0, width=0, at=lambda start, n: N
 
 
 def cache_changed(change):
-    """chunked_prefill, then change(cache) done to the cache it returns."""
+    """chunked, then change(cache) done to the cache it returns."""
     def wrong(model, ids, chunk):
-        logits, cache = chunked_prefill(model, ids, chunk)
+        logits, cache = chunked(model, ids, chunk)
         change(cache)
         return logits, cache
     return wrong
@@ -89,22 +88,17 @@ def decoder(pick, cached=True):
         self.model(pick(logits), cache=cache if cached else None))})
 
 
-def from_the_cost_model():
-    """Also right: composed from pass_cost (one row's arithmetic, the weights once)."""
-    cfg = minikv.GPTConfig.preset("gpt2")
-    weights, (flops, moved) = cost(cfg, 0, 0, 2)[1], cost(cfg, 1, 1000, 2)
-    return 64 * flops / (weights + 64 * (moved - weights))
-
-
 def test_solutions_pass_and_leave_the_random_state_alone(capsys):
     state = torch.get_rng_state()
-    ch01.check_greedy_decode(greedy_decode)
-    ch01.check_chunked_prefill(chunked_prefill)
-    ch01.check_chunked_prefill(partial(chunked_prefill, at=lambda start, n: torch.arange(
+    ch01.check_greedy_decode(greedy)
+    ch01.check_chunked_prefill(chunked)
+    ch01.check_chunked_prefill(partial(chunked, at=lambda start, n: torch.arange(
         start, start + n)))  # also right: positions given, continuing where the cache ends
     ch01.check_pass_cost(lambda *a: tuple(np.int64(v) for v in cost(*a)))
-    for right in (lambda: 64 * 284e6 / (495e6 / 2 + 64 * 73.7e6 / 2), from_the_cost_model,
-                  lambda: 64 * 247e6 / (248e6 + 64 * 37e6)):  # the last: no attention, 13% low
+    gpt2 = minikv.GPTConfig.preset("gpt2")  # also right: from pass_cost, or 13% low (no attention)
+    for right in (lambda: 64 * 284e6 / (495e6 / 2 + 64 * 73.7e6 / 2),
+                  lambda w=cost(gpt2, 0, 0, 2)[1], f=cost(gpt2, 1, 1000, 2): 64 * f[0] / (
+                      w + 64 * (f[1] - w)), lambda: 64 * 247e6 / (248e6 + 64 * 37e6)):
         ch01.check_predict_batched_intensity(right)
     ch01.check_decoder(decoder(lambda logits: logits[:, -1:].argmax(dim=-1)))
     ch01.check_decoder(decoder(lambda logits: torch.tensor([[int(logits[0, -1].argmax())]])))
@@ -122,78 +116,54 @@ def test_stubs_raise_not_implemented(check, wrong):
         check(wrong)
 
 
-def restart(m, idx, cache, i, seq):
-    return m(idx, cache=cache, positions=torch.arange(idx.shape[1]))
+def feeding(pass_):
+    """greedy whose passes run as pass_(model, idx, cache, i, seq)."""
+    return partial(greedy, feed=pass_)
 
 
-GENERATE = "called minikv's own"
-WRONG = [
-    (ch01.check_greedy_decode, partial(greedy_decode, feed=restart), "seed 003's bug",
-     "restart at 0 every step"),
-    (ch01.check_greedy_decode, partial(greedy_decode, pieces=lambda p: [[t] for t in p]),
-     "prefill the prompt one token at a time"),
-    (ch01.check_greedy_decode, partial(greedy_decode, feed=lambda m, idx, c, i, seq: m(
-        torch.tensor([seq]))), "recompute the whole sequence every step"),
-    (ch01.check_greedy_decode, lambda m, p, n, e=None: minikv.generate(m, p, n, eos_id=e).tokens,
-     GENERATE, "generate"),
-    (ch01.check_greedy_decode, lambda m, p, n, e=None: engine_generate(m, p, n, eos_id=e).tokens,
-     GENERATE, "generate"),
-    (ch01.check_greedy_decode, lambda m, p, n, e=None: minikv.generate(
-        m, p, n, mode="naive", eos_id=e).tokens, GENERATE, "generate"),
-    (ch01.check_greedy_decode, partial(greedy_decode, extra=True), "feed the last token too"),
-    (ch01.check_greedy_decode, lambda m, p, n, e=None: greedy_decode(m, p, n),
-     "do not stop at EOS"),
-    (ch01.check_greedy_decode, partial(greedy_decode, drop_eos=True), "drop the EOS"),
-    (ch01.check_greedy_decode, partial(greedy_decode, short=1), "one token short"),
-    (ch01.check_greedy_decode, partial(greedy_decode, feed=lambda m, idx, c, i, seq: m(
-        idx, cache=minikv.KVCache.for_model(m))), "make a new cache every step"),
-    (ch01.check_greedy_decode, partial(greedy_decode, feed=lambda m, idx, c, i, seq: m(
-        idx, cache=c if i == 0 else None)), "ran without a cache"),
-    (ch01.check_greedy_decode, lambda *a: torch.tensor(greedy_decode(*a)), "not a torch.Tensor"),
-    (ch01.check_greedy_decode, lambda *a: np.array(greedy_decode(*a)), "not a numpy.ndarray"),
-    (ch01.check_greedy_decode, lambda *a: [float(t) for t in greedy_decode(*a)],
-     "must be an int", "float"),
-    (ch01.check_greedy_decode, partial(greedy_decode, row=0), "prefill's FIRST position"),
-    (ch01.check_greedy_decode, partial(greedy_decode, pieces=lambda p: [p[:-1], p[-1:]] if len(
-        p) > 1 else [p]), "leaves out the prompt's last token"),
-    (ch01.check_chunked_prefill, partial(chunked_prefill, at=lambda start, n: torch.arange(n)),
-     "seed 003's bug", "restart at 0"),
-    (ch01.check_chunked_prefill, partial(chunked_prefill, fresh=True), "fresh cache per chunk"),
-    (ch01.check_chunked_prefill, partial(chunked_prefill, keep_first=True),
-     "return the FIRST chunk's logits"),
-    (ch01.check_chunked_prefill, lambda m, ids, c: chunked_prefill(m, ids, c, step=c + 1,
-                                                                   width=c + 1),
-     "off by one", "chunks of 5 tokens instead of 4"),
-    (ch01.check_chunked_prefill, lambda m, ids, c: chunked_prefill(
-        m, ids, c, step=max(c - 1, 1), width=max(c - 1, 1)), "chunks of 3 tokens instead of 4"),
-    (ch01.check_chunked_prefill, lambda m, ids, c: chunked_prefill(m, ids, c, width=c + 1),
-     "chunks overlap by one token"),
-    (ch01.check_chunked_prefill, partial(chunked_prefill, drop_last=True),
-     "the last, shorter chunk is dropped"),
-    (ch01.check_chunked_prefill, lambda m, ids, c: chunked_prefill(m, ids, len(ids)),
-     "one pass over the whole prompt"),
-    (ch01.check_chunked_prefill, lambda *a: chunked_prefill(*a)[0], "return a pair"),
-    (ch01.check_chunked_prefill, lambda *a: chunked_prefill(*a)[::-1], "(logits, cache)",
-     "in that order"),
-    (ch01.check_chunked_prefill, partial(chunked_prefill, last=lambda x: x[:, -1]),
-     "squeeze them to shape (512,)"),
-    (ch01.check_chunked_prefill, partial(chunked_prefill, last=lambda x: x),
-     "the last position's logits only"),
-    (ch01.check_chunked_prefill, partial(chunked_prefill, last=lambda x: x[0, -1].numpy()),
-     "no .numpy()"),
-    (ch01.check_chunked_prefill, cache_changed(lambda cache: cache.values[-1].zero_()),
-     "layer 1's values differ", "nothing changed after the last chunk"),
-    (ch01.check_chunked_prefill, cache_changed(lambda c: c.crop(c.get_seq_length() - 1)),
-     "cache length 10"),
-    (ch01.check_pass_cost, minikv.bench.pass_cost, GENERATE, "pass_cost"),
-    (ch01.check_pass_cost, lambda *a: (cost(*a)[0] / 1, cost(*a)[1]),
-     "FLOPs must be an int, not a float"),
-    (ch01.check_pass_cost, lambda *a: tuple(np.float64(v) for v in cost(*a)),
-     "FLOPs must be an int, not a float64"),
-    (ch01.check_pass_cost, lambda *a: dict(zip(("flops", "bytes"), cost(*a))),
-     "return a pair of ints"),
-    (ch01.check_pass_cost, lambda *a: cost(*a)[0], "return a pair of ints"),
-    *[(ch01.check_predict_batched_intensity, lambda v=v: v, *fragments) for v, *fragments in [
+CALLED = "called minikv's own"
+WRONG = [(ch01.check_greedy_decode, *w) for w in [
+    (feeding(lambda m, x, c, i, s: m(x, cache=c, positions=torch.arange(x.shape[1]))),
+     "seed 003's bug", "restart at 0 every step"),
+    (partial(greedy, pieces=lambda p: [[t] for t in p]), "prefill the prompt one token at a time"),
+    (feeding(lambda m, x, c, i, s: m(torch.tensor([s]))), "recompute the whole sequence every"),
+    (lambda m, p, n, e=None: minikv.generate(m, p, n, eos_id=e).tokens, CALLED, "generate"),
+    (lambda m, p, n, e=None: engine_generate(m, p, n, eos_id=e).tokens, CALLED, "generate"),
+    (lambda m, p, n, e=None: minikv.generate(m, p, n, mode="naive", eos_id=e).tokens, CALLED),
+    (partial(greedy, extra=True), "feed the last token too"),
+    (lambda m, p, n, e=None: greedy(m, p, n), "do not stop at EOS"),
+    (partial(greedy, drop_eos=True), "drop the EOS"), (partial(greedy, short=1), "one token short"),
+    (feeding(lambda m, x, c, i, s: m(x, cache=minikv.KVCache.for_model(m))), "a new cache every"),
+    (feeding(lambda m, x, c, i, s: m(x, cache=c if i == 0 else None)), "ran without a cache"),
+    (lambda *a: torch.tensor(greedy(*a)), "not a torch.Tensor"),
+    (lambda *a: np.array(greedy(*a)), "not a numpy.ndarray"),
+    (lambda *a: [float(t) for t in greedy(*a)], "must be an int", "float"),
+    (partial(greedy, row=0), "prefill's FIRST position"),
+    (partial(greedy, pieces=lambda p: [p[:-1], p[-1:]] if len(p) > 1 else [p]),
+     "leaves out the prompt's last token")]] + [(ch01.check_chunked_prefill, *w) for w in [
+    (partial(chunked, at=lambda start, n: torch.arange(n)), "seed 003's bug", "restart at 0"),
+    (partial(chunked, fresh=True), "fresh cache per chunk"),
+    (partial(chunked, keep_first=True), "return the FIRST chunk's logits"),
+    (partial(chunked, step=1, width=1), "off by one", "chunks of 5 tokens instead of 4"),
+    (partial(chunked, step=-1, width=-1), "off by one", "chunks of 3 tokens instead of 4"),
+    (partial(chunked, width=1), "chunks overlap by one token"),
+    (partial(chunked, drop_last=True), "the last, shorter chunk is dropped"),
+    (lambda m, ids, c: chunked(m, ids, len(ids)), "one pass over the whole prompt"),
+    (lambda *a: chunked(*a)[0], "return a pair"),
+    (lambda *a: chunked(*a)[::-1], "(logits, cache)", "in that order"),
+    (partial(chunked, last=lambda x: x[:, -1]), "squeeze them to shape (512,)"),
+    (partial(chunked, last=lambda x: x), "the last position's logits only"),
+    (partial(chunked, last=lambda x: x[0, -1].numpy()), "no .numpy()"),
+    (cache_changed(lambda cache: cache.values[-1].zero_()), "layer 1's values differ",
+     "nothing changed after the last chunk"),
+    (cache_changed(lambda c: c.crop(c.get_seq_length() - 1)), "cache length 10")]] + [
+    (ch01.check_pass_cost, *w) for w in [
+        (minikv.bench.pass_cost, CALLED, "pass_cost"),
+        (lambda *a: (cost(*a)[0] / 1, cost(*a)[1]), "FLOPs must be an int, not a float"),
+        (lambda *a: tuple(np.float64(v) for v in cost(*a)), "FLOPs must be an int, not a float64"),
+        (lambda *a: dict(zip(("flops", "bytes"), cost(*a))), "return a pair of ints"),
+        (lambda *a: cost(*a)[0], "return a pair of ints")]] + [
+    (ch01.check_predict_batched_intensity, lambda v=v: v, *fragments) for v, *fragments in [
         (64.0, "you multiplied one sequence's decode intensity by 64",
          "every sequence reads its own K/V"),
         (60, "you multiplied one sequence's decode intensity by 64"),
@@ -202,30 +172,25 @@ WRONG = [
         (0.5, "one sequence's decode intensity in fp32"), (3.5, "the intensity in fp32"),
         (12.7, "you counted only the keys"),
         (20.0, "the weights once, plus each sequence's cached K/V"),
-        (None, "a positive number"), ("7", "a positive number")]],
+        (None, "a positive number"), ("7", "a positive number")]] + [
     (ch01.check_predict_batched_intensity, lambda: engine_generate(
-        minikv.GPT(minikv.GPTConfig.preset("tiny")), [1], 2).tokens[0], GENERATE),
-    (ch01.check_decoder, CachedDecoder, "as many as the prompt", "EVERY position",
-     "the bug hides"),
-    (ch01.check_decoder, decoder(lambda logits: logits[0, -1].argmax(dim=-1)),
-     "idx of shape (1, 1)", "keep both dimensions"),
-    (ch01.check_decoder, decoder(lambda logits: logits[:, -1].argmax(dim=-1)),
-     "idx of shape (1, 1)", "keep both dimensions"),
-    (ch01.check_decoder, decoder(lambda logits: logits[:, :1].argmax(dim=-1)),
-     "another position than the last"),
-    (ch01.check_decoder, decoder(lambda logits: logits[:, -1:].argmax(dim=-1), cached=False),
-     "without the cache"),
-    (ch01.check_decoder, type("Decoder", (CachedDecoder,), {"generate": lambda self, p, n: (
-        minikv.generate(self.model, p, n).tokens)}), GENERATE),
-    (ch01.check_decoder, CachedDecoder(None), "pass the class itself"),
-    *[(ch01.check_choose_chunk, lambda v=v: v, *fragments) for v, *fragments in [
+        minikv.GPT(minikv.GPTConfig.preset("tiny")), [1], 2).tokens[0], CALLED)] + [
+    (ch01.check_decoder, *w) for w in [
+        (CachedDecoder, "as many as the prompt", "EVERY position", "the bug hides"),
+        (decoder(lambda x: x[0, -1].argmax(dim=-1)), "idx of shape (1, 1)", "keep both dim"),
+        (decoder(lambda x: x[:, -1].argmax(dim=-1)), "idx of shape (1, 1)", "keep both dim"),
+        (decoder(lambda x: x[:, :1].argmax(dim=-1)), "another position than the last"),
+        (decoder(lambda x: x[:, -1:].argmax(dim=-1), cached=False), "without the cache"),
+        (type("Decoder", (CachedDecoder,), {"generate": lambda self, p, n: minikv.generate(
+            self.model, p, n).tokens}), CALLED),
+        (CachedDecoder(None), "pass the class itself")]] + [
+    (ch01.check_choose_chunk, lambda v=v: v, *fragments) for v, *fragments in [
         (439, "the remainder (1000 - 878 = 122)", "crossover of ONE prefill"),
         (450, "the remainder (1000 - 900 = 100)"), (600, "the remainder (1000 - 600 = 400)"),
         (256, "A full chunk is already memory-bound"), (12, "a CPU's crossover"),
         (1000, "no chunking at all"), (4096, "no chunking at all"),
         (520, "a smaller chunk also keeps them all so"), (0, "a positive int"),
-        (500.0, "a positive int")]],
-]
+        (500.0, "a positive int")]]
 
 
 @pytest.mark.parametrize("case", WRONG)
@@ -235,12 +200,3 @@ def test_wrong_answers_get_their_hint(case):
         check(wrong)
     for fragment in fragments:
         assert fragment in str(info.value), f"{fragment!r} not in:\n{info.value}"
-
-
-def test_check_cells_follow_their_exercises():
-    cells = solution_check_cells("01_prefill_decode.ipynb", "ch01")
-    for before, cell, _, passed in cells:
-        assert f" {passed[0]}(" in before and "✓" in str(cell.outputs)
-    assert [called for _, _, called, _ in cells] == [
-        "greedy_decode", "chunked_prefill", "pass_cost", "predict_batched_intensity", "decoder",
-        "choose_chunk"]

@@ -4,6 +4,7 @@ table, against bench.pass_cost), predict_batched_intensity (predict, then measur
 (debug) and choose_chunk (design: an H100's balance point). Each usual mistake is named."""
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -28,27 +29,22 @@ from . import (
 )
 
 
-class _PassLog:
+@contextlib.contextmanager
+def _pass_log(model: torch.nn.Module):
     """Every forward pass of `model`: (idx's shape, the cache given or None, that cache's length
     before the pass, the explicit positions or None)."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.model, self.passes = model, []
-
-    def __enter__(self) -> _PassLog:
-        def hook(module, args, kwargs):
-            idx, cache, positions = (args[i] if len(args) > i else kwargs.get(key)
-                                     for i, key in enumerate(("idx", "cache", "positions")))
-            if isinstance(positions, torch.Tensor):
-                positions = [int(p) for p in positions.reshape(-1, positions.shape[-1])[0]]
-            self.passes.append((tuple(idx.shape) if isinstance(idx, torch.Tensor) else None,
-                                cache, cache.get_seq_length() if isinstance(cache, KVCache)
-                                else None, positions))
-        self.handle = self.model.register_forward_pre_hook(hook, with_kwargs=True)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.handle.remove()
+    def hook(module, args, kwargs):
+        idx, cache, positions = (args[i] if len(args) > i else kwargs.get(key)
+                                 for i, key in enumerate(("idx", "cache", "positions")))
+        if isinstance(positions, torch.Tensor):
+            positions = [int(p) for p in positions.reshape(-1, positions.shape[-1])[0]]
+        passes.append((tuple(idx.shape) if isinstance(idx, torch.Tensor) else None, cache,
+                       cache.get_seq_length() if isinstance(cache, KVCache) else None, positions))
+    passes, handle = [], model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield passes
+    finally:
+        handle.remove()
 
 
 def _token_list(name: str, case: str, expected, got) -> list[int]:
@@ -72,19 +68,12 @@ def _shapes(shapes: list, k: int = 8) -> str:
 
 # --- exercise 1: the prefill + decode loop ------------------------------------------------------
 
-def _greedy(model: GPT, prompt: list[int], n: int, eos_id, row: int = -1) -> list[int]:
-    """Cached greedy decoding that picks the prefill's token from position `row` (the usual
-    mistake is row 0: the first position's logits)."""
-    cache = KVCache.for_model(model, max_len=len(prompt) + n)
-    tokens, idx = [], torch.tensor([prompt])
+def _first_position(model: GPT, prompt: list[int], n: int, eos_id=None) -> list[int]:
+    """The tokens greedy decoding gives when the prefill's token is picked at its FIRST position."""
     with torch.inference_mode():
-        while len(tokens) < n:
-            token = int(model(idx, cache=cache)[0, row if not tokens else -1].argmax())
-            tokens.append(token)
-            if token == eos_id:
-                break
-            idx = torch.tensor([[token]])
-    return tokens
+        first = int(model(torch.tensor([prompt]))[0, 0].argmax())
+    return [first] + (generate(model, prompt + [first], n - 1, eos_id=eos_id).tokens
+                      if n > 1 and first != eos_id else [])
 
 
 def _check_decode_passes(name: str, case: str, prompt, log: list) -> None:
@@ -152,7 +141,7 @@ def _decode_token_hint(model, prompt, n, eos_id, expected, got) -> str:
         return "one token short: return max_new_tokens tokens (or up to and including the EOS)"
     if len(got) > n:
         return f"more than max_new_tokens={n} tokens"
-    if got == _greedy(model, prompt, n, eos_id, row=0):
+    if got == _first_position(model, prompt, n, eos_id):
         return ("this is what you get when the first token comes from the prefill's FIRST "
                 "position: use the last position's logits, logits[0, -1]")
     return "pick argmax of the last position's logits each pass; stop right after eos_id"
@@ -174,13 +163,13 @@ def check_greedy_decode(greedy_decode) -> None:
         case = (f"prompt {prompt}, max_new_tokens={n}, eos_id={eos_id}"
                 + (" (course target)" if m is target else ""))
         expected = generate(m, prompt, n, mode="cached", eos_id=eos_id).tokens
-        with _PassLog(m) as log, forbid(name, generate):
+        with _pass_log(m) as log, forbid(name, generate):
             got = call(name, case, greedy_decode, m, list(prompt), n, eos_id)
         tokens = _token_list(name, case, expected, got)
-        _check_decode_passes(name, case, prompt, log.passes)
+        _check_decode_passes(name, case, prompt, log)
         expect(tokens == expected, name, case, expected, tokens,
                _decode_token_hint(m, prompt, n, eos_id, expected, tokens))
-        n_passes = len(log.passes)
+        n_passes = len(log)
         hint = f"one pass per new token: {len(expected)} passes for {len(expected)} tokens"
         if n_passes == len(expected) + 1:
             hint = ("this is what you get when you feed the last token too: it is returned, "
@@ -217,8 +206,7 @@ def _chunk_size_hint(length: int, chunk: int, sizes: list[int]) -> str:
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and bool(((a.double() - b.double()).abs()
-                                        <= 1e-5 * (1 + b.double().abs())).all())
+    return a.shape == b.shape and torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-5)
 
 
 def _chunked_cases():
@@ -235,27 +223,6 @@ def _chunked_cases():
         "course target"
 
 
-def _logits_and_cache(name: str, case: str, V: int, got):
-    """The (logits, cache) pair the learner returned, or a CheckFailed saying what came back."""
-    if isinstance(got, torch.Tensor):
-        fail(name, case, "(logits, cache)", f"a tensor of shape {tuple(got.shape)}",
-             "return a pair: the last position's logits AND the cache")
-    if not isinstance(got, (tuple, list)) or len(got) != 2:
-        fail(name, case, "(logits, cache)", got if not isinstance(got, (tuple, list))
-             else f"a {type(got).__name__} of {len(got)} items", "return a pair (logits, cache)")
-    logits, cache = got
-    if isinstance(logits, KVCache) and isinstance(cache, torch.Tensor):
-        fail(name, case, "(logits, cache)", "(cache, logits)", "return them in that order: "
-             "(logits, cache)")
-    if not isinstance(cache, KVCache):
-        fail(name, case, "a minikv.KVCache", type(cache).__name__,
-             "return the KVCache you filled as the second item")
-    if type(logits).__module__ == "numpy" or not isinstance(logits, torch.Tensor):
-        fail(name, case, f"a torch.Tensor of shape ({V},)", type(logits).__name__,
-             "return the logits as a torch.Tensor (no .numpy(), no .tolist())")
-    return logits.detach().cpu(), cache
-
-
 @guarded
 def check_chunked_prefill(chunked_prefill) -> None:
     """chunked_prefill(model, ids, chunk) -> (last logits (vocab,), cache), equal within 1e-5
@@ -268,22 +235,39 @@ def check_chunked_prefill(chunked_prefill) -> None:
         with torch.inference_mode():
             ref_logits = model(torch.tensor([ids]), cache=ref_cache)[0, -1]
             first_chunk_logits = model(torch.tensor([ids[:chunk]]))[0, -1]
-        with _PassLog(model) as log:
+        with _pass_log(model) as log:
             got = call(name, case, chunked_prefill, model, list(ids), chunk)
-        logits, cache = _logits_and_cache(name, case, V, got)
-        shapes, want = [shape for shape, *_ in log.passes], _chunk_sizes(L, chunk)
+        if isinstance(got, torch.Tensor):
+            fail(name, case, "(logits, cache)", f"a tensor of shape {tuple(got.shape)}",
+                 "return a pair: the last position's logits AND the cache")
+        if not isinstance(got, (tuple, list)) or len(got) != 2:
+            fail(name, case, "(logits, cache)", got if not isinstance(got, (tuple, list))
+                 else f"a {type(got).__name__} of {len(got)} items",
+                 "return a pair (logits, cache)")
+        logits, cache = got
+        if isinstance(logits, KVCache) and isinstance(cache, torch.Tensor):
+            fail(name, case, "(logits, cache)", "(cache, logits)", "return them in that order: "
+                 "(logits, cache)")
+        if not isinstance(cache, KVCache):
+            fail(name, case, "a minikv.KVCache", type(cache).__name__,
+                 "return the KVCache you filled as the second item")
+        if type(logits).__module__ == "numpy" or not isinstance(logits, torch.Tensor):
+            fail(name, case, f"a torch.Tensor of shape ({V},)", type(logits).__name__,
+                 "return the logits as a torch.Tensor (no .numpy(), no .tolist())")
+        logits = logits.detach().cpu()
+        shapes, want = [shape for shape, *_ in log], _chunk_sizes(L, chunk)
         if any(s is None or len(s) != 2 or s[0] != 1 for s in shapes):
             fail(name, case, "passes of shape (1, chunk)", f"passes of shapes {shapes}",
                  "feed idx of shape (1, chunk): a batch of one sequence")
         sizes = [s[1] for s in shapes]
         expect(sizes == want, name, case, f"{len(want)} passes of {want} tokens",
                f"{len(sizes)} passes of {sizes} tokens", _chunk_size_hint(L, chunk, sizes))
-        for i, (_, c, length, positions) in enumerate(log.passes):
+        for i, (_, c, length, positions) in enumerate(log):
             start = sum(want[:i])
             if c is None:
                 fail(name, case, "every chunk fed into the cache", f"chunk {i + 1} had no cache",
                      "call model(chunk_ids, cache=cache) for every chunk")
-            if c is not log.passes[0][1]:
+            if c is not log[0][1]:
                 fail(name, case, "one cache for every chunk",
                      f"chunk {i + 1} went into a different cache",
                      "this is what you get with a fresh cache per chunk: each chunk must attend "
@@ -406,12 +390,11 @@ def _two_ints(got, *case) -> tuple[int, int]:
 
 def _cost_hint(answers: list) -> str:
     """No one mistake explains the answers (two at once?): name the FLOPs' own, else the bytes'."""
-    for i, fallback in ((0, FLOPS_HINT), (1, BYTES_HINT)):
+    for i, fallback in ((0, FLOPS_HINT), (1, BYTES_HINT)):  # one of them is wrong
         wrong = [(case, got[i]) for case, got in answers if got[i] != bench.pass_cost(*case)[i]]
         if wrong:
             return diagnose({hint: lambda *case, m=m, i=i: _cost(*case, mistake=m)[i]
                              for m, hint in COST_MISTAKES.items()}, wrong) or fallback
-    return ""
 
 
 PASS_COST = Exercise(
@@ -441,10 +424,8 @@ H100_BALANCE = 989e12 / 3.35e12  # NVIDIA H100 SXM datasheet: dense bf16 FLOP/s 
 
 def _batched_decode(cfg: GPTConfig, batch: int, cached: int, bpv: int,
                     keys_only: bool = False) -> tuple[int, int]:
-    """(FLOPs, bytes) of one decode pass over `batch` sequences of `cached` tokens each, by
-    bench.pass_cost's convention: every row does its own arithmetic (its head row included),
-    the weights are read once for the whole batch, each row reads its own cached K/V (and
-    writes its new ones) and looks up its own embedding rows."""
+    """(FLOPs, bytes) of one decode pass over `batch` sequences of `cached` tokens each: every row
+    its own arithmetic, K/V and embedding rows, the weights read once for the whole batch."""
     weights = bench.pass_cost(cfg, 0, 0, bpv)[1]  # no token fed: the weights alone
     flops, moved = bench.pass_cost(cfg, 1, cached, bpv)
     own = moved - weights  # this row's K/V and embedding rows
@@ -476,11 +457,9 @@ def check_predict_batched_intensity(predict_batched_intensity) -> None:
               f"byte, far below an H100's balance point ({H100_BALANCE:.0f}): the K/V reads "
               f"dominate")
         return
-    weights = bench.pass_cost(cfg, 0, 0, BF16)[1]
-    kv_one = bench.pass_cost(cfg, 1, CACHED, BF16)[1] - weights
-    single = bench.pass_cost(cfg, 1, CACHED, BF16)
-    no_kv = flops / (weights + BATCH * 2 * cfg.n_embd * BF16)
-    fp32 = bench.pass_cost(cfg, 1, CACHED, 4)
+    weights, single = bench.pass_cost(cfg, 0, 0, BF16)[1], bench.pass_cost(cfg, 1, CACHED, BF16)
+    kv_one, no_kv = single[1] - weights, flops / (weights + BATCH * 2 * cfg.n_embd * BF16)
+    fp32, keys = bench.pass_cost(cfg, 1, CACHED, 4), _batched_decode(cfg, BATCH, CACHED, BF16, True)
     shared = (f"right for the weights (one read of each serves all {BATCH} rows), wrong for the "
               f"cache: every sequence reads its own K/V, {kv_one / 1e6:.1f} MB each at "
               f"{CACHED:,} tokens; {BATCH} of them outweigh the {weights / 1e6:.0f} MB of "
@@ -503,8 +482,7 @@ def check_predict_batched_intensity(predict_batched_intensity) -> None:
          "that is one sequence's decode intensity in fp32: this pass is bf16 (2 bytes a value) "
          "and batched"),
         (want / 2, "that is the intensity in fp32 (4 bytes a value): this pass is bf16, 2 bytes"),
-        (_batched_decode(cfg, BATCH, CACHED, BF16, keys_only=True)[0]
-         / _batched_decode(cfg, BATCH, CACHED, BF16, keys_only=True)[1],
+        (keys[0] / keys[1],
          "you counted only the keys: every cached position holds a key AND a value, per layer"),
     ]
     hint = next((h for v, h in candidates if abs(value - v) <= 0.1 * v),
@@ -549,10 +527,10 @@ def check_decoder(FixedDecoder) -> None:
         case = f"{label}: FixedDecoder(model).generate({prompt}, {n})"
         expected = generate(model, prompt, n, mode="cached").tokens
         decoder = call(name, f"{label}: FixedDecoder(model)", FixedDecoder, model)
-        with _PassLog(model) as log, forbid(name, generate):
+        with _pass_log(model) as log, forbid(name, generate):
             got = call_hinted(name, case, _decoder_error_hint, decoder.generate, list(prompt), n)
         tokens = _token_list(name, case, expected, got)
-        shapes, P = [shape for shape, *_ in log.passes], len(prompt)
+        shapes, P = [shape for shape, *_ in log], len(prompt)
         passed_short = (" (it passed the 1-token prompt: with one prompt token, the argmax of "
                         "every position is the argmax of the last, so the bug hides)"
                         if i > 0 else "")
@@ -566,12 +544,10 @@ def check_decoder(FixedDecoder) -> None:
                         f"token, shape (1, 1){passed_short}")
             fail(name, case, f"passes of shapes [(1, {P}), (1, 1), ...]", _shapes(shapes, 5),
                  hint)
-        _check_decode_passes(name, case, prompt, log.passes)
+        _check_decode_passes(name, case, prompt, log)
         if tokens != expected:
             hint = "feed the last position's pick, logits[:, -1:].argmax(-1), shape (1, 1)"
-            with torch.no_grad():
-                first = [int(model(torch.tensor([prompt]))[0, 0].argmax())]
-            if len(tokens) > 1 and tokens[1] == generate(model, prompt + first, 1).tokens[0] \
+            if len(tokens) > 1 and tokens[1] == _first_position(model, prompt, 2)[1] \
                     and tokens[1] != expected[1]:
                 hint = ("the decode pass fed the pick of another position than the last (the "
                         "prefill's first, or an argmax over every position at once): the next "
@@ -588,8 +564,7 @@ CHUNK_PROMPT = 1000
 
 
 def _chunk_intensities(cfg: GPTConfig, chunk: int) -> list[tuple[int, int, float]]:
-    """(tokens, cached before it, FLOPs per byte in bf16) of every pass of a chunked prefill of
-    CHUNK_PROMPT tokens, chunks of `chunk` (the last may be shorter)."""
+    """(tokens, cached before, FLOPs per byte in bf16) of every pass of a chunked prefill."""
     rows, done = [], 0
     while done < CHUNK_PROMPT:
         n = min(chunk, CHUNK_PROMPT - done)
@@ -624,7 +599,8 @@ def check_choose_chunk(choose_chunk) -> None:
         if k > 0 and k == len(rows) - 1:
             hint += (f". It is the last chunk, the remainder ({CHUNK_PROMPT} - {done} = {n}): "
                      f"every chunk counts, the shortest one too")
-            if chunk == _crossover(cfg):
+            if _chunk_intensities(cfg, chunk)[0][2] >= H100_BALANCE \
+                    > _chunk_intensities(cfg, chunk - 1)[0][2]:  # ONE prefill's crossover
                 hint += (f". {chunk} is the crossover of ONE prefill from an empty cache "
                          f"(chapter section 5); cut {CHUNK_PROMPT} tokens into chunks of it and "
                          f"the remainder is far shorter")
@@ -649,10 +625,3 @@ def check_choose_chunk(choose_chunk) -> None:
     print(f"✓ {name}: chunks of {chunk}: " + ", ".join(
         f"{n} tokens after {done} cached do {i:.0f} FLOPs per byte" for n, done, i in rows)
         + f"; none smaller keeps every pass at {H100_BALANCE:.0f} or more")
-
-
-def _crossover(cfg: GPTConfig) -> int:
-    """The chapter's H100 crossover: the shortest prefill from an empty cache that is
-    compute-bound in bf16."""
-    return next(T for T in range(1, CHUNK_PROMPT + 1)
-                if _chunk_intensities(cfg, T)[0][2] >= H100_BALANCE)
