@@ -35,10 +35,12 @@ def test_the_mutator_makes_the_expected_mutants():
 
 def test_statements_calls_and_slices():
     source = ("def g(xs, n):\n    ### BEGIN SOLUTION\n    ys = xs[1:n]\n"
-              "    ys.append(max(n, 0))\n    return ys\n    ### END SOLUTION\n")
+              "    ys.append(max(n, 0))\n    ys.insert(n, 0)\n    return ys\n"
+              "    ### END SOLUTION\n")
     lines = mutated_lines(source)
-    assert lines.count("(dropped)") == 2           # either statement but the return
-    assert "ys.append(max(0, n))" in lines         # two positional arguments swapped
+    assert lines.count("(dropped)") == 3           # any statement but the return
+    assert "ys.insert(0, n)" in lines              # two positional arguments swapped
+    assert "ys.append(max(0, n))" not in lines     # but not max's: they commute
     assert "ys = xs[1:n + 1]" in lines and "ys = xs[1:n - 1]" in lines  # a slice bound +- 1
     assert "ys = xs[2:n]" in lines and "ys = xs[1 + 1:n]" not in lines  # a constant bound once
     sources = [m.source for m in mutants(source)]

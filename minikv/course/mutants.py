@@ -39,6 +39,14 @@ COMPARES = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt,
             ast.Eq: ast.NotEq, ast.NotEq: ast.Eq}
 
 
+# calls whose two arguments can be swapped without changing anything: such a mutant is noise
+SYMMETRIC = {"min", "max", "transpose", "swapaxes"}
+
+
+def _name(func: ast.expr) -> str:
+    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+
+
 @dataclass
 class Mutant:
     line: int      # in the cell
@@ -77,8 +85,8 @@ def _sites(tree: ast.AST, lines: list[range]):
             yield from ((i, ("const", d)) for d in (1, -1))
         elif isinstance(node, (ast.If, ast.IfExp)):
             yield i, ("not",)
-        elif isinstance(node, ast.Call) and len(node.args) == 2 \
-                and not any(isinstance(a, ast.Starred) for a in node.args):
+        elif isinstance(node, ast.Call) and len(node.args) == 2 and _name(node.func) not in \
+                SYMMETRIC and not any(isinstance(a, ast.Starred) for a in node.args):
             yield i, ("swap",)
         elif isinstance(node, ast.Slice):  # a constant bound is the constants' mutant already
             bounds = [b for b in ("lower", "upper") if getattr(node, b) is not None and any(
