@@ -66,8 +66,8 @@ def test_finished_rows_stop_at_eos():
     ([], {}, ValueError, "no prompts"),
     ("hello", {}, TypeError, "list of prompts"),
     ([[1, 2], []], {}, ValueError, "prompt is empty"),
-    ([[1, 2]], {"pad_id": 512}, ValueError, "pad_id must be a token id"),
-    ([[1] * 250], {"max_new_tokens": 20}, ValueError, "shorten the prompts"),
+    ([[1, 2]], {"pad_id": 512}, ValueError, r"pad_id must be an int in \[0, 512\) \(a token id\)"),
+    ([[1] * 250], {"max_new_tokens": 20}, ValueError, "lower max_new_tokens"),
     ([[1, 2]], {"max_new_tokens": -1}, ValueError, "max_new_tokens"),
 ])
 def test_bad_input(prompts, kwargs, error, message):

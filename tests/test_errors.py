@@ -83,14 +83,14 @@ GENERATE_CASES = [
     ("float ids", dict(ids=[1.5, 2.0]), TypeError, "must be ints"),
     ("float tensor", dict(ids=torch.tensor([1.0])), TypeError, "dtype=torch.long"),
     ("batch of prompts", dict(ids=torch.ones(2, 3, dtype=torch.long)), ValueError, "one sequence at a time"),
-    ("out of vocab", dict(ids=[1, 9999]), ValueError, "outside the model's vocabulary"),
+    ("out of vocab", dict(ids=[1, 9999]), ValueError, "model's own tokenizer"),
     ("negative temperature", dict(temperature=-0.5), ValueError, "temperature must be"),
     ("nan temperature", dict(temperature=float("nan")), ValueError, "temperature must be"),
     ("zero top_k", dict(top_k=0), ValueError, "top_k must be"),
-    ("unknown mode", dict(mode="paged"), ValueError, "unknown mode 'paged'"),
+    ("unknown mode", dict(mode="paged"), ValueError, "mode must be one of .'naive', 'cached'., got 'paged'"),
     ("negative max_new_tokens", dict(max_new_tokens=-1), ValueError, "max_new_tokens"),
     ("eos out of vocab", dict(eos_id=600), ValueError, "eos_id"),
-    ("cache too short", dict(max_new_tokens=6), ValueError, "cache holds 10 positions"),
+    ("cache too short", dict(max_new_tokens=6), ValueError, "the cache 10: use a larger cache"),
     ("naive with cache", dict(mode="naive"), ValueError, "only apply to mode='cached'"),
 ]
 
@@ -108,7 +108,7 @@ def test_generate_rejects_bad_input_without_side_effects(setup, name, override, 
 def test_cache_constructor_validation(tiny):
     with pytest.raises(ValueError, match="batch_size must be a positive int"):
         minikv.KVCache.for_model(tiny, batch_size=0)
-    with pytest.raises(ValueError, match="exceeds the model's block_size"):
+    with pytest.raises(ValueError, match=r"max_len must be an int in \[1, 257\)"):
         minikv.KVCache.for_model(tiny, max_len=10_000)
 
 

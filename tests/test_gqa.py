@@ -91,7 +91,7 @@ def test_paged_attention_reads_a_kv_head_for_its_whole_group(n_kv_head):
         torch.testing.assert_close(out[b], want, atol=1e-12, rtol=0)
 
 
-@pytest.mark.parametrize("n_kv_head, message", [(3, "divisible by n_kv_head"),
+@pytest.mark.parametrize("n_kv_head, message", [(3, "n_head by n_kv_head"),
                                                  (0, "n_kv_head must be a positive int")])
 def test_bad_n_kv_head(n_kv_head, message):
     with pytest.raises(ValueError, match=message):

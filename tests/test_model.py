@@ -69,18 +69,20 @@ def test_state_dict_without_transformer_prefix_loads():
                        ref.transformer.h[1].mlp.c_fc.weight.t())
 
 
-@pytest.mark.parametrize("corrupt, message", [
-    (lambda sd: sd.pop("transformer.h.1.ln_2.weight"), "missing"),
-    (lambda sd: sd.update({"transformer.h.0.attn.extra": torch.zeros(1)}), "unexpected"),
+@pytest.mark.parametrize("corrupt, error, message", [
+    (lambda sd: sd.pop("transformer.h.1.ln_2.weight"), RuntimeError, "Missing key.*h.1.ln_2"),
+    (lambda sd: sd.update({"transformer.h.0.attn.extra": torch.zeros(1)}), RuntimeError,
+     "Unexpected key.*attn.extra"),
     (lambda sd: sd.update({"transformer.h.0.mlp.c_fc.weight": torch.zeros(128, 500)}),
-     "c_fc.weight: got shape"),
-    (lambda sd: sd.pop("transformer.wte.weight"), "GPT-2 state dict"),
-    (lambda sd: sd.update({"lm_head.weight": torch.zeros(300, 128)}), "ties"),
+     RuntimeError, "size mismatch for h.0.mlp.c_fc.weight"),
+    (lambda sd: sd.pop("transformer.wte.weight"), ValueError, "GPT-2 state dict"),
+    (lambda sd: sd.update({"lm_head.weight": torch.zeros(300, 128)}), ValueError, "not tied"),
 ])
-def test_bad_state_dict_is_rejected(corrupt, message):
+def test_bad_state_dict_is_rejected(corrupt, error, message):
+    """Torch's strict load_state_dict names a missing, extra or misshapen tensor."""
     sd = dict(hf_gpt2().state_dict())
     corrupt(sd)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(error, match=message):
         minikv.GPT.from_gpt2_state_dict(sd)
 
 
@@ -116,6 +118,6 @@ def test_config_validation():
         minikv.GPTConfig(n_embd=100, n_head=12)
     with pytest.raises(ValueError, match="positive int"):
         minikv.GPTConfig(n_layer=0)
-    with pytest.raises(ValueError, match="unknown preset 'gpt5'.*gpt2"):
+    with pytest.raises(ValueError, match="preset must be one of.*gpt2.*got 'gpt5'"):
         minikv.GPTConfig.preset("gpt5")
     assert minikv.GPTConfig.preset("tiny", vocab_size=1000).vocab_size == 1000

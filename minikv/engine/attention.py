@@ -147,8 +147,7 @@ def window_attention(sinks: int, window: int) -> Attention:
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if q.size(-2) != k.size(-2):
-            raise ValueError("window_attention is for one full pass without a cache; to stream "
-                             "through a window, pass a SinkWindowCache instead")
+            raise ValueError("one full pass without a cache only: stream with a SinkWindowCache")
         t = torch.arange(q.size(-2), device=q.device)[:, None]  # queries
         j = torch.arange(k.size(-2), device=q.device)[None, :]  # keys
         return sdpa(q, k, v, attn_mask=(j <= t) & ((j < sinks) | (j >= t - window)))

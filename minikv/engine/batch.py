@@ -16,7 +16,7 @@ from .attention import padded_attention
 from .cache import KVCache
 from .records import GenerationOutput, Stats
 from .sampling import SamplingParams
-from .validate import fits, int_at_least, token_ids
+from .validate import check_room, int_at_least, prompt_of_call
 
 
 def generate_batch(model, prompts, max_new_tokens: int, temperature: float = 0.0,
@@ -69,18 +69,12 @@ def generate_batch(model, prompts, max_new_tokens: int, temperature: float = 0.0
 def _checked_rows(model, prompts, max_new_tokens, sp, pad_id) -> list[list[int]]:
     """Each prompt as a list of ids, once the call is known to be right."""
     if isinstance(prompts, (str, torch.Tensor)) or not hasattr(prompts, "__iter__"):
-        raise TypeError("prompts must be a list of prompts (each a list of token ids); for one "
-                        "prompt use minikv.generate")
-    vocab = model.config.vocab_size
-    rows = [token_ids(p, vocab) for p in prompts]
+        raise TypeError("prompts must be a list of prompts (lists of token ids)")
+    rows = [prompt_of_call(model, p, max_new_tokens, sp) for p in prompts]
     if not rows:
         raise ValueError("no prompts to generate from")
-    int_at_least("max_new_tokens", max_new_tokens, 0)
-    sp.check_vocab(vocab)
-    int_at_least("pad_id", pad_id, 0)
-    if pad_id >= vocab:
-        raise ValueError(f"pad_id must be a token id in [0, {vocab})")
+    int_at_least("pad_id", pad_id, 0, " (a token id)", model.config.vocab_size)
     width = max(len(r) for r in rows)
-    fits(width + max_new_tokens - 1, model.config.block_size, f"the longest prompt ({width}) + "
-         f"{max_new_tokens} new tokens", "max_new_tokens or shorten the prompts")
+    check_room(width + max_new_tokens - 1, model.config.block_size,
+               f"the longest prompt ({width}) + {max_new_tokens} new tokens", "max_new_tokens")
     return rows

@@ -44,8 +44,7 @@ class Cache(ABC):
         pass
 
     def crop(self, max_length: int) -> None:
-        raise ValueError(f"a {type(self).__name__} cannot roll back; use a KVCache for "
-                         f"speculative or verified decoding")
+        raise ValueError(f"a {type(self).__name__} cannot roll back: verify with a KVCache")
 
     @contextmanager
     def restored_on_error(self):
@@ -111,9 +110,8 @@ class KVCache(Cache):
         """An empty cache shaped for `model`, on its device and in its dtype."""
         cfg: GPTConfig = model.config
         max_len = cfg.block_size if max_len is None else max_len
-        if isinstance(max_len, int) and max_len > cfg.block_size:
-            raise ValueError(f"max_len={max_len} exceeds the model's block_size: positions past "
-                             f"it have no embedding; use max_len <= {cfg.block_size}")
+        int_at_least("max_len", max_len, 1, " (no position embeddings past block_size)",
+                     cfg.block_size + 1)
         return cls(cfg.n_layer, batch_size, cfg.kv_heads, cfg.head_dim, max_len,
                    device=model.device, dtype=model.dtype, **kwargs)
 
@@ -144,11 +142,7 @@ class KVCache(Cache):
     def crop(self, max_length: int) -> None:
         """Roll back to the first `max_length` positions (nothing is erased, only
         forgotten)."""
-        if type(max_length) is not int:
-            raise TypeError(f"crop takes an int length, got {type(max_length).__name__}")
-        if not 0 <= max_length <= self._length:
-            raise ValueError(f"cannot crop to {max_length}: pass a length between 0 and "
-                             f"{self._length}, the positions the cache holds")
+        int_at_least("crop length", max_length, 0, " (the positions kept)", self._length + 1)
         self._length = max_length
 
     def fork(self) -> KVCache:
@@ -187,8 +181,7 @@ class KVCache(Cache):
 
     def _check_room(self, n_new: int) -> None:
         if self._length + n_new > self.max_len:
-            raise ValueError(f"KV cache overflow: {self._length} cached + {n_new} new positions "
-                             f"> max_len={self.max_len}; use a larger max_len, or crop it first")
+            raise ValueError(f"KV cache overflow ({self._length} + {n_new}): use a larger max_len")
 
 
 # --- checks shared by the cache kinds that hold (B, n_head, positions, head_dim) per layer ---
@@ -199,21 +192,17 @@ def check_matches(cache: Cache, cfg: GPTConfig, batch_size: int, device, dtype) 
             cache.dtype)
     want = (cfg.n_layer, cfg.kv_heads, cfg.head_dim, batch_size, device, dtype)
     if have != want:
-        raise ValueError(f"cache has (n_layer, n_head, head_dim, batch, device, dtype) = {have}, "
-                         f"the pass needs {want}; build it with KVCache.for_model(model, "
-                         f"batch_size={batch_size})")
+        raise ValueError(f"cache has (n_layer, n_head, head_dim, batch, device, dtype) {have}, "
+                         f"not {want}: use KVCache.for_model(model, batch_size={batch_size})")
 
 
 def check_kv(cache: Cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> None:
     """Raise unless `key` and `value` are one pass's (B, n_head, T, head_dim) K/V."""
-    if not 0 <= layer_idx < cache.n_layer:
-        raise ValueError(f"layer_idx={layer_idx} out of range for {cache.n_layer} layers")
-    want = (cache.batch_size, cache.n_head, "T", cache.head_dim, cache.dtype, cache.device)
-    for t in (key, value):
-        got = (*t.shape[:2], "T", *t.shape[3:], t.dtype, t.device)
-        if got != want or t.shape != key.shape:
-            raise ValueError(f"key and value must both be (B, n_head, T, head_dim, dtype, "
-                             f"device) = {want}; got {tuple(t.shape)} {t.dtype} {t.device}")
+    int_at_least("layer_idx", layer_idx, 0, below=cache.n_layer)
+    want = ((cache.batch_size, cache.n_head, key.shape[2], cache.head_dim), cache.dtype,
+            cache.device)
+    if {(tuple(t.shape), t.dtype, t.device) for t in (key, value)} != {want}:
+        raise ValueError(f"key and value must be {want}: (B, n_head, T, head_dim), dtype, device")
 
 
 def kv_cache_bytes(cfg: GPTConfig, seq_len: int, batch_size: int = 1,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .validate import int_at_least
+from .validate import int_at_least, one_of
 
 
 @dataclass(frozen=True)
@@ -17,19 +17,15 @@ class GPTConfig:
     n_kv_head: int | None = None  # K/V heads (grouped-query attention); None: one per head
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+        sizes = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head")
+        for name in sizes[:5] if self.n_kv_head is None else sizes:
             int_at_least(f"GPTConfig.{name}", getattr(self, name))
         eps = self.layer_norm_eps
         if type(eps) not in (int, float) or not 0 < eps < 1:
-            raise ValueError(f"GPTConfig.layer_norm_eps must be a number in (0, 1), got {eps!r}")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head "
-                             f"({self.n_head}): pick an n_head that divides it")
-        if self.n_kv_head is not None:
-            int_at_least("GPTConfig.n_kv_head", self.n_kv_head, hint=" or None")
-            if self.n_head % self.n_kv_head:
-                raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head "
-                                 f"({self.n_kv_head}): each K/V head serves a whole group")
+            raise ValueError(f"GPTConfig.layer_norm_eps must be a number in (0, 1), not {eps}")
+        if self.n_embd % self.n_head or self.n_head % self.kv_heads:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}), "
+                             f"n_head by n_kv_head: pick an n_head that divides it")
 
     @property
     def head_dim(self) -> int:
@@ -44,9 +40,7 @@ class GPTConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides) -> GPTConfig:
-        if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})
+        return cls(**{**PRESETS[one_of("preset", name, tuple(PRESETS))], **overrides})
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -11,7 +11,7 @@ import torch
 from .cache import KVCache
 from .records import GenerationOutput, KVCounter, Stats, TraceEvent
 from .sampling import SamplingParams
-from .validate import fits, int_at_least, token_ids
+from .validate import check_room, one_of, prompt_of_call
 
 
 def generate(model, ids, max_new_tokens: int, mode: str = "cached", temperature: float = 0.0,
@@ -22,8 +22,7 @@ def generate(model, ids, max_new_tokens: int, mode: str = "cached", temperature:
     0, else sampled with `seed`. A `cache` passed in is extended in place (`fork()` to
     keep it). `position_offset_bug`: the classic mistake, positions restart at 0."""
     sp = SamplingParams(temperature, top_k, seed, eos_id)
-    prompt = token_ids(ids, model.config.vocab_size)
-    int_at_least("max_new_tokens", max_new_tokens, 0)
+    prompt = prompt_of_call(model, ids, max_new_tokens, sp)
     past = 0 if cache is None else cache.get_seq_length()
     needed = past + len(prompt) + max_new_tokens - 1  # the last new token is never fed back
     _check_call(model, prompt, max_new_tokens, needed, mode, sp, cache, position_offset_bug)
@@ -85,14 +84,11 @@ def _finish(out: GenerationOutput, kv_computed: int) -> GenerationOutput:
 
 def _check_call(model, prompt, max_new_tokens, needed, mode, sp, cache,
                 position_offset_bug) -> None:
-    if mode not in ("naive", "cached"):
-        raise ValueError(f"unknown mode {mode!r}; choose one of ('naive', 'cached')")
+    one_of("mode", mode, ("naive", "cached"))
     if mode == "naive" and (cache is not None or position_offset_bug):
         raise ValueError("cache= and position_offset_bug= only apply to mode='cached'")
-    sp.check_vocab(model.config.vocab_size)
     past = needed + 1 - len(prompt) - max_new_tokens
-    fits(needed, model.config.block_size, f"{past} cached + {len(prompt)} prompt + "
-         f"{max_new_tokens} new tokens", "max_new_tokens or shorten the prompt")
+    check_room(needed, model.config.block_size, f"{past} cached + {len(prompt)} prompt + "
+               f"{max_new_tokens} new tokens", "max_new_tokens or shorten the prompt")
     if cache is not None and cache.max_len is not None and needed > cache.max_len:
-        raise ValueError(f"the cache holds {cache.max_len} positions but this call needs "
-                         f"{needed}; pass a larger cache or lower max_new_tokens")
+        raise ValueError(f"needs {needed} positions, the cache {cache.max_len}: use a larger cache")

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from .attention import Attention, sdpa
 from .cache import Cache
 from .config import GPTConfig
+from .validate import is_int_tensor
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -149,70 +150,41 @@ class GPT(nn.Module):
             config = GPTConfig(vocab_size=vocab, block_size=sd["wpe.weight"].shape[0],
                                n_layer=n_layer, n_head=max(1, n_embd // 64), n_embd=n_embd)
         model = cls(config)
-        ours = {k.removeprefix("transformer."): v for k, v in model.state_dict().items()
-                if k != "lm_head.weight"}
         conv1d = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
         sd = {name: t.t() if name.endswith(conv1d) else t for name, t in sd.items()}
-        _check_same_shapes(sd, ours, f"{config}")
-        with torch.no_grad():
-            for name, target in ours.items():
-                target.copy_(sd[name])
+        model.transformer.load_state_dict(sd)  # strict: names a missing, extra or misshapen tensor
         return model
 
 
 # --- checks: bad input raises before any cache slot is written -------------------------
-def _is_int_tensor(x) -> bool:
-    return isinstance(x, torch.Tensor) and not (x.is_floating_point() or x.is_complex()
-                                                 or x.dtype == torch.bool)
-
-
 def _check_inputs(model: GPT, idx, cache, positions) -> None:
     cfg = model.config
-    if not _is_int_tensor(idx):
-        got = idx.dtype if isinstance(idx, torch.Tensor) else type(idx).__name__
-        raise TypeError(f"idx must be an integer tensor of token ids, got {got}; "
-                        f"use torch.tensor([ids], dtype=torch.long)")
+    if not is_int_tensor(idx):
+        raise TypeError(f"idx must be an integer tensor (torch.tensor([ids])), not {idx!r:.30}")
     if idx.dim() != 2 or idx.shape[1] == 0 or idx.device != model.device:
-        raise ValueError(f"idx must have shape (batch, T), T >= 1, on {model.device}; got "
-                         f"{tuple(idx.shape)} on {idx.device}; add a batch dimension with "
-                         f"idx[None], move it with idx.to(model.device)")
+        raise ValueError(f"idx must have shape (batch, T >= 1), on {model.device}: try idx[None]")
     outside = idx[(idx < 0) | (idx >= cfg.vocab_size)]
     if outside.numel():
         raise ValueError(f"token id {int(outside[0])} is outside the vocabulary "
                          f"[0, {cfg.vocab_size}); encode with the model's own tokenizer")
     B, T = idx.shape
+    if not isinstance(cache, (Cache, type(None))):
+        raise TypeError(f"cache must be a minikv.KVCache (or a Cache), not {type(cache)}")
     if cache is not None:
-        if not isinstance(cache, Cache):
-            raise TypeError(f"cache must be a minikv.KVCache (or another Cache), got "
-                            f"{type(cache).__name__}")
         cache.check_fits(cfg, B, T, model.device, model.dtype)
     if positions is None:
         past = 0 if cache is None else cache.get_seq_length()
         longest = int(past.max()) if isinstance(past, torch.Tensor) else past
         if longest + T > cfg.block_size:
-            raise ValueError(f"sequence of {longest + T} positions exceeds block_size="
-                             f"{cfg.block_size}: shorten the prompt or generate fewer tokens")
-    elif not (_is_int_tensor(positions) and positions.shape in ((T,), (B, T))
+            raise ValueError(f"{longest + T} positions exceeds block_size={cfg.block_size}; "
+                             f"shorten the prompt")
+    elif not (is_int_tensor(positions) and positions.shape in ((T,), (B, T))
               and 0 <= positions.min() and positions.max() < cfg.block_size):
-        raise ValueError(f"positions must be an integer tensor of shape ({T},) or ({B}, {T}) "
-                         f"with values in [0, {cfg.block_size})")
+        raise ValueError("positions must be an integer (T,) or (B, T) tensor in [0, block_size)")
 
 
 def _check_gpt2_state_dict(sd: dict) -> None:
-    if "wte.weight" not in sd:
-        raise ValueError("state dict has no 'transformer.wte.weight': is it a GPT-2 state dict?")
-    if "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"], sd["wte.weight"]):
-        raise ValueError("lm_head.weight differs from wte.weight, but GPT-2 ties them; "
-                         "this model cannot load it")
+    wte = sd.get("wte.weight")
+    if wte is None or not torch.equal(sd.get("lm_head.weight", wte), wte):
+        raise ValueError("not a GPT-2 state dict: no wte.weight, or lm_head.weight not tied to it")
 
-
-def _check_same_shapes(sd: dict, want: dict, what: str) -> None:
-    missing = sorted(set(want) - set(sd))
-    unexpected = sorted(set(sd) - set(want))
-    if missing or unexpected:
-        raise ValueError(f"state dict does not match {what}: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
-    wrong = [name for name, t in want.items() if sd[name].shape != t.shape]
-    if wrong:
-        raise ValueError(f"{wrong[0]}: got shape {tuple(sd[wrong[0]].shape)}, expected "
-                         f"{tuple(want[wrong[0]].shape)} for {what}")

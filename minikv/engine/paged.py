@@ -197,9 +197,7 @@ class PagedCache(Cache):
         """Roll one sequence back to max_length positions, giving back the blocks it no
         longer needs (the verify-and-rollback core calls this, as on a KVCache)."""
         length = self.tables[0].length
-        if type(max_length) is not int or not 0 <= max_length <= length:
-            raise ValueError(f"cannot crop to {max_length!r}: pass an int between 0 and "
-                             f"{length}, the positions the cache holds")
+        int_at_least("crop length", max_length, 0, " (the positions kept)", length + 1)
         self.pool.crop(self.tables[0], max_length)
 
     def block_tables(self) -> torch.Tensor:
@@ -252,16 +250,12 @@ class PagedCache(Cache):
         have = (len(self.pool.keys), k.shape[1], k.shape[3], k.dtype, k.device)
         want = (cfg.n_layer, cfg.kv_heads, cfg.head_dim, dtype, device)
         if have != want:
-            raise ValueError(f"the pool's (n_layer, kv_heads, head_dim, dtype, device) "
-                             f"are {have}, the model's {want}: build it with "
-                             f"BlockPool(model.config, ..., device=..., dtype=...)")
+            raise ValueError(f"the pool is {have}, the model {want}: use BlockPool(model.config)")
         rows = (1, sum(self.packed)) if self.packed else (len(self.tables), n_new)
         if (batch_size, n_new) != rows:
-            raise ValueError(f"the pass is {batch_size} x {n_new} tokens, the cache's "
-                             f"{len(self.tables)} block table(s) take {rows[0]} x "
-                             f"{rows[1]} (a row per table; packed: one row of them all)")
+            raise ValueError(f"the pass is {batch_size} x {n_new} tokens, the block tables take "
+                             f"{rows[0]} x {rows[1]} (a row per table; packed: one row of all)")
         short = [t.owner for t, n in zip(self.tables, self._counts(n_new))
                  if len(t.blocks) * self.pool.page_size < t.length + n]
         if short:
-            raise ValueError(f"sequences {short} have no room for {n_new} more "
-                             f"positions: call cache.reserve({n_new}) first")
+            raise ValueError(f"sequences {short} have no room: call cache.reserve({n_new}) first")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .cache import KVCache, check_kv
+from .validate import one_of
 
 
 def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,9 +45,7 @@ class QuantizedKVCache(KVCache):
     def __init__(self, n_layer: int, batch_size: int, n_head: int, head_dim: int, max_len: int,
                  *, bits: int = 8, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32):
-        if type(bits) is not int or bits not in (8, 4):
-            raise ValueError(f"bits must be 8 or 4 (int8 or int4 codes), got {bits!r}")
-        self.bits = bits
+        self.bits = one_of("bits", bits, (8, 4))  # int8 or int4 codes
         super().__init__(n_layer, batch_size, n_head, head_dim, max_len, device=device,
                          dtype=dtype)
 

@@ -25,20 +25,16 @@ class SamplingParams:
     def __post_init__(self) -> None:
         t = self.temperature
         if type(t) not in (int, float) or not (t == 0 or MIN_TEMPERATURE <= t < math.inf):
-            raise ValueError(f"temperature must be 0 (greedy) or a number >= {MIN_TEMPERATURE}, "
-                             f"got {t!r}")
+            raise ValueError(f"temperature must be 0 (greedy) or a number >= {MIN_TEMPERATURE}")
         if self.top_k is not None:
             int_at_least("top_k", self.top_k, hint=" or None (no filtering)")
         if type(self.seed) is not int or not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
-        if self.eos_id is not None:
-            int_at_least("eos_id", self.eos_id, 0, hint=" (a token id) or None")
 
     def check_vocab(self, vocab_size: int) -> None:
-        """The model is known: eos_id must be one of its token ids."""
-        if self.eos_id is not None and self.eos_id >= vocab_size:
-            raise ValueError(f"eos_id must be a token id in [0, {vocab_size}) or None, "
-                             f"got {self.eos_id!r}")
+        """Once the model is known: eos_id must be one of its token ids (checked here)."""
+        if self.eos_id is not None:
+            int_at_least("eos_id", self.eos_id, 0, " (a token id) or None", vocab_size)
 
     @property
     def greedy(self) -> bool:
@@ -52,9 +48,7 @@ class SamplingParams:
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         if not torch.isfinite(probs).all():
-            raise ValueError(f"sampling failed: softmax(logits / {self.temperature}) is not "
-                             f"finite (the logits overflowed, or hold NaN); use a larger "
-                             f"temperature, or 0 for greedy decoding")
+            raise ValueError("sampling failed (probabilities not finite): use a larger temperature")
         return probs
 
     def sample(self, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

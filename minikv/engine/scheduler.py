@@ -164,8 +164,7 @@ class Scheduler:
         # 1. Admit what has arrived and fits; the newcomers' prompts are computed.
         new = self.admit()
         if not self.running and self.waiting[0].request.arrival <= self.now:
-            raise RuntimeError(f"{self.policy!r} admits nothing while nothing runs: it "
-                               f"would wait forever; let a request in then")
+            raise RuntimeError(f"{self.policy} admits nothing while nothing runs: let one in")
         runner.prefill(new, self.now)
         # 2. Verify the deterministic requests whose window is full: alone, fixed shapes.
         for s in self.to_verify():

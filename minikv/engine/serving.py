@@ -39,7 +39,7 @@ from .paged import BlockPool, PagedCache
 from .records import PoolStep, ServeStats, TraceEvent
 from .sampling import SamplingParams
 from .scheduler import FirstComeFirstServed, Scheduler, Sequence
-from .validate import fits, int_at_least, token_ids
+from .validate import check_room, int_at_least, prompt_of_call
 from .verify import accept_matching, round_events, verify_and_commit
 
 
@@ -60,14 +60,12 @@ class Request:
 
     def checked_prompt(self, model, window: int, i: int) -> list[int]:
         """The prompt as token ids, every field checked against `model` (`i`: which)."""
-        prompt = token_ids(self.prompt, model.config.vocab_size)
-        self.sampling.check_vocab(model.config.vocab_size)
-        int_at_least(f"request {i}: max_new_tokens", self.max_new_tokens)
+        prompt = prompt_of_call(model, self.prompt, self.max_new_tokens, self.sampling, 1,
+                                f"request {i}: max_new_tokens")
         int_at_least(f"request {i}: arrival", self.arrival, 0, hint=" (an engine step)")
         n = self.max_new_tokens
-        fits(len(prompt) + n + window, model.config.block_size,
-             f"request {i}: {len(prompt)} prompt + {n} new + {window} window rows",
-             "max_new_tokens or the window")
+        check_room(len(prompt) + n + window, model.config.block_size,
+                   f"request {i} ({len(prompt)} + {n} new + {window})", "max_new_tokens or window")
         return prompt
 
 
@@ -134,12 +132,7 @@ def _pool_size(requests, prompts, window, page_size, num_blocks) -> int:
     sizes = [-(-n // page_size) + 1 for n in positions]  # and a block copied on write
     if num_blocks is None:
         return sum(sizes)
-    int_at_least("num_blocks", num_blocks, hint=" (blocks in the pool)")
-    i = sizes.index(max(sizes))
-    if sizes[i] > num_blocks:
-        raise ValueError(f"request {i} needs {sizes[i]} blocks of {page_size} "
-                         f"positions, more than the whole pool ({num_blocks}); raise "
-                         f"num_blocks or page_size, or shorten the request")
+    int_at_least("num_blocks", num_blocks, max(sizes), " (a request needs more than the pool)")
     return num_blocks
 
 
@@ -280,8 +273,7 @@ def _checked_prompts(model, requests: list[Request], window, page_size, max_runn
     if max_running is not None:
         int_at_least("max_running", max_running, hint=" (requests running at once)")
     if policy is not None and not isinstance(policy, FirstComeFirstServed):
-        raise TypeError(f"policy must be a scheduling policy, such as "
-                        f"scheduler.TokenBudget(256), got {policy!r}")
+        raise TypeError(f"policy must be a scheduling policy (TokenBudget(256)), not {policy}")
     if not requests:
         raise ValueError("no requests to serve")
     return [r.checked_prompt(model, window, i) for i, r in enumerate(requests)]

@@ -16,7 +16,7 @@ import torch
 from .cache import KVCache
 from .records import GenerationOutput, SpeculativeStats, TraceEvent
 from .sampling import SamplingParams
-from .validate import fits, int_at_least, token_ids
+from .validate import check_room, int_at_least, prompt_of_call
 from .verify import accept_by_rejection_sampling, accept_matching, round_events, verify_and_commit
 
 
@@ -46,7 +46,7 @@ def speculate(target, ids, max_new_tokens: int, sampling: SamplingParams,
     """Up to `max_new_tokens` after `ids`, `propose` offering up to γ tokens a round and
     `target` verifying them in ONE pass. With `max_gamma`, γ adapts in [1, max_gamma].
     Pass the proposer's `generator` so that both draw from one seeded stream."""
-    prompt = token_ids(ids, target.config.vocab_size)
+    prompt = prompt_of_call(target, ids, max_new_tokens, sampling)
     needed = _check_call(target, prompt, max_new_tokens, sampling, gamma, max_gamma,
                          other_caches)
     if generator is None:
@@ -102,8 +102,7 @@ def _as_proposal(proposed: Proposal | list[int], k: int) -> Proposal:
     if not isinstance(proposed, Proposal):
         proposed = Proposal([int(t) for t in proposed])
     if len(proposed.tokens) > k:  # more would overrun the budget and the caches
-        raise ValueError(f"propose(seq, k={k}) returned {len(proposed.tokens)} tokens; "
-                         f"return at most k")
+        raise ValueError(f"propose(seq, k={k}) returned {len(proposed.tokens)}: return at most k")
     return proposed
 
 
@@ -137,17 +136,13 @@ def _check_call(target, prompt, max_new_tokens, sampling, gamma, max_gamma,
                 other_caches) -> int:
     """The positions the target's cache needs: prompt, new tokens, the longest lookahead.
     Every cache the loop rolls back must hold as many."""
-    int_at_least("max_new_tokens", max_new_tokens, 0)
     int_at_least("gamma", gamma)
     if max_gamma is not None:
-        int_at_least("max_gamma", max_gamma, gamma,
-                     hint=" (the largest γ adaptive γ may reach)")
-    sampling.check_vocab(target.config.vocab_size)
+        int_at_least("max_gamma", max_gamma, gamma, " (the largest γ adaptive γ may reach)")
     needed = len(prompt) + max_new_tokens + (gamma if max_gamma is None else max_gamma)
     rooms = [c.max_len for c in (other_caches or {}).values() if c.max_len is not None]
-    fits(needed, min([target.config.block_size, *rooms]),
-         f"{len(prompt)} prompt + {max_new_tokens} new tokens + γ lookahead",
-         "max_new_tokens or gamma")
+    check_room(needed, min([target.config.block_size, *rooms]),
+               f"{len(prompt)} prompt + {max_new_tokens} new + γ", "max_new_tokens or gamma")
     return needed
 
 
@@ -198,12 +193,8 @@ def speculative_generate(target, draft, ids, max_new_tokens: int, gamma: int = 4
     after a rejection (between 1 and `max_gamma`)."""
     sp = SamplingParams(temperature, top_k, seed, eos_id)
     vocab = target.config.vocab_size
-    if draft.config.vocab_size != vocab:
-        raise ValueError(f"draft vocabulary ({draft.config.vocab_size}) differs from "
-                         f"the target's ({vocab}): both must use the same tokenizer")
-    if draft.device != target.device:
-        raise ValueError(f"draft is on {draft.device}, the target on {target.device}; "
-                         f"move both to one device")
+    if (draft.config.vocab_size, draft.device) != (vocab, target.device):
+        raise ValueError("the draft must use the target's tokenizer (vocab_size) and device")
     # One seeded stream for the draft's draws and the target's: same seed, same tokens.
     generator = torch.Generator(device=target.device).manual_seed(sp.seed)
     propose = DraftProposer(draft, sp, generator)

@@ -1,7 +1,6 @@
-"""Input checks, out of the way of the code they guard: every entry point calls one
-function here before it touches a model or a cache, so bad input raises a ValueError or
-TypeError that says what to do, and nothing has changed. Read it last: the rest reads as
-if inputs were always right."""
+"""Input checks shared by several files (each file checks its own inputs, beside the code they
+guard): bad input raises a ValueError or TypeError that says what to do, before anything
+changes. Read it last: the rest reads as if inputs were always right."""
 from __future__ import annotations
 
 import operator
@@ -9,15 +8,23 @@ import operator
 import torch
 
 
-def int_at_least(name: str, value, minimum: int = 1, hint: str = "") -> int:
-    """`value` if it is an int (not a bool) of at least `minimum`, else a ValueError."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+def int_at_least(name: str, value, minimum: int = 1, hint: str = "", below=None) -> int:
+    """`value` if it is an int (not a bool) in [minimum, below), else a ValueError."""
+    if type(value) is not int or not minimum <= value < (value + 1 if below is None else below):
         wanted = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        wanted = wanted if below is None else f"an int in [{minimum}, {below})"
         raise ValueError(f"{name} must be {wanted}{hint}, got {value!r}")
     return value
 
 
-def _is_int_tensor(x) -> bool:
+def one_of(name: str, value, choices: tuple):
+    """`value` if it is one of `choices` (of the same type: 8.0 is not 8), else a ValueError."""
+    if not any(type(value) is type(c) and value == c for c in choices):
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def is_int_tensor(x) -> bool:
     return isinstance(x, torch.Tensor) and not (
         x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool)
 
@@ -25,35 +32,33 @@ def _is_int_tensor(x) -> bool:
 def token_ids(ids, vocab_size: int) -> list[int]:
     """A prompt given as a list of ints, a 1-D or a (1, T) tensor, as a list of ids."""
     if isinstance(ids, str):
-        raise TypeError("got text, not token ids: encode it first, "
-                        "e.g. minikv.load_tokenizer().encode(text)")
+        raise TypeError("got text, not token ids: encode it first (tokenizer.encode)")
     if isinstance(ids, torch.Tensor):
-        if not _is_int_tensor(ids):
-            raise TypeError(f"token ids must be integers, got a {ids.dtype} tensor; "
-                            f"use dtype=torch.long")
+        if not is_int_tensor(ids):
+            raise TypeError(f"token ids must be ints, not {ids.dtype}: use dtype=torch.long")
         ids = ids[0] if ids.dim() == 2 and ids.shape[0] == 1 else ids
         if ids.dim() != 1:
-            raise ValueError(f"prompt must be 1-D (T,) or (1, T), got shape {tuple(ids.shape)}; "
-                             f"generate one sequence at a time")
+            raise ValueError(f"one sequence at a time: a prompt is (T,) or (1, T), not {ids.shape}")
         ids = ids.tolist()
     try:
         tokens = [operator.index(t) for t in ids]  # ints and numpy ints pass; floats do not
     except TypeError as e:
-        raise TypeError(f"token ids must be ints, got {ids!r:.80}: {e}") from None
+        raise TypeError(f"token ids must be ints, got {ids!r:.60}: {e}") from None
     if not tokens:
-        raise ValueError("the prompt is empty: give at least one token "
-                         "(e.g. the tokenizer's <|endoftext|> id)")
-    bad = [t for t in tokens if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"token id {bad[0]} is outside the model's vocabulary [0, {vocab_size}); "
-                         f"encode with the model's own tokenizer")
+        raise ValueError("the prompt is empty: give at least one token (e.g. <|endoftext|>)")
+    int_at_least("token id", min(tokens), 0, " (encode with the model's own tokenizer)", vocab_size)
+    int_at_least("token id", max(tokens), 0, " (encode with the model's own tokenizer)", vocab_size)
     return tokens
 
 
-# --- the model and its cache -----------------------------------------------------------
-# --- decoders: each returns the number of positions the call will need -----------------
-def fits(needed: int, limit: int, what: str, lower: str) -> None:
+def prompt_of_call(model, ids, max_new_tokens, sampling, least: int = 0,
+                   name: str = "max_new_tokens") -> list[int]:
+    """The prompt as token ids, once what every decoder's call holds is checked."""
+    int_at_least(name, max_new_tokens, least)
+    sampling.check_vocab(model.config.vocab_size)
+    return token_ids(ids, model.config.vocab_size)
+
+
+def check_room(needed: int, limit: int, what: str, lower: str) -> None:
     if needed > limit:
         raise ValueError(f"{what} needs {needed} positions > block_size={limit}; lower {lower}")
-
-

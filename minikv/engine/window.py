@@ -63,9 +63,7 @@ class SinkWindowCache(Cache):
 
     def check_fits(self, cfg, batch_size: int, n_new: int, device, dtype) -> None:
         if self._seen + n_new > self.max_len:
-            raise ValueError(f"the text would reach {self._seen + n_new} positions: GPT-2 has "
-                             f"no position embedding past block_size={self.max_len}, and this "
-                             f"cache keeps true positions; start a new cache for a new text")
+            raise ValueError("no position embedding past block_size: start a new cache")
         check_matches(self, cfg, batch_size, device, dtype)
 
     def update(self, key: torch.Tensor, value: torch.Tensor,
