@@ -1,30 +1,14 @@
 """Checkers for chapter 04 (seed 004, speculative decoding: draft, verify, roll back).
 
-- speculative_round: the learner's round, looped to 40+ new tokens on tiny random target/draft
-  pairs for γ = 1..6. Every round is compared with the chapter's round computed on forks of the
-  caches (the proposals, the target's choices), its forward passes are counted (γ draft passes,
-  ONE target pass of γ + 1 rows), both caches are checked whole afterwards (length, and every
-  layer's keys and values against a fresh computation of the committed tokens), and the output
-  against target-only greedy decoding (`minikv.generate`). The engine's own round is forbidden.
-- residual: the distribution a rejected draw is replaced from, for any acceptance probabilities
-  a(x) (the chapter's min(1, p/q) against `verify.residual_distribution`, and other rules), then
-  the whole accept-or-resample step in closed form, which must give exactly p.
-- alpha_from_trace: α pooled over a trace against the engine's `stats.alpha`, and α of the i-th
-  proposal of a round against the trace's counts, on real speculative traces (tiny pairs and the
-  course pair, greedy and sampled, a draft that is always right, a trace with no round); None
-  (n/a) wherever nothing was judged.
-- best_gamma: against the argmax of the chapter's speed-up formula, as an int.
-- predict_perfect_draft (predict, then measure): four counts of a run whose draft is the target
-  itself, against what the engine counts in that run (stats and trace).
-- accept_sampled (debug): one round of speculative sampling, by the distribution of its outcomes
-  over thousands of seeded trials against the closed form of the rule (and of the buggy version
-  shown in the notebook, which must not be what comes back).
-- choose_gamma (design): γ, or 0 for no speculation, for a batch of requests under the stated
-  cost model (the chapter's formula for the tokens a round commits, ch01's roofline for what a
-  pass costs), against the best choice of that model.
-
-Each usual mistake is recognised by computing what it would give, and named in the hint. All on the
-CPU, in about a second, leaving the caller's random state alone.
+- speculative_round: greedy rounds on tiny target/draft pairs, γ = 1..6, looped to 40+ tokens: each
+  round's tokens against the chapter's, its passes, both caches whole; the engine's round forbidden.
+- residual (a table): the distribution a refused draw is replaced from, for any acceptance a(x).
+- alpha_from_trace (a table): α pooled and per proposal index, on real traces; None if unjudged.
+- best_gamma (a table): the argmax of the chapter's speed-up formula, as an int.
+- predict_perfect_draft (predict, then measure): four counts of a run whose draft is the target.
+- accept_sampled (debug): one round of speculative sampling, by its outcomes' distribution.
+- choose_gamma (design, a table): γ (0: none) for a batch under the stated cost model.
+All on the CPU, in about a second, leaving the caller's random state alone.
 """
 from __future__ import annotations
 
@@ -63,8 +47,9 @@ def _type(value) -> str:
     return f"{type(value).__module__}.{type(value).__name__}".replace("builtins.", "")
 
 
-def _crash_hint(error: type, hint: str):
-    return lambda e: hint if isinstance(e, error) else "your function raised on this input"
+def _crash_hint(error: type, hint: str, says: str = ""):
+    return lambda e: (hint if isinstance(e, error) and says in str(e)
+                      else "your function raised on this input")
 
 
 class _Exercise(Exercise):
@@ -85,27 +70,21 @@ class _Exercise(Exercise):
 
 # --- exercise 1: one speculative round ----------------------------------------------------------
 
-_PAIRS: dict[int, tuple[GPT, GPT]] = {}
-
-
+@functools.cache
 def tiny_pair(seed: int) -> tuple[GPT, GPT]:
-    """A random 2-layer target and a 1-layer draft that often agrees with it: the draft is the
-    target's embeddings, first block and final LayerNorm, and the target's second block is damped
-    (its output projections scaled by 0.3), so α is about 0.6-0.85 and rounds both reject and
-    accept everything. Built once per seed, without touching the caller's RNG."""
-    if seed not in _PAIRS:
-        target = tiny_model(seed)
-        with torch.no_grad():
-            for block in target.transformer.h[1:]:
-                block.attn.c_proj.weight.mul_(0.3)
-                block.mlp.c_proj.weight.mul_(0.3)
-        with torch.random.fork_rng(devices=[]):
-            draft = GPT(GPTConfig.preset("tiny", n_layer=1)).eval()
-        kept = {k: v for k, v in target.state_dict().items()
-                if not k.startswith("transformer.h.") or k.startswith("transformer.h.0.")}
-        draft.load_state_dict(kept)
-        _PAIRS[seed] = target, draft
-    return _PAIRS[seed]
+    """A random 2-layer target and the 1-layer draft of its first block, its second block damped
+    so that α is about 0.6-0.85. Built once per seed, without touching the caller's RNG."""
+    target = tiny_model(seed)
+    with torch.no_grad():
+        for block in target.transformer.h[1:]:
+            block.attn.c_proj.weight.mul_(0.3)
+            block.mlp.c_proj.weight.mul_(0.3)
+    with torch.random.fork_rng(devices=[]):
+        draft = GPT(GPTConfig.preset("tiny", n_layer=1)).eval()
+    kept = {k: v for k, v in target.state_dict().items()
+            if not k.startswith("transformer.h.") or k.startswith("transformer.h.0.")}
+    draft.load_state_dict(kept)
+    return target, draft
 
 
 # (pair seed, prompt, γ): γ = 1..6, several prompts, each run to 40+ new tokens
@@ -113,18 +92,6 @@ ROUND_CASES = [(0, [3, 17, 200, 41, 9], 1), (1, [100, 7], 2), (2, [3, 17, 200, 4
                (1, [55, 56, 57, 58, 59, 60, 61, 62], 4), (1, [5], 5), (2, [100, 7], 6),
                (0, [100, 7], 3)]
 NEW_TOKENS = 40
-
-
-def _reference_round(target, draft, seq, t_cache, d_cache, gamma):
-    """The chapter's round on (forks of) the caches: the draft's proposals, the target's greedy
-    choice at each of its γ + 1 rows."""
-    proposals = []
-    for _ in range(gamma):
-        pending = (seq + proposals)[d_cache.get_seq_length():]
-        logits = draft(torch.tensor([pending]), cache=d_cache, last_only=True)[0, -1]
-        proposals.append(int(logits.argmax()))
-    logits = target(torch.tensor([seq[-1:] + proposals]), cache=t_cache)[0]  # (γ + 1, vocab)
-    return proposals, logits.argmax(-1).tolist()
 
 
 def _matching(proposals, choices, shift=0):
@@ -165,107 +132,93 @@ def _round_mistakes(proposals, choices) -> list[tuple[list[int], str]]:
     return mistakes
 
 
-def _round_crash_hint(error: Exception) -> str:
-    if isinstance(error, ValueError) and "crop" in str(error):  # the engine names the crop
-        return ("this is what you get when you roll back with crop(len(seq) - 1) without min(...): "
-                "after a fully accepted round the draft's cache is SHORTER than len(seq) - 1 (it "
-                "never fed its last proposal, nor the bonus token), and a cache cannot grow by a "
-                "crop; crop each cache to min(its length, len(seq) - 1)")
-    return "your function raised on this input"
+CROP_WITHOUT_MIN = _crash_hint(  # the engine's message names the crop
+    ValueError, "this is what you get when you roll back with crop(len(seq) - 1) without min(...): "
+    "after a fully accepted round the draft's cache is SHORTER than len(seq) - 1 (it never fed its "
+    "last proposal, nor the bonus token), and a cache cannot grow by a crop; crop each cache to "
+    "min(its length, len(seq) - 1)", says="crop")
 
 
 def _pass_hints(target_passes, draft_passes, gamma, first_draft_rows, seq_len):
     """(expected, got, hint) for the first wrong pass count or shape, or None."""
     want_t = [(1, gamma + 1)]
     if target_passes != want_t:
-        if len(target_passes) > 1:
-            hint = ("this is what you get when you score the proposals one target pass each: the "
-                    "point of speculative decoding is ONE target pass over seq[-1:] + proposals "
-                    "(γ + 1 rows), scoring every proposal at once")
-        elif target_passes == [(1, gamma)]:
-            hint = ("this is what you get when you feed the target only the proposals: its cache "
-                    "holds everything but the last committed token, so feed seq[-1:] + proposals")
-        elif target_passes == [(1, seq_len + gamma)]:
-            hint = ("this is what you get when you feed the target the whole sequence again: its "
-                    "cache already holds everything but the last committed token; feed "
-                    "seq[-1:] + proposals")
-        elif not target_passes:
-            hint = "the target must score the proposals: one pass over seq[-1:] + proposals"
-        else:
-            hint = "one target pass over seq[-1:] + proposals: shape (1, γ + 1)"
+        hint = next(h for wrong, h in (
+            (len(target_passes) > 1,
+             "this is what you get when you score the proposals one target pass each: the point of "
+             "speculative decoding is ONE target pass over seq[-1:] + proposals (γ + 1 rows), "
+             "scoring every proposal at once"),
+            (target_passes == [(1, gamma)],
+             "this is what you get when you feed the target only the proposals: its cache holds "
+             "everything but the last committed token, so feed seq[-1:] + proposals"),
+            (target_passes == [(1, seq_len + gamma)],
+             "this is what you get when you feed the target the whole sequence again: its cache "
+             "already holds everything but the last committed token; feed seq[-1:] + proposals"),
+            (not target_passes,
+             "the target must score the proposals: one pass over seq[-1:] + proposals"),
+            (True, "one target pass over seq[-1:] + proposals: shape (1, γ + 1)")) if wrong)
         return f"target passes of shape {want_t}", f"{target_passes}", hint
     want_d = [(1, first_draft_rows)] + [(1, 1)] * (gamma - 1)
     if draft_passes != want_d:
-        if len(draft_passes) != gamma:
-            hint = (f"one draft pass per proposal: γ = {gamma} passes, each feeding what the draft "
-                    f"cache has not seen yet, then proposing one token")
-        elif draft_passes[0] == (1, 1) and first_draft_rows > 1:
-            hint = ("this is what you get when the draft's first pass feeds only the last "
-                    "committed token: it must feed everything its cache has not seen, "
-                    "seq[d_cache.get_seq_length():] (after a fully accepted round the draft never "
-                    "fed its last proposal, so that is 2 tokens)")
-        elif draft_passes[0] == (1, seq_len):
-            hint = ("this is what you get when the draft re-feeds the whole sequence: feed only "
-                    "what its cache has not seen yet, seq[d_cache.get_seq_length():]")
-        else:
-            hint = ("pass 1 feeds seq[d_cache.get_seq_length():], then each pass feeds the "
-                    "previous proposal (one token)")
+        hint = next(h for wrong, h in (
+            (len(draft_passes) != gamma,
+             f"one draft pass per proposal: γ = {gamma} passes, each feeding what the draft cache "
+             f"has not seen yet, then proposing one token"),
+            (draft_passes[:1] == [(1, 1)] and first_draft_rows > 1,
+             "this is what you get when the draft's first pass feeds only the last committed "
+             "token: it must feed everything its cache has not seen, "
+             "seq[d_cache.get_seq_length():] (after a fully accepted round the draft never fed "
+             "its last proposal, so that is 2 tokens)"),
+            (draft_passes[:1] == [(1, seq_len)],
+             "this is what you get when the draft re-feeds the whole sequence: feed only what its "
+             "cache has not seen yet, seq[d_cache.get_seq_length():]"),
+            (True, "pass 1 feeds seq[d_cache.get_seq_length():], then each pass feeds the previous "
+                   "proposal (one token)")) if wrong)
         return f"draft passes of shape {want_d}", f"{draft_passes}", hint
     return None
 
 
 def _cache_length_hint(name: str, got: int, want: int, after_pass: int, seq_len: int) -> str:
-    if got == 0 and want > 0:
-        return (f"this is what you get when you reset the {name} cache (or crop it to 0): a "
-                f"rollback keeps everything up to the last committed token; only the rejected "
-                f"positions go")
-    if got == after_pass > want:
-        return (f"this is what you get when you do not crop the {name} cache: it still holds K/V "
-                f"of rejected proposals; crop it to min(its length, len(seq) - 1)")
-    if got == seq_len - 1 > want:
-        return (f"the {name} cache grew: after a fully accepted round it is shorter than "
-                f"len(seq) - 1 and must stay so; crop to min(its length, len(seq) - 1), never "
-                f"beyond its length")
-    if got == seq_len:
-        return ("keep K/V up to the last committed token, not including it: the newest token "
-                "has no K/V yet (it is fed next round), so at most len(seq) - 1 positions")
-    return "crop both caches to min(their length, len(seq) - 1) after committing"
-
-
-def _fresh_kv(model, tokens: list[int]) -> KVCache:
-    cache = KVCache.for_model(model, max_len=max(len(tokens), 1))
-    if tokens:
-        model(torch.tensor([tokens]), cache=cache)
-    return cache
-
-
-def _same_kv(cache: KVCache, fresh: KVCache, n: int) -> bool:
-    return all(torch.allclose(a[:, :, :n], b[:, :, :n], atol=1e-4, rtol=1e-4)
-               for a, b in zip(cache.keys + cache.values, fresh.keys + fresh.values))
+    return next(hint for wrong, hint in (
+        (got == 0 and want > 0,
+         f"this is what you get when you reset the {name} cache (or crop it to 0): a rollback "
+         f"keeps everything up to the last committed token; only the rejected positions go"),
+        (got == after_pass > want,
+         f"this is what you get when you do not crop the {name} cache: it still holds K/V of "
+         f"rejected proposals; crop it to min(its length, len(seq) - 1)"),
+        (got == seq_len - 1 > want,
+         f"the {name} cache grew: after a fully accepted round it is shorter than len(seq) - 1 "
+         f"and must stay so; crop to min(its length, len(seq) - 1), never beyond its length"),
+        (got == seq_len,
+         "keep K/V up to the last committed token, not including it: the newest token has no K/V "
+         "yet (it is fed next round), so at most len(seq) - 1 positions"),
+        (True, "crop both caches to min(their length, len(seq) - 1) after committing")) if wrong)
 
 
 def _check_round(name, case, round_fn, target, draft, seq, t_cache, d_cache, gamma) -> None:
     """Run one round of the learner's and check everything it did."""
-    before_seq = list(seq)
-    t_before, d_before = cache_state(t_cache), cache_state(d_cache)
-    d0 = d_before[0]
-    proposals, choices = _reference_round(target, draft, before_seq, t_cache.fork(),
-                                          d_cache.fork(), gamma)
+    before_seq, t_before, d_before = list(seq), cache_state(t_cache), cache_state(d_cache)
+    proposals, d_fork = [], d_cache.fork()  # the chapter's round, on forks of the caches
+    for _ in range(gamma):
+        pending = (before_seq + proposals)[d_fork.get_seq_length():]
+        proposals.append(int(draft(torch.tensor([pending]), cache=d_fork, last_only=True)[0, -1]
+                             .argmax()))
+    choices = target(torch.tensor([seq[-1:] + proposals]), cache=t_cache.fork())[0].argmax(-1)
+    choices = choices.tolist()  # the target's choice at each of its γ + 1 rows
     n = _matching(proposals, choices)
     expected = proposals[:n] + [choices[n]]
     case = f"{case}, round at len(seq) = {len(before_seq)}"
     with forbid(name, speculative_generate, verify_and_commit, accept_matching), \
             PassCounter(target) as t_passes, PassCounter(draft) as d_passes:
-        got = call_hinted(name, case, _round_crash_hint, round_fn, target, draft, seq, t_cache,
+        got = call_hinted(name, case, CROP_WITHOUT_MIN, round_fn, target, draft, seq, t_cache,
                            d_cache, gamma)
     # what it returned, and what it did to seq
     tokens = int_list(got)
     if tokens is None:
-        kind = f"{type(got).__module__}.{type(got).__name__}".replace("builtins.", "")
         fail(name, case, expected, got,
              "your function returned None: return the tokens it appended to seq (a list of ints)"
              if got is None else f"return the tokens the round appended to seq as a list of "
-             f"ints, not a {kind}")
+             f"ints, not a {_type(got)}")
     if seq == before_seq:
         fail(name, case, f"seq extended by {expected}", "seq unchanged",
              "append the committed tokens to seq in place (seq.extend(...)), then return them")
@@ -274,7 +227,7 @@ def _check_round(name, case, round_fn, target, draft, seq, t_cache, d_cache, gam
              f"seq grew by {seq[len(before_seq):]}",
              "append exactly the tokens you return, in place, and nothing else")
     # the passes it made
-    wrong = _pass_hints(t_passes.passes, d_passes.passes, gamma, len(before_seq) - d0,
+    wrong = _pass_hints(t_passes.passes, d_passes.passes, gamma, len(before_seq) - d_before[0],
                         len(before_seq))
     if wrong:
         fail(name, case, *wrong)
@@ -297,9 +250,12 @@ def _check_round(name, case, round_fn, target, draft, seq, t_cache, d_cache, gam
         expect(got_len == want, name, case, f"{label} cache length {want}",
                f"{label} cache length {got_len}",
                _cache_length_hint(label, got_len, want, after_pass, committed))
-        kept = min(before[0], want)
-        fresh = _fresh_kv(model, seq[:want])
-        if not same_cache_prefix(before, cache, kept) or not _same_kv(cache, fresh, want):
+        fresh = KVCache.for_model(model, max_len=max(want, 1))  # the committed tokens' K/V
+        if want:
+            model(torch.tensor([seq[:want]]), cache=fresh)
+        if not same_cache_prefix(before, cache, min(before[0], want)) or not all(
+                torch.allclose(a[:, :, :want], b[:, :, :want], atol=1e-4, rtol=1e-4)
+                for a, b in zip(cache.keys + cache.values, fresh.keys + fresh.values)):
             fail(name, case, f"the {label} cache's K/V (every layer, keys and values) equal to a "
                  f"fresh computation of the first {want} committed tokens",
                  "different K/V",
@@ -311,8 +267,8 @@ def _check_round(name, case, round_fn, target, draft, seq, t_cache, d_cache, gam
 @one_thread
 @guarded
 def check_speculative_round(speculative_round) -> None:
-    """speculative_round(target, draft, seq, t_cache, d_cache, gamma) -> the new committed tokens
-    of one greedy round, seq extended in place and both caches cropped, looped to 40+ tokens."""
+    """speculative_round(target, draft, seq, t_cache, d_cache, gamma) -> the tokens one greedy
+    round commits (seq extended in place, both caches cropped), looped to 40+ tokens."""
     name = "speculative_round"
     with torch.inference_mode():
         for seed, prompt, gamma in ROUND_CASES:
@@ -475,30 +431,26 @@ def _pooled(wrong):
                                       if index is None else reference_alpha(trace, index))
 
 
-def _index_mistakes(trace, index: int) -> list[tuple[float | None, str]]:
-    rounds = _rounds(trace)
-    ok = sum(a > index for a, _, _ in rounds)
-    return [
-        (_ratio(ok, sum(n > index for _, _, n in rounds)),
-         f"this is what you get when every round that PROPOSED a proposal number {index} counts "
-         f"it as judged: after a rejection earlier in its round it was never judged (a round "
-         f"stops at its first rejection); count it only where every proposal before it was "
-         f"accepted"),
+def _alpha_otherwise(runs) -> str:
+    """The hint when no pooled mistake explains the answers: a per-index mistake names its index."""
+    (trace, index), got = next((case, got) for case, got in runs
+                               if not _same(got, reference_alpha(*case)))
+    rounds, i = _rounds(trace), index or 0
+    ok = sum(a > i for a, _, _ in rounds)
+    mistakes = [] if index is None else [
+        (_ratio(ok, sum(n > i for _, _, n in rounds)),
+         f"this is what you get when every round that PROPOSED a proposal number {i} counts it as "
+         f"judged: after a rejection earlier in its round it was never judged (a round stops at "
+         f"its first rejection); count it only where every proposal before it was accepted"),
         (_ratio(ok, len(rounds)),
          "this is what you get when you divide by every round: only the rounds that judged this "
          "proposal count"),
         (reference_alpha(trace, None),
          "this is α pooled over every proposal: index asks about one position in the round"),
-    ] + [(reference_alpha(trace, index + shift), f"this is the α of proposal {index + shift}: "
-          f"index counts from 0 (index=0 is the first proposal of a round)")
-         for shift in (1, -1) if index + shift >= 0]
-
-
-def _alpha_otherwise(runs) -> str:
-    (trace, index), got = next((case, got) for case, got in runs
-                               if not _same(got, reference_alpha(*case)))
-    hints = [h for wrong, h in ([] if index is None else _index_mistakes(trace, index))
-             if wrong is not None and _same(got, wrong)]
+    ] + [(reference_alpha(trace, i + shift), f"this is the α of proposal {i + shift}: index "
+          f"counts from 0 (index=0 is the first proposal of a round)")
+         for shift in (1, -1) if i + shift >= 0]
+    hints = [h for wrong, h in mistakes if wrong is not None and _same(got, wrong)]
     return "; or ".join(dict.fromkeys(hints)) or (
         "α = accepted / judged: a proposal is judged when every proposal before it in its round "
         "was accepted; the first rejection ends the round")
@@ -514,20 +466,18 @@ class _Trace(tuple):
 
 
 class _Lazy(Sequence):
-    """A sequence made on first use: cases that run the models wait for the check."""
+    """Cases made on first use: those that run the models wait for the check."""
 
     def __init__(self, make):
         self.make = make
-
-    @functools.cached_property
-    def items(self) -> list:
-        return self.make()
 
     def __getitem__(self, i):
         return self.items[i]
 
     def __len__(self) -> int:
         return len(self.items)
+
+    items = functools.cached_property(lambda self: self.make())
 
 
 def _alpha_runs():
@@ -808,11 +758,6 @@ def accept_sampled_buggy(p, q, proposals, generator):
     return len(proposals), int(torch.multinomial(p[i], 1, generator=generator))  # noqa: F821
 
 
-def _rule(accept, residual, bonus):
-    """A way of running one round, as three functions of the rows it reads."""
-    return dict(accept=accept, residual=residual, bonus=bonus)
-
-
 def _chapter_accept(p, q):
     return min(1.0, p / q) if q > 0 else 1.0
 
@@ -821,27 +766,27 @@ def _norm_max(p_row, q_row):
     return _normalised((p_row - q_row).clamp(min=0))
 
 
-RIGHT_RULE = _rule(_chapter_accept, _norm_max, lambda p, q, g: p[g])
-# (the rule a usual mistake runs, the symptom and the mistake)
+RIGHT_RULE = (_chapter_accept, _norm_max, lambda p, q, g: p[g])
+# ((accept, residual, bonus): the rule a usual mistake runs, the symptom and the mistake)
 SAMPLED_MISTAKES = [
-    (_rule(_chapter_accept, _norm_max, lambda p, q, g: p[g - 1] if g else p[0]),
+    ((_chapter_accept, _norm_max, lambda p, q, g: p[g - 1] if g else p[0]),
      "symptom: when every proposal is accepted, the token after them follows the distribution "
      "of the LAST PROPOSAL's position, not of the position after it. The bonus is drawn from "
      "row γ of p (the target's output after the last proposal); after the loop, i is γ - 1, "
      "the last proposal's row (and with no proposal at all it is not defined)"),
-    (_rule(_chapter_accept, _norm_max, lambda p, q, g: q[g - 1] if g else p[0]),
+    ((_chapter_accept, _norm_max, lambda p, q, g: q[g - 1] if g else p[0]),
      "symptom: the bonus token follows the draft's distribution: draw it from the target's "
      "row γ"),
-    (_rule(_chapter_accept, lambda p_row, q_row: p_row, lambda p, q, g: p[g]),
+    ((_chapter_accept, lambda p_row, q_row: p_row, lambda p, q, g: p[g]),
      "symptom: after a refusal, the tokens the draft likes come out too often: a refused draw "
      "is replaced from the residual norm(max(0, p - q)), not from p"),
-    (_rule(lambda p, q: min(1.0, q / p) if p > 0 else 1.0, _norm_max, lambda p, q, g: p[g]),
+    ((lambda p, q: min(1.0, q / p) if p > 0 else 1.0, _norm_max, lambda p, q, g: p[g]),
      "symptom: proposals the target likes MORE than the draft are refused most: the chance "
      "to accept is min(1, p(x)/q(x)); u * q(x) >= p(x) means u >= p/q, a refusal"),
-    (_rule(lambda p, q: 1.0, _norm_max, lambda p, q, g: p[g]),
+    ((lambda p, q: 1.0, _norm_max, lambda p, q, g: p[g]),
      "symptom: every proposal is accepted: the draft's distribution comes out, not the "
      "target's; refuse x with probability 1 - min(1, p(x)/q(x))"),
-    (_rule(_chapter_accept, lambda p_row, q_row: _normalised((p_row - q_row).abs()),
+    ((_chapter_accept, lambda p_row, q_row: _normalised((p_row - q_row).abs()),
            lambda p, q, g: p[g]),
      "symptom: a refused draw can be replaced by a token the draft over-proposes: the residual "
      "is max(0, p - q), not |p - q|"),
@@ -849,17 +794,17 @@ SAMPLED_MISTAKES = [
 
 
 def outcome_distribution(p: torch.Tensor, q: torch.Tensor, proposals: list[int],
-                         rule: dict) -> torch.Tensor:
-    """Exact probability of every outcome (accepted k, token y) of one round, as a tensor
-    (γ + 1, vocab): k proposals accepted, then y drawn (the residual of row k, or the bonus)."""
-    gamma, vocab = len(proposals), p.size(1)
-    out = torch.zeros(gamma + 1, vocab, dtype=torch.float64)
-    reach = 1.0
+                         rule: tuple) -> torch.Tensor:
+    """Exact probability of every outcome (accepted k, token y) of one round by `rule` (accept,
+    residual, bonus), as a tensor (γ + 1, vocab): k accepted, then y from row k's residual or the
+    bonus."""
+    (accept, residual, bonus), gamma, reach = rule, len(proposals), 1.0
+    out = torch.zeros(gamma + 1, p.size(1), dtype=torch.float64)
     for i, x in enumerate(proposals):
-        keep = rule["accept"](float(p[i, x]), float(q[i, x]))
-        out[i] = reach * (1 - keep) * rule["residual"](p[i], q[i]).double()
+        keep = accept(float(p[i, x]), float(q[i, x]))
+        out[i] = reach * (1 - keep) * residual(p[i], q[i]).double()
         reach *= keep
-    out[gamma] = reach * rule["bonus"](p, q, gamma).double()
+    out[gamma] = reach * bonus(p, q, gamma).double()
     return out
 
 
@@ -905,27 +850,9 @@ def _sampled_cases() -> list[tuple[str, torch.Tensor, torch.Tensor, list[int]]]:
 TRIALS = 2400
 
 
-def _outcomes(fn, name, case, p, q, proposals, check_types: bool):
-    """The outcome of TRIALS seeded calls: a list of (k, y), and their counts."""
-    results, counts = [], torch.zeros(len(proposals) + 1, p.size(1))
-    for t in range(TRIALS):
-        g = torch.Generator().manual_seed(1_000 * t + len(proposals))
-        got = (call_hinted(name, case, _sampled_crash_hint, fn, p, q, list(proposals), g)
-               if check_types else _quietly(fn, p, q, list(proposals), g))
-        if check_types:
-            pair = int_list(got) if isinstance(got, (tuple, list)) else None
-            if pair is None or len(pair) != 2:
-                fail(name, case, "(accepted, token): two ints", got,
-                     "return how many proposals are kept and the target's token after them")
-            if not (0 <= pair[0] <= len(proposals) and 0 <= pair[1] < p.size(1)):
-                fail(name, case, f"accepted in 0..{len(proposals)}, a token in "
-                     f"0..{p.size(1) - 1}", tuple(pair), "accepted counts proposals kept")
-            got = pair
-        if got is None:
-            return None, None
-        results.append(tuple(got))
-        counts[got[0], got[1]] += 1
-    return results, counts
+def _outcomes(fn, proposals: list[int]) -> list:
+    """fn(generator) for TRIALS seeded generators: the outcome (k, y) of each round."""
+    return [fn(torch.Generator().manual_seed(1_000 * t + len(proposals))) for t in range(TRIALS)]
 
 
 def _quietly(fn, *args):
@@ -935,48 +862,52 @@ def _quietly(fn, *args):
         return None
 
 
-def _sampled_crash_hint(error: Exception) -> str:
-    if isinstance(error, (NameError, UnboundLocalError)):
-        return ("with no proposal the loop never runs, so its variable i is not defined: the "
-                "bonus comes from row len(proposals) of p, which exists even then")
-    return "your function raised on this input"
-
-
 @guarded
 def check_accept_sampled(accept_sampled) -> None:
     """accept_sampled(p, q, proposals, generator) -> (accepted, token): one round of speculative
     sampling, whose outcomes over seeded trials follow the closed form of section 5's rule."""
-    name = "accept_sampled"
-    cases = _sampled_cases()
-    same_as_buggy = 0
+    name, cases, same_as_buggy = "accept_sampled", _sampled_cases(), 0
+    crashed = _crash_hint((NameError, UnboundLocalError), "with no proposal the loop never runs, "
+                          "so its variable i is not defined: the bonus comes from row "
+                          "len(proposals) of p, which exists even then")
     for label, p, q, proposals in cases:
         case = f"{label}: p rows {[_as_list(r) for r in p]}, q rows " \
                f"{[_as_list(r) for r in q]}, proposals {proposals}, {TRIALS} seeded trials"
         p_in, q_in = p.clone(), q.clone()
-        results, counts = _outcomes(accept_sampled, name, case, p_in, q_in, proposals, True)
+
+        def outcome(g):
+            got = call_hinted(name, case, crashed, accept_sampled, p_in, q_in, list(proposals), g)
+            pair = int_list(got) if isinstance(got, (tuple, list)) else None
+            if pair is None or len(pair) != 2:
+                fail(name, case, "(accepted, token): two ints", got,
+                     "return how many proposals are kept and the target's token after them")
+            if not (0 <= pair[0] <= len(proposals) and 0 <= pair[1] < p.size(1)):
+                fail(name, case, f"accepted in 0..{len(proposals)}, a token in "
+                     f"0..{p.size(1) - 1}", tuple(pair), "accepted counts proposals kept")
+            return tuple(pair)
+        results = _outcomes(outcome, proposals)
         if not (torch.equal(p_in, p) and torch.equal(q_in, q)):
             fail(name, case, "p and q left as they were", "they changed",
                  "no in-place operations on p or q: other rounds read them")
-        buggy, _ = _outcomes(accept_sampled_buggy, name, case, p, q, proposals, False)
-        same_as_buggy += buggy is not None and results == buggy
+        buggy = _outcomes(lambda g: _quietly(accept_sampled_buggy, p, q, list(proposals), g),
+                          proposals)
+        same_as_buggy += results == buggy
+        counts = torch.zeros(len(proposals) + 1, p.size(1))
+        for k, y in results:
+            counts[k, y] += 1
         want = outcome_distribution(p, q, proposals, RIGHT_RULE)
         if _chi_square_p(counts, want) < 1e-6:
-            if buggy is not None and results == buggy:
-                hint = ("this is accept_sampled_buggy unchanged, trial for trial: "
-                        + SAMPLED_MISTAKES[0][1])
-            else:
-                fits = [h for rule, h in SAMPLED_MISTAKES
-                        if not torch.allclose(outcome_distribution(p, q, proposals, rule), want,
-                                              atol=1e-9)
-                        and _chi_square_p(counts, outcome_distribution(p, q, proposals,
-                                                                       rule)) > 1e-4]
-                hint = "; or ".join(fits) or (
-                    "accept proposal i with probability min(1, p_i(x)/q_i(x)); at the first "
-                    "refusal draw from norm(max(0, p_i - q_i)); after all γ, the bonus from p_γ")
-            freq = counts.sum(1) / TRIALS
+            fits = [h for rule, h in SAMPLED_MISTAKES
+                    if not torch.allclose(outcome_distribution(p, q, proposals, rule), want,
+                                          atol=1e-9)
+                    and _chi_square_p(counts, outcome_distribution(p, q, proposals, rule)) > 1e-4]
+            hint = ("this is accept_sampled_buggy unchanged, trial for trial: "
+                    + SAMPLED_MISTAKES[0][1]) if results == buggy else "; or ".join(fits) or (
+                "accept proposal i with probability min(1, p_i(x)/q_i(x)); at the first refusal "
+                "draw from norm(max(0, p_i - q_i)); after all γ, the bonus from p_γ")
             fail(name, case, "outcomes distributed as the rule says: accepted 0..γ with "
                  f"frequencies near {_as_list(want.sum(1))}",
-                 f"accepted 0..γ with frequencies {_as_list(freq)}", hint)
+                 f"accepted 0..γ with frequencies {_as_list(counts.sum(1) / TRIALS)}", hint)
     if same_as_buggy == len(cases):
         fail(name, "every case", "a fixed round", "accept_sampled_buggy's outcomes, trial for "
              "trial", "this is the buggy round unchanged: " + SAMPLED_MISTAKES[0][1])
@@ -1013,11 +944,6 @@ def _as_choice(got, *case):
     return as_int(got)
 
 
-def _speedups(alpha, c, batch, balance, *gammas) -> str:
-    return ", ".join(f"γ = {g}: {batch_speedup(alpha, c, batch, balance, g):.3f}x"
-                     for g in gammas)
-
-
 DESIGN = _Exercise(
     "choose_gamma",
     # (α, c, batch, balance): one request (the chapter's formula), batches below and past the
@@ -1028,8 +954,8 @@ DESIGN = _Exercise(
     describe=lambda alpha, c, batch, balance: (f"alpha={alpha}, c={c}, batch={batch}, "
                                                f"balance={balance}"),
     reference=reference_choose_gamma, returns=_as_choice,
-    explain=lambda *case: (f"{_speedups(*case, 0, reference_choose_gamma(*case))}; a verification "
-                           f"pass has batch × (γ + 1) rows"),
+    explain=lambda *case: ", ".join(f"γ = {g}: {batch_speedup(*case, g):.3f}x"
+                                    for g in (0, reference_choose_gamma(*case))),
     mistakes={
         "a tie: take the smaller γ (speculation that only breaks even is not worth it)":
             lambda *case: MAX_GAMMA - _argmax([batch_speedup(*case, g)
