@@ -1,29 +1,13 @@
 """Checkers for chapter 07 (shrinking the cache: grouped-query attention, a quantized KV cache, a
-sliding window with attention sinks).
+sliding window with attention sinks), each against the engine, on the CPU in a few seconds:
 
-- gqa_attention: causal attention with fewer K/V heads than query heads, against the engine's
-  kernel (causal_attention: PyTorch's SDPA with enable_gqa) on random tensors, n_kv_head from
-  n_head down to 1, then plugged into the course models target-gqa2 and target-mqa, logit for
-  logit. The engine's attention functions and F.scaled_dot_product_attention are forbidden.
-- quantize_block / dequantize_block: symmetric quantization per token, against the engine's
-  quantize and dequantize, 8 and 4 bits, on the course target's real keys and values and on
-  blocks with an all-zero position and positions of very different sizes; and per channel
-  (KIVI's keys), against the engine's on the transposed block: the same scales, codes in
-  [-qmax, qmax] that round x / scale, and a reconstruction within half a scale of x. The engine's
-  quantize and dequantize are forbidden.
-- held_positions: the absolute positions a SinkWindowCache holds after each pass, against a real
-  one fed a text one token per pass, for many (sinks, window), sinks = 0 and window = 1 included,
-  from the first position on (before anything is evicted). SinkWindowCache.update is forbidden.
-- predict_bytes (predict, then measure): the bytes of two caches that combine savings (GQA-2 with
-  an int4 cache, MQA with sinks and a window), against their nbytes after 50 tokens.
-- window_cache (debug): a sink-and-window cache whose new tokens took the number of slots held as
-  their position; the fixed class fed a text one token per pass against the engine's
-  SinkWindowCache, logits and positions at every step; the buggy class must not come back.
-- choose_window (design): sinks and window for a byte budget, against the held-out loss of every
-  split of the positions the budget buys (within 2% of the best), and the bytes it holds.
-
-Each usual mistake is recognised by computing what it would give, and named in the hint. Every
-checker runs on the CPU in a few seconds and leaves the caller's random state alone.
+- gqa_attention: against causal_attention on random tensors, then inside target-gqa2/target-mqa.
+- quantize_block / dequantize_block: per token (per channel: on the transposed block) against the
+  engine's quantize and dequantize, on the target's real keys and values and edge-case blocks.
+- held_positions (a table): the positions a real SinkWindowCache holds after each pass.
+- predict_bytes (predict, then measure): the nbytes of two caches that combine savings.
+- window_cache (debug): the fixed class against SinkWindowCache, logits and positions every step.
+- choose_window (design): sinks and window for a byte budget, against the held-out loss.
 """
 from __future__ import annotations
 
@@ -31,6 +15,7 @@ import contextlib
 import functools
 import math
 import sys
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +33,7 @@ from . import (
     Refused,
     call,
     call_hinted,
+    diagnose,
     fail,
     forbid,
     guarded,
@@ -62,38 +48,30 @@ TEXT = ("A coin's state is heads. Alice flips, then Bob flips, then Carol does n
         "What's the state? A:")
 
 
-
 def _no_return(got) -> str:
     return " (did you forget to return it?)" if got is None else ""
 
 
 # --- exercise 1: grouped-query attention -------------------------------------------------------
 
-KERNELS = {F.scaled_dot_product_attention: "torch.nn.functional.scaled_dot_product_attention"}
-
-
 @contextlib.contextmanager
 def _no_kernel(exercise: str):
-    """While the learner's function runs, calling the engine's attention (causal_attention, sdpa)
-    or PyTorch's scaled_dot_product_attention fails the check: with enable_gqa it does the whole
-    exercise. A builtin has no code object, so it is watched by its "c_call" profile event."""
+    """forbid, also for PyTorch's scaled_dot_product_attention (enable_gqa does the exercise): a
+    builtin has no code object, so it is watched by its "c_call" profile event."""
     called = []
     with forbid(exercise, causal_attention, sdpa):
         engine_watch = sys.getprofile()  # forbid's: it sees the engine's Python functions
-
-        def watch(frame, event, arg):
-            engine_watch(frame, event, arg)
-            if event == "c_call" and any(arg is k for k in KERNELS):
-                called.append(next(name for k, name in KERNELS.items() if arg is k))
-        sys.setprofile(watch)
+        sys.setprofile(lambda frame, event, arg: engine_watch(frame, event, arg) or (
+            event == "c_call" and arg is F.scaled_dot_product_attention and called.append(arg)))
         try:
             yield
         finally:
             sys.setprofile(engine_watch)
     if called:
-        raise CheckFailed(f"{exercise}: your function called {called[0]}(); the exercise is to "
-                          f"write attention yourself: expand K and V to the query heads, then "
-                          f"softmax(q kᵀ / sqrt(head_dim)) v under a causal mask")
+        raise CheckFailed(f"{exercise}: your function called torch.nn.functional.scaled_dot_product"
+                          f"_attention(); the exercise is to write attention yourself: expand K "
+                          f"and V to the query heads, then softmax(q kᵀ / sqrt(head_dim)) v under "
+                          f"a causal mask")
 
 
 # (B, n_head, n_kv_head, T, head_dim): the first tells every usual mistake apart (two K/V heads
@@ -102,56 +80,50 @@ GQA_SHAPES = [(1, 4, 2, 5, 8), (2, 8, 2, 7, 16), (1, 8, 1, 6, 32), (1, 4, 4, 5, 
               (1, 6, 3, 4, 4), (2, 8, 4, 9, 8), (1, 2, 1, 1, 4), (1, 12, 4, 11, 16)]
 GQA_MODELS = ("target-gqa2", "target-mqa")
 
-REPEAT = ("this is what you get with k.repeat(1, group, 1, 1) (or a group axis in the wrong "
-          "place), which gives query head i the K/V head i % n_kv_head: the K/V heads are "
-          "tiled, 0 1 0 1 ... A K/V head serves a CONTIGUOUS group of n_head // n_kv_head query "
-          "heads, as the grouped model was trained: query head i reads K/V head i // group; "
-          "use k.repeat_interleave(group, dim=1) (0 0 1 1 ...)")
-NO_MASK = ("this is what you get with no causal mask: query i sees the keys after it, its "
-           "future; fill the scores above the diagonal (key j > query i) with -inf before the "
-           "softmax")
-UNSCALED = ("this is what you get when the scores are not divided by sqrt(head_dim): "
-            "softmax(q kᵀ / sqrt(head_dim))")
-BY_HS = "this is what you get when you divide by head_dim: divide by sqrt(head_dim)"
-ROWS = ("this is what you get with the softmax over the queries (dim=-2): each query's weights "
-        "over the keys must sum to 1, so take it over the keys, dim=-1")
-AFTER = ("this is what you get when the mask is applied after the softmax: mask the scores with "
-         "-inf first, so each row's weights still sum to 1")
-TRANSPOSED = ("this is what you get with the mask transposed (triu, the upper triangle): query i "
-              "may see keys 0 .. i, the lower triangle, torch.ones(T, T).tril()")
-NEXT = ("this is what you get when each query also sees the next key: the mask's diagonal is off "
-        "by one (tril(), not tril(1))")
 
-
-def _attend(q, k, v, expand: str = "interleave", mask: str = "causal", scale=None, dim=-1,
-            after: bool = False) -> torch.Tensor:
+def _attend(q, k, v, tile=False, mask="tril", diagonal=0, scale=None, dim=-1, after=False):
     """softmax(q kᵀ x scale) v over K/V heads expanded to the query heads, and its classic bugs."""
-    group = q.size(1) // k.size(1)
-    if expand == "interleave":
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    else:
-        k, v = k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1)
-    T, hs = q.size(-2), q.size(-1)
-    scale = 1 / math.sqrt(hs) if scale is None else scale
-    scores = (q @ k.transpose(-1, -2)) * scale
-    ones = torch.ones(T, T, dtype=torch.bool)
-    allowed = {"causal": ones.tril(), "none": None, "transposed": ones.triu(),
-               "next": ones.tril(1)}[mask]
+    group, T = q.size(1) // k.size(1), q.size(-2)
+    k, v = (t.repeat(1, group, 1, 1) if tile else t.repeat_interleave(group, dim=1) for t in (k, v))
+    scores = (q @ k.transpose(-1, -2)) * (1 / math.sqrt(q.size(-1)) if scale is None else scale)
+    allowed = getattr(torch.ones(T, T, dtype=torch.bool), mask)(diagonal) if mask else None
     if allowed is not None and not after:
         scores = scores.masked_fill(~allowed, float("-inf"))
     weights = torch.softmax(scores, dim=dim)
-    if allowed is not None and after:
-        weights = weights * allowed
-    return weights @ v
+    return (weights * allowed if allowed is not None and after else weights) @ v
 
 
-def gqa_mistakes(q, k, v) -> list[tuple[torch.Tensor, str]]:
-    hs = q.size(-1)
-    return [(_attend(q, k, v, expand="repeat"), REPEAT), (_attend(q, k, v, mask="none"), NO_MASK),
-            (_attend(q, k, v, scale=1.0), UNSCALED), (_attend(q, k, v, scale=1 / hs), BY_HS),
-            (_attend(q, k, v, dim=-2), ROWS), (_attend(q, k, v, after=True), AFTER),
-            (_attend(q, k, v, mask="transposed"), TRANSPOSED),
-            (_attend(q, k, v, mask="next"), NEXT)]
+GQA_MISTAKES = {  # hint -> a wrong gqa_attention
+    "this is what you get with k.repeat(1, group, 1, 1) (or a group axis in the wrong place), "
+    "which gives query head i the K/V head i % n_kv_head: the K/V heads are tiled, 0 1 0 1 ... A "
+    "K/V head serves a CONTIGUOUS group of n_head // n_kv_head query heads, as the grouped model "
+    "was trained: query head i reads K/V head i // group; use k.repeat_interleave(group, dim=1) "
+    "(0 0 1 1 ...)": partial(_attend, tile=True),
+    "this is what you get with no causal mask: query i sees the keys after it, its future; fill "
+    "the scores above the diagonal (key j > query i) with -inf before the softmax":
+        partial(_attend, mask=None),
+    "this is what you get when the scores are not divided by sqrt(head_dim): "
+    "softmax(q kᵀ / sqrt(head_dim))": partial(_attend, scale=1.0),
+    "this is what you get when you divide by head_dim: divide by sqrt(head_dim)":
+        lambda q, k, v: _attend(q, k, v, scale=1 / q.size(-1)),
+    "this is what you get with the softmax over the queries (dim=-2): each query's weights over "
+    "the keys must sum to 1, so take it over the keys, dim=-1": partial(_attend, dim=-2),
+    "this is what you get when the mask is applied after the softmax: mask the scores with -inf "
+    "first, so each row's weights still sum to 1": partial(_attend, after=True),
+    "this is what you get with the mask transposed (triu, the upper triangle): query i may see "
+    "keys 0 .. i, the lower triangle, torch.ones(T, T).tril()": partial(_attend, mask="triu"),
+    "this is what you get when each query also sees the next key: the mask's diagonal is off by "
+    "one (tril(), not tril(1))": partial(_attend, diagonal=1),
+}
+
+GQA_SHAPE_MISTAKES = {  # hint -> a wrong gqa_attention, told by its shape
+    "heads in dim 1: return (B, n_head, T, head_dim), as q is":
+        lambda q, k, v: _attend(q, k, v).transpose(1, 2),
+    "return the heads apart, (B, n_head, T, head_dim): the model puts them side by side itself":
+        lambda q, k, v: _attend(q, k, v).transpose(1, 2).flatten(2),
+    "one output per QUERY head: expand k and v to n_head heads (each K/V head repeated for its "
+    "group), then attend with every query head": lambda q, k, v: v,
+}
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> bool:
@@ -168,22 +140,8 @@ def _gqa_crash_hint(nh: int, nkv: int):
     return hint
 
 
-def _gqa_shape_hint(shape: tuple, B: int, nh: int, nkv: int, T: int, hs: int) -> str:
-    if shape == (B, T, nh, hs):
-        return "heads in dim 1: return (B, n_head, T, head_dim), as q is"
-    if shape == (B, T, nh * hs):
-        return ("return the heads apart, (B, n_head, T, head_dim): the model puts them side by "
-                "side itself")
-    if shape == (B, nkv, T, hs):
-        return ("one output per QUERY head: expand k and v to n_head heads (each K/V head "
-                "repeated for its group), then attend with every query head")
-    return "one output row per query and query head: (B, n_head, T, head_dim), as q is"
-
-
 def _check_gqa_output(name: str, case: str, got, q, k, v, given) -> None:
-    want = causal_attention(q, k, v)  # what the engine runs: SDPA with enable_gqa
-    B, nh, T, hs = q.shape
-    nkv = k.size(1)
+    want, nh, nkv = causal_attention(q, k, v), q.size(1), k.size(1)  # SDPA with enable_gqa
     for label, before, after in zip("qkv", (q, k, v), given):
         if not torch.equal(before, after):
             fail(name, case, f"{label} left unchanged", f"{label} changed in place",
@@ -193,9 +151,11 @@ def _check_gqa_output(name: str, case: str, got, q, k, v, given) -> None:
         fail(name, case, f"a torch tensor of shape {tuple(want.shape)} (B, n_head, T, head_dim)",
              kind(got), "return the attention output as one torch tensor (not numpy, not a "
              "tuple)" + _no_return(got))
-    if tuple(got.shape) != tuple(want.shape):
+    if got.shape != want.shape:
         fail(name, case, f"shape {tuple(want.shape)} (B, n_head, T, head_dim)",
-             f"shape {tuple(got.shape)}", _gqa_shape_hint(tuple(got.shape), B, nh, nkv, T, hs))
+             f"shape {tuple(got.shape)}", diagnose(GQA_SHAPE_MISTAKES, [((q, k, v), got)],
+                                                   same=lambda a, b: a.shape == b.shape)
+             or "one output row per query and query head: (B, n_head, T, head_dim), as q is")
     if got.dtype != q.dtype:
         fail(name, case, f"dtype {q.dtype}, q's", f"dtype {got.dtype}",
              "compute in q's dtype: the next layer multiplies the output with its weights")
@@ -205,23 +165,20 @@ def _check_gqa_output(name: str, case: str, got, q, k, v, given) -> None:
              "0 .. i, its own key included; is the mask inverted (True must mean 'may attend') "
              "or its diagonal off by one?")
     if not _close(got, want):
-        hint = next((h for wrong, h in gqa_mistakes(q, k, v)
-                     if not _close(wrong, want) and _close(got, wrong)), None)
-        if hint is None:
-            heads = [i for i in range(nh) if not _close(got[:, i], want[:, i])]
-            hint = ("softmax(q kᵀ / sqrt(head_dim)) v over the keys, query i seeing keys 0 .. i, "
-                    f"query head i reading K/V head i // (n_head // n_kv_head) = i // {nh // nkv}"
-                    f"; wrong query heads: {heads}")
+        heads = [i for i in range(nh) if not _close(got[:, i], want[:, i])]
         fail(name, case, "the engine's attention output (to 1e-5)",
-             f"an output off by up to {(got.double() - want.double()).abs().max():.4g}", hint)
+             f"an output off by up to {(got.double() - want.double()).abs().max():.4g}",
+             diagnose(GQA_MISTAKES, [((q, k, v), got)], same=_close) or (
+                 "softmax(q kᵀ / sqrt(head_dim)) v over the keys, query i seeing keys 0 .. i, "
+                 f"query head i reading K/V head i // (n_head // n_kv_head) = i // {nh // nkv}; "
+                 f"wrong query heads: {heads}"))
 
 
 @guarded
 @torch.no_grad()
 def check_gqa_attention(gqa_attention) -> None:
-    """gqa_attention(q, k, v) -> (B, n_head, T, head_dim): causal attention where query head i
-    reads K/V head i // (n_head // n_kv_head), against the engine's kernel on random tensors and
-    inside the grouped course models."""
+    """gqa_attention(q, k, v) -> (B, n_head, T, head_dim), query head i reading K/V head
+    i // (n_head // n_kv_head): on random tensors, then inside the grouped course models."""
     name = "gqa_attention"
     gen = torch.Generator().manual_seed(70)
     for B, nh, nkv, T, hs in GQA_SHAPES:
@@ -257,17 +214,15 @@ def check_gqa_attention(gqa_attention) -> None:
 
 # --- exercise 2: a quantized block of keys ------------------------------------------------------
 
-def _real_kv() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The course target's layer-0 and layer-5 keys and layer-3 values for a prompt,
-    (1, 8, T, head_dim) each; T = 20, not head_dim (24), so that a scale taken per channel
-    instead of per position has the wrong shape."""
+def _real_kv() -> tuple[torch.Tensor, ...]:
+    """The target's layer-0 and layer-5 keys and layer-3 values for a prompt, (1, 8, T, head_dim):
+    T = 20, not head_dim (24), so that a scale per channel instead of per position shows."""
     target, tok = load_course_model("target", "cpu")
     ids = tok.encode(TEXT)[:20]
     cache = KVCache.for_model(target, max_len=len(ids))
     target(torch.tensor([ids]), cache=cache)
-    T = len(ids)
-    return (cache.keys[0][:, :, :T].clone(), cache.keys[5][:, :, :T].clone(),
-            cache.values[3][:, :, :T].clone())
+    return tuple(t[:, :, :len(ids)].clone()
+                 for t in (cache.keys[0], cache.keys[5], cache.values[3]))
 
 
 def quant_cases() -> list[tuple[str, torch.Tensor, int]]:
@@ -280,43 +235,29 @@ def quant_cases() -> list[tuple[str, torch.Tensor, int]]:
     wide = (torch.randn(2, 3, 10, 7, generator=gen, dtype=torch.float64)
             * torch.logspace(-3, 2, 10, dtype=torch.float64)[:, None])
     real = f"the course target's {{}} for a {k0.size(2)}-token prompt, {tuple(k0.shape)}"
-    return [
-        (real.format("layer-0 keys"), k0, 8),
-        (real.format("layer-0 keys"), k0, 4),
-        (real.format("layer-5 keys"), k5, 4),
-        (real.format("layer-3 values (values are quantized the same way)"), v3, 8),
-        ("one head's keys, (T, hs) = (6, 5): position 2 all zeros, position 4's largest element "
-         "negative", head, 8),
-        ("one head's keys, (T, hs) = (6, 5): position 2 all zeros, position 4's largest element "
-         "negative", head, 4),
-        ("float64 keys (2, 3, 10, 7), positions from 1e-3 to 1e2 in size", wide, 4),
-    ]
+    edges = ("one head's keys, (T, hs) = (6, 5): position 2 all zeros, position 4's largest "
+             "element negative")
+    return [(real.format("layer-0 keys"), k0, 8), (real.format("layer-0 keys"), k0, 4),
+            (real.format("layer-5 keys"), k5, 4),
+            (real.format("layer-3 values (values are quantized the same way)"), v3, 8),
+            (edges, head, 8), (edges, head, 4),
+            ("float64 keys (2, 3, 10, 7), positions from 1e-3 to 1e2 in size", wide, 4)]
 
 
-def engine_quantized(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                           torch.Tensor]:
-    """The engine's quantization of x: signed codes (int64, in [-qmax, qmax]), the scales
-    (..., T, 1) and the dequantized x, from quantize and dequantize (the engine stores code +
-    2^(bits-1) as uint8, two codes a byte at 4 bits)."""
+def engine_quantized(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...]:
+    """The engine's signed codes (int64, in [-qmax, qmax]), scales (..., T, 1) and dequantized x
+    (it stores code + 2^(bits-1) as uint8, two codes a byte at 4 bits)."""
     packed, scales = quantize(x, bits)
     codes = dequantize(packed, torch.ones_like(scales), bits, x.size(-1))  # code x 1, exactly
     return codes.round().long(), scales, dequantize(packed, scales, bits, x.size(-1))
 
 
-def _ratio(x: torch.Tensor, scales: torch.Tensor) -> float | None:
-    """N when every nonzero position's scale is max|x| / N for one N, else None."""
-    amax = x.double().abs().amax(-1, keepdim=True)
-    live = amax > 0
-    r = (amax[live] / scales.double()[live])
-    if r.numel() == 0 or not torch.isfinite(r).all() or (r - r[0]).abs().max() > 1e-4 * r[0]:
-        return None
-    return float(r[0])
-
-
 def _scale_hint(x: torch.Tensor, scales: torch.Tensor, bits: int) -> str:
     qmax = 2 ** (bits - 1) - 1
     amax = x.double().abs().amax(-1, keepdim=True)
-    n = _ratio(x, scales)
+    r = amax[amax > 0] / scales.double()[amax > 0]  # N, when every scale is max|x| / N
+    one_n = r.numel() > 0 and torch.isfinite(r).all() and (r - r[0]).abs().max() <= 1e-4 * r[0]
+    n = float(r[0]) if one_n else None
     levels = f"qmax = 2^(bits-1) - 1 = {qmax}"
     if n is not None and abs(n - round(n)) < 1e-4:
         n = round(n)
@@ -346,62 +287,51 @@ def _scale_hint(x: torch.Tensor, scales: torch.Tensor, bits: int) -> str:
                     f"is then {n}, past the largest signed code {qmax}. Divide by {levels}")
     if n is not None:
         return f"your scales are max|x| / {n:.4g}: divide by {levels}"
-    signed = x.double().amax(-1, keepdim=True) / qmax
-    if torch.allclose(scales.double(), signed, rtol=1e-5, atol=0):
-        return ("this is what you get with x.amax(...), the largest element, not the largest "
-                "MAGNITUDE: a position whose largest element in size is negative gets too small "
-                "(or a negative) scale; take x.abs().amax(dim=-1, keepdim=True)")
-    if torch.allclose(scales.double(), qmax / amax.clamp(min=1e-300), rtol=1e-5, atol=0):
-        return (f"your scales are {qmax} / max|x|, upside down: scale = max|x| / {qmax}, so that "
-                f"x / scale reaches ±{qmax}")
-    if torch.allclose(scales.double(), amax / qmax * 2, rtol=1e-5, atol=0):
-        return (f"your scales are 2 max|x| / {qmax}, the range -max .. max spread over {qmax} "
-                f"levels; the codes run from -{qmax} to {qmax}: scale = max|x| / {qmax}")
+    for hint, wrong in {  # the scales of a usual mistake
+            "this is what you get with x.amax(...), the largest element, not the largest "
+            "MAGNITUDE: a position whose largest element in size is negative gets too small (or "
+            "a negative) scale; take x.abs().amax(dim=-1, keepdim=True)":
+                x.double().amax(-1, keepdim=True) / qmax,
+            f"your scales are {qmax} / max|x|, upside down: scale = max|x| / {qmax}, so that x / "
+            f"scale reaches ±{qmax}": qmax / amax.clamp(min=1e-300),
+            f"your scales are 2 max|x| / {qmax}, the range -max .. max spread over {qmax} levels; "
+            f"the codes run from -{qmax} to {qmax}: scale = max|x| / {qmax}": amax / qmax * 2,
+    }.items():
+        if torch.allclose(scales.double(), wrong, rtol=1e-5, atol=0):
+            return hint
     return (f"one scale per position: max|x| over that position's head_dim elements, divided by "
             f"{levels}")
 
 
 def _scales_shape_hint(shape: tuple, xshape: tuple) -> str:
     *lead, T, hs = xshape
-    if shape == (*lead, 1, hs):
-        return ("one scale per CHANNEL: this is what you get with the max over the positions "
-                "(dim=-2). Quantize per token, as the engine does: each position is quantized "
-                "the moment it is written, when the positions to come are unknown, so its scale "
-                "is the max over its own head_dim elements, x.abs().amax(dim=-1, keepdim=True)")
-    if shape == (*lead, hs):
-        return ("one scale per CHANNEL (the max over the positions, dim=-2): quantize per token, "
-                "x.abs().amax(dim=-1, keepdim=True), (..., T, 1)")
-    if shape == (*lead, T):
-        return ("one scale per position, kept as a column: (..., T, 1), keepdim=True, so that "
-                "x / scales divides each row by its own scale")
-    if math.prod(shape) == 1:
-        return ("one scale for the whole block (per tensor): quantize per token, one scale per "
-                "position and head, x.abs().amax(dim=-1, keepdim=True): one large position "
-                "would otherwise make every small one round to 0")
-    return "one scale per position and head: x.abs().amax(dim=-1, keepdim=True), (..., T, 1)"
+    return {
+        (*lead, 1, hs): "one scale per CHANNEL: this is what you get with the max over the "
+        "positions (dim=-2). Quantize per token, as the engine does: each position is quantized "
+        "the moment it is written, when the positions to come are unknown, so its scale is the "
+        "max over its own head_dim elements, x.abs().amax(dim=-1, keepdim=True)",
+        (*lead, hs): "one scale per CHANNEL (the max over the positions, dim=-2): quantize per "
+        "token, x.abs().amax(dim=-1, keepdim=True), (..., T, 1)",
+        (*lead, T): "one scale per position, kept as a column: (..., T, 1), keepdim=True, so that "
+        "x / scales divides each row by its own scale",
+    }.get(shape) or ("one scale for the whole block (per tensor): quantize per token, one scale "
+                     "per position and head, x.abs().amax(dim=-1, keepdim=True): one large "
+                     "position would otherwise make every small one round to 0"
+                     if math.prod(shape) == 1 else "one scale per position and head: "
+                     "x.abs().amax(dim=-1, keepdim=True), (..., T, 1)")
 
 
-def _codes_hint(x, scales, codes, bits) -> str:
-    qmax = 2 ** (bits - 1) - 1
-    y = (x / scales).double()  # in x's dtype, as the learner divides
-    c = codes.double()
-
-    def same(rounded) -> bool:  # clamped or not
-        return torch.equal(c, rounded) or torch.equal(c, rounded.clamp(-qmax, qmax))
-    if same(y.trunc()):
-        return ("this is what you get by truncating x / scale (.to(int) or .int() drops the "
-                "fraction): the error reaches a whole scale; round to the nearest level first, "
-                "torch.round(x / scale)")
-    if same(y.floor()):
-        return ("this is what you get with floor: the error reaches a whole scale; round to the "
-                "nearest level, torch.round(x / scale)")
-    if same(y.ceil()):
-        return "this is what you get with ceil: round to the nearest level, torch.round(x / scale)"
-    if same((x.double() * scales.double()).round()):
-        return "codes are x / scale (divide), rounded: you multiplied"
-    return "code = torch.round(x / scale), clamped to [-qmax, qmax]"
-
-
+CODE_MISTAKES = {  # hint -> the codes a wrong rounding of x / scale gives (clamped or not)
+    "this is what you get by truncating x / scale (.to(int) or .int() drops the fraction): the "
+    "error reaches a whole scale; round to the nearest level first, torch.round(x / scale)":
+        lambda x, s: (x / s).double().trunc(),  # in x's dtype, as the learner divides
+    "this is what you get with floor: the error reaches a whole scale; round to the nearest "
+    "level, torch.round(x / scale)": lambda x, s: (x / s).double().floor(),
+    "this is what you get with ceil: round to the nearest level, torch.round(x / scale)":
+        lambda x, s: (x / s).double().ceil(),
+    "codes are x / scale (divide), rounded: you multiplied":
+        lambda x, s: (x.double() * s.double()).round(),
+}
 QUANT_FORBIDDEN = (quantize, dequantize, QuantizedKVCache.update)
 
 
@@ -424,17 +354,16 @@ def _check_quantized(name, case, x, bits, got) -> tuple[torch.Tensor, torch.Tens
     if not scales.is_floating_point() or scales.dtype != x.dtype:
         fail(name, case, f"scales in x's dtype, {x.dtype}", f"scales in {scales.dtype}",
              "the scales are real numbers, in x's dtype: dequantizing multiplies by them")
-    zero = x.abs().amax(-1, keepdim=True) == 0
-    if not (torch.isfinite(scales).all() and (scales > 0).all()):
-        bad = ~(torch.isfinite(scales) & (scales > 0))
-        hint = ("a position whose vector is all zeros has max|x| = 0: a scale of 0 makes x / scale "
-                "0 / 0 = NaN, and NaN cast to an integer is garbage. Keep the scale positive: "
-                "clamp max|x| to a tiny positive number first, as the engine does, "
-                ".clamp(min=torch.finfo(x.dtype).tiny)") if (bad & zero).any() else (
-                "every scale must be a positive number: max|x| / qmax, max of the MAGNITUDES "
-                "(x.abs())")
-        fail(name, case, "positive, finite scales", f"{scales[bad][:4].tolist()} ...", hint)
-    live = ~zero
+    live = x.abs().amax(-1, keepdim=True) > 0
+    bad = ~(torch.isfinite(scales) & (scales > 0))
+    if bad.any():
+        fail(name, case, "positive, finite scales", f"{scales[bad][:4].tolist()} ...",
+             "a position whose vector is all zeros has max|x| = 0: a scale of 0 makes x / scale "
+             "0 / 0 = NaN, and NaN cast to an integer is garbage. Keep the scale positive: clamp "
+             "max|x| to a tiny positive number first, as the engine does, "
+             ".clamp(min=torch.finfo(x.dtype).tiny)" if (bad & ~live).any() else
+             "every scale must be a positive number: max|x| / qmax, max of the MAGNITUDES "
+             "(x.abs())")
     if not torch.allclose(scales[live].double(), want_scales[live].double(), rtol=1e-5, atol=0):
         i = int((~torch.isclose(scales.double(), want_scales.double(), rtol=1e-5, atol=0)
                  & live).flatten().nonzero()[0])
@@ -455,39 +384,37 @@ def _check_quantized(name, case, x, bits, got) -> tuple[torch.Tensor, torch.Tens
              "torch.round, convert with .to(torch.int8)")
     c = codes.long()
     if (c.abs() > qmax).any():
-        if torch.equal(c, want_codes + qmax + 1):
-            hint = (f"these are the engine's stored codes, code + 2^(bits-1), unsigned (1 .. "
-                    f"{2 * qmax + 1}): return the signed codes themselves, -{qmax} .. {qmax}")
-        else:
-            hint = (f"clamp the codes to [-{qmax}, {qmax}] (the signed range of a {bits}-bit "
-                    f"code, symmetric): x / scale may not reach past ±{qmax}")
         fail(name, case, f"codes in [-{qmax}, {qmax}]",
-             f"codes from {int(c.min())} to {int(c.max())}", hint)
+             f"codes from {int(c.min())} to {int(c.max())}",
+             f"these are the engine's stored codes, code + 2^(bits-1), unsigned (1 .. "
+             f"{2 * qmax + 1}): return the signed codes themselves, -{qmax} .. {qmax}"
+             if torch.equal(c, want_codes + qmax + 1) else
+             f"clamp the codes to [-{qmax}, {qmax}] (the signed range of a {bits}-bit code, "
+             f"symmetric): x / scale may not reach past ±{qmax}")
     y = x.double() / want_scales.double()
     off = (c.double() - y).abs() > 0.5 + 1e-3  # a code may differ from the engine's at a tie
     if off.any():
         i = int(off.flatten().nonzero()[0])
         fail(name, case, f"code round(x / scale) = {int(want_codes.flatten()[i])} where x / scale "
              f"= {y.flatten()[i].item():.4f}", f"code {int(c.flatten()[i])}",
-             _codes_hint(x, want_scales, c, bits))
+             diagnose(CODE_MISTAKES, [((x, want_scales), c.double())], same=lambda r, c: (
+                 torch.equal(c, r) or torch.equal(c, r.clamp(-qmax, qmax))))
+             or "code = torch.round(x / scale), clamped to [-qmax, qmax]")
     return codes, scales
 
 
 def channel_cases() -> list[tuple[str, torch.Tensor, int]]:
-    """(what the case is about, x, bits) for per="channel": the scale of a channel spans the
-    block's positions (KIVI's keys). T differs from head_dim, so an axis mix-up shows."""
+    """(what the case is about, x, bits) for per="channel" (KIVI's keys): a channel's scale spans
+    the block's positions; T differs from head_dim, so an axis mix-up shows."""
     k0, _, _ = _real_kv()
     gen = torch.Generator().manual_seed(72)
     outlier = torch.randn(1, 2, 9, 6, generator=gen)
     outlier[..., 3] *= 25.0                      # a channel large at every position
     outlier[..., 1] = 0.0                        # a channel that is all zeros
     real = f"the course target's layer-0 keys for a {k0.size(2)}-token prompt, {tuple(k0.shape)}"
-    return [
-        (real, k0, 8),
-        (real, k0, 4),
-        ("keys (1, 2, 9, 6) with an outlier channel (3, 25x larger everywhere) and an all-zero "
-         "channel (1)", outlier, 4),
-    ]
+    return [(real, k0, 8), (real, k0, 4), ("keys (1, 2, 9, 6) with an outlier channel (3, 25x "
+                                           "larger everywhere) and an all-zero channel (1)",
+                                           outlier, 4)]
 
 
 _CHANNEL_WORDS = [("per position", "per channel"), ("(..., T, 1)", "(..., 1, hs)"),
@@ -503,11 +430,11 @@ def _check_channel_quantized(name, case, x, bits, got) -> tuple[torch.Tensor, to
     """Per-channel codes and scales of x, checked as the per-token ones of x transposed (the
     engine's quantize on the transposed block is the reference); hints in channel words."""
     *lead, T, hs = x.shape
-    if (isinstance(got, (tuple, list)) and len(got) == 2 and isinstance(got[0], torch.Tensor)
-            and tuple(got[0].shape) != tuple(x.shape)):
+    pair = isinstance(got, (tuple, list)) and len(got) == 2
+    if pair and isinstance(got[0], torch.Tensor) and tuple(got[0].shape) != tuple(x.shape):
         fail(name, case, f"codes of shape {tuple(x.shape)}, one per element of x",
              f"codes of shape {tuple(got[0].shape)}", "one code per element of x, x's shape")
-    if isinstance(got, (tuple, list)) and len(got) == 2 and isinstance(got[1], torch.Tensor):
+    if pair and isinstance(got[1], torch.Tensor):
         shape = tuple(got[1].shape)
         if shape == (*lead, T, 1):
             fail(name, case, f"scales of shape {(*lead, 1, hs)}, one per channel",
@@ -534,28 +461,23 @@ def _check_channel_quantized(name, case, x, bits, got) -> tuple[torch.Tensor, to
 @guarded
 @torch.no_grad()
 def check_quantize(quantize_block, dequantize_block) -> None:
-    """quantize_block(x, bits, per) -> (codes, scales), dequantize_block(codes, scales) -> x̂:
-    symmetric quantization with one scale per token (per="token", the engine's) or per channel
-    (per="channel", KIVI's keys), against the engine's quantize and dequantize (on the transposed
-    block for channels), on real keys and values."""
+    """quantize_block(x, bits, per) -> (codes, scales), one scale per token (the engine's) or per
+    channel (KIVI's keys); dequantize_block(codes, scales) -> x̂."""
     name = "quantize_block"
     cases = [(label, x, bits, "token") for label, x, bits in quant_cases()]
     cases += [(label, x, bits, "channel") for label, x, bits in channel_cases()]
     for label, x, bits, per in cases:
         case = f"{label}, bits={bits}" + (", per='channel'" if per == "channel" else "")
         given = x.clone()
-        kwargs = {} if per == "token" else {"per": "channel"}
         with forbid(name, *QUANT_FORBIDDEN):
             got = call_hinted(name, case, _quant_crash_hint, quantize_block, given, bits,
-                              **kwargs)
+                              **({} if per == "token" else {"per": "channel"}))
         if not torch.equal(given, x):
             fail(name, case, "x left unchanged", "x changed in place",
                  "compute on new tensors (x / scales, not x /= scales or x.div_): x is the "
                  "model's keys, which attention still reads")
-        if per == "token":
-            codes, scales = _check_quantized(name, case, x, bits, got)
-        else:
-            codes, scales = _check_channel_quantized(name, case, x, bits, got)
+        check = _check_quantized if per == "token" else _check_channel_quantized
+        codes, scales = check(name, case, x, bits, got)
         mine = (codes.clone(), scales.clone())
         with forbid("dequantize_block", *QUANT_FORBIDDEN):
             out = call("dequantize_block", case, dequantize_block, *mine)
@@ -571,13 +493,20 @@ def _quant_crash_hint(error: Exception) -> str:
     return "your function raised on this input"
 
 
+DEQUANT_MISTAKES = {  # hint -> a wrong dequantize_block
+    "this is the codes themselves: multiply them back by their scales, x ≈ codes * scales":
+        lambda codes, scales: codes.double(),
+    "you divided by the scales: x ≈ codes * scales, multiply":
+        lambda codes, scales: codes.double() / scales.double(),
+}
+
+
 def _check_dequantized(case, x, codes, scales, mine, out) -> None:
-    name = "dequantize_block"
+    name, shape = "dequantize_block", tuple(x.shape)
     if not (torch.equal(mine[0], codes) and torch.equal(mine[1], scales)):
         fail(name, case, "codes and scales left unchanged", "changed in place",
              "compute on new tensors: the cache keeps the codes and scales, and reads them "
              "again at every step")
-    shape = tuple(x.shape)
     if not isinstance(out, torch.Tensor):
         fail(name, case, f"a tensor of shape {shape}", kind(out),
              "return x̂ as a torch tensor" + _no_return(out))
@@ -588,21 +517,15 @@ def _check_dequantized(case, x, codes, scales, mine, out) -> None:
         fail(name, case, f"dtype {scales.dtype}, the scales'", f"dtype {out.dtype}",
              "dequantized values are real numbers, in the scales' dtype: codes.to(scales.dtype) "
              "* scales")
-    want = codes.double() * scales.double()
-    if not torch.allclose(out.double(), want, rtol=1e-5, atol=1e-30):
-        o = out.double()
-        if torch.equal(o, codes.double()):
-            hint = ("this is the codes themselves: multiply them back by their scales, "
-                    "x ≈ codes * scales")
-        elif torch.allclose(o, codes.double() / scales.double(), rtol=1e-5, atol=0):
-            hint = "you divided by the scales: x ≈ codes * scales, multiply"
-        else:
-            hint = "x ≈ codes * scales: each position's codes times that position's scale"
+    o, want = out.double(), codes.double() * scales.double()
+    if not torch.allclose(o, want, rtol=1e-5, atol=1e-30):
         i = int((~torch.isclose(o, want, rtol=1e-5, atol=1e-30)).flatten().nonzero()[0])
         fail(name, case, f"codes * scales (e.g. {want.flatten()[i].item():.6g})",
-             f"e.g. {o.flatten()[i].item():.6g}", hint)
-    error = (out.double() - x.double()).abs()
-    if (error > scales.double() / 2 * (1 + 1e-4) + 1e-30).any():
+             f"e.g. {o.flatten()[i].item():.6g}", diagnose(
+                 DEQUANT_MISTAKES, [((codes, scales), o)],
+                 same=lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=0))
+             or "x ≈ codes * scales: each position's codes times that position's scale")
+    if ((o - x.double()).abs() > scales.double() / 2 * (1 + 1e-4) + 1e-30).any():
         fail(name, case, "every element within half a scale of x", "a larger error",
              "round x / scale to the nearest code: the reconstruction is then within scale / 2")
 
@@ -700,9 +623,6 @@ check_held_positions = HELD.check
 EXERCISES = (HELD,)
 
 
-__all__ = ["check_gqa_attention", "check_quantize", "check_held_positions", "CheckFailed"]
-
-
 # --- exercise 4 (predict, then measure): the bytes of two caches that combine savings ----------
 
 BYTES_TEXT = ("Once upon a time there was a little cat named Tom. Tom liked to play in the garden "
@@ -713,8 +633,8 @@ BYTES_KEYS = ("gqa2_int4", "mqa_window")
 
 
 def measure_bytes() -> dict[str, int]:
-    """The bytes two caches hold after the first 50 tokens of BYTES_TEXT: target-gqa2 with a 4-bit
-    QuantizedKVCache (one pass), target-mqa with a SinkWindowCache(4, 16) (one token per pass)."""
+    """nbytes after 50 tokens: target-gqa2 with a 4-bit QuantizedKVCache (one pass), target-mqa
+    with a SinkWindowCache(4, 16) (one token per pass)."""
     gqa2, tok = load_course_model("target-gqa2", "cpu")
     mqa, _ = load_course_model("target-mqa", "cpu")
     ids = tok.encode(BYTES_TEXT)[:BYTES_TOKENS]
@@ -763,8 +683,7 @@ def _bytes_mistakes(key: str) -> list[tuple[int, str]]:
 @guarded
 @torch.no_grad()
 def check_predict_bytes(predict_bytes) -> None:
-    """predict_bytes() -> {"gqa2_int4": ..., "mqa_window": ...}: cache.nbytes of the two caches
-    after 50 tokens, measured."""
+    """predict_bytes() -> {"gqa2_int4": ..., "mqa_window": ...}, against measure_bytes()."""
     name = "predict_bytes"
     case = ("after the first 50 tokens of a story: target-gqa2 with a 4-bit "
             "QuantizedKVCache, target-mqa with SinkWindowCache(sinks=4, window=16)")
@@ -847,8 +766,7 @@ DEBUG_PAIRS = [(4, 8), (2, 5), (0, 6), (1, 1)]
 @guarded
 @torch.no_grad()
 def check_window_cache(cache_class) -> None:
-    """cache_class(model, sinks, window), fed a text one token per pass, against the engine's
-    SinkWindowCache: the logits at every step, the positions held, the K/V."""
+    """cache_class(model, sinks, window) fed one token per pass, against SinkWindowCache."""
     name = "window_cache"
     if not (isinstance(cache_class, type) and issubclass(cache_class, Cache)):
         fail(name, "the class", "a Cache subclass (of BuggyWindowCache)", cache_class,
@@ -870,14 +788,13 @@ def check_window_cache(cache_class) -> None:
             same_as_buggy &= torch.allclose(got, from_buggy, atol=1e-5)
             where = f"{case}: the pass that feeds position {t}"
             if not torch.allclose(got, want, atol=1e-4):
-                hint = WINDOW_SYMPTOM
-                if torch.allclose(got, from_buggy, atol=1e-5):
-                    hint = "this is BuggyWindowCache unchanged: " + WINDOW_SYMPTOM
-                elif t < sinks + window:
-                    hint = ("wrong before anything is evicted: keep appending every pass's K/V, "
-                            "in every layer, as the buggy cache does")
                 fail(name, where, "the engine's logits (max |Δ| < 1e-4)",
-                     f"max |Δ| = {float((got - want).abs().max()):.3g}", hint)
+                     f"max |Δ| = {float((got - want).abs().max()):.3g}",
+                     "this is BuggyWindowCache unchanged: " + WINDOW_SYMPTOM
+                     if torch.allclose(got, from_buggy, atol=1e-5) else
+                     "wrong before anything is evicted: keep appending every pass's K/V, in "
+                     "every layer, as the buggy cache does" if t < sinks + window else
+                     WINDOW_SYMPTOM)
             if list(mine.positions) != engine.positions:
                 ahead = bool(mine.positions) and max(mine.positions) > max(engine.positions)
                 fail(name, where, f"positions {engine.positions}", f"{list(mine.positions)}",
@@ -902,27 +819,18 @@ LOSS_MARGIN = 0.02               # within 2% of the best split counts as best
 
 
 def window_loss(sinks: int, window: int) -> float:
-    """Held-out coin-flip loss of the course target on DESIGN_DOCS documents, each token seeing
-    what a SinkWindowCache(sinks, window) would hold."""
+    """The target's held-out coin-flip loss, each token seeing what SinkWindowCache holds."""
     target, tok = load_course_model("target", "cpu")
     return heldout_losses(target, tok, corpora=("coinflip",), n_docs=DESIGN_DOCS,
                           attention=window_attention(sinks, window))["coinflip"]
 
 
 def window_bytes(sinks: int, window: int) -> int:
-    """What a SinkWindowCache(sinks, window) of the course target holds once a text is longer
-    than its sinks and window (cache.nbytes)."""
+    """The nbytes of a SinkWindowCache(sinks, window) of the target, once it evicts."""
     target, tok = load_course_model("target", "cpu")
     cache = SinkWindowCache.for_model(target, sinks=sinks, window=window)
     feed(target, tok.encode(TEXT)[:sinks + window + 2], cache)
     return cache.nbytes
-
-
-def _pair(got):
-    if isinstance(got, (tuple, list)) and len(got) == 2 and all(
-            not isinstance(v, bool) and isinstance(v, int) for v in got):
-        return tuple(got)
-    return None
 
 
 @guarded
@@ -935,8 +843,8 @@ def check_choose_window(choose_window) -> None:
     for budget in (DESIGN_BUDGET,) + OTHER_BUDGETS:
         case = f"a budget of {budget:,} bytes of K/V per sequence (the fp32 course target)"
         got = call(name, case, choose_window, budget)
-        pair = _pair(got)
-        if pair is None or pair[0] < 0 or pair[1] < 1:
+        pair = int_list(got) if isinstance(got, (tuple, list)) else None
+        if pair is None or len(pair) != 2 or pair[0] < 0 or pair[1] < 1:
             fail(name, case, "(sinks, window): two ints, sinks ≥ 0, window ≥ 1", got,
                  "return the pair (sinks, window)" + _no_return(got))
         sinks, window = pair
