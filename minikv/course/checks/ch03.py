@@ -1,16 +1,11 @@
-"""Checkers for chapter 03 (seed 000, the KV cache inside reasoning: coin flips).
-
-Every expectation is measured at run time from the corpus and the engine (cuts from the tokenizer,
-answers asked from scratch, K/V work by KVCounter, passes by PassCounter, caches compared with a
-one-pass prefill), on the shipped models and on random ones (`tiny_model`), far from the truth.
+"""Checkers for chapter 03 (seed 000, the KV cache inside reasoning: coin flips). Expectations are
+measured at run time: cuts by the tokenizer, answers asked from scratch, K/V work by KVCounter,
+passes by PassCounter, caches against a one-pass prefill; on the shipped models and random ones.
 Exercises: clause_cuts (a table), intermediate_answers (one cache, rolled back),
-shared_prefix_answers (forks), predict_differing_slots, FixedForkCache, choose_fork_plan.
-"""
+shared_prefix_answers (forks), predict_differing_slots, FixedForkCache, choose_fork_plan."""
 from __future__ import annotations
 
-import functools
 import random
-from collections.abc import Sequence
 
 import torch
 
@@ -27,6 +22,7 @@ from . import (
     as_int,
     call,
     call_hinted,
+    expect,
     fail,
     forbid,
     guarded,
@@ -38,6 +34,12 @@ from . import (
 )
 
 NEAR_TIE = 1e-3  # top-two logits closer than this: either token is accepted (kernels' rounding)
+_RNG = random.Random(31)
+QUESTIONS = coin_flip_eval(2, seed=30) + [  # held out, 1 to 8 people (two each); nobody; long names
+    CoinFlip("tails", ()), CoinFlip("tails", (("Maximilian", True), ("Anastasia-Rose", False),
+                                              ("Bo", True))),
+    CoinFlip("heads", tuple((name, _RNG.random() < 0.5) for name in (
+        "Wilhelmina", "Xiomara", "Oluwaseun", "Jean-Baptiste", "Siobhan")))]
 
 
 def _promise(tok, q: CoinFlip) -> tuple[list[int], list[int], list[int]]:
@@ -54,45 +56,10 @@ def _promise(tok, q: CoinFlip) -> tuple[list[int], list[int], list[int]]:
     return statement, cuts, suffix
 
 
-def _questions() -> list[CoinFlip]:
-    """Held-out questions (1 to 8 people, two of each), nobody at all, and long names."""
-    qs = coin_flip_eval(2, seed=30)
-    qs.append(CoinFlip("tails", ()))
-    qs.append(CoinFlip("tails", (("Maximilian", True), ("Anastasia-Rose", False),
-                                 ("Bo", True))))
-    rng = random.Random(31)
-    qs.append(CoinFlip("heads", tuple((name, rng.random() < 0.5) for name in (
-        "Wilhelmina", "Xiomara", "Oluwaseun", "Jean-Baptiste", "Siobhan"))))
-    return qs
-
-
 # --- exercise 1: where the states live ----------------------------------------------------------
 
-class _Later(Sequence):
-    """Cases made on first use: the tokenizer is too slow to load at every import."""
-
-    def __init__(self, make):
-        self.make = make
-
-    @functools.cached_property
-    def cases(self) -> list:
-        return self.make()
-
-    def __getitem__(self, i):
-        return self.cases[i]
-
-    def __len__(self) -> int:
-        return len(self.cases)
-
-
-_Q: dict[str, CoinFlip] = {}  # prompt -> its question, for the cases
-
-
-def _cut_cases() -> list[tuple]:
-    qs = _questions()
-    qs.insert(3, CoinFlip("tails", (("Emma Blackman", True), ("Mr. Papas", False), ("Bo", True))))
-    _Q.update((q.prompt(), q) for q in qs)
-    return [(load_tokenizer(), q.prompt()) for q in qs]
+_Q = {q.prompt(): q for q in QUESTIONS[:3] + [CoinFlip("tails", (
+    ("Emma Blackman", True), ("Mr. Papas", False), ("Bo", True)))] + QUESTIONS[3:]}
 
 
 def clause_cuts(tok, prompt) -> list[int]:
@@ -106,14 +73,8 @@ def _per_cut(length):
                                 for i in range(len(_Q[prompt].steps) + 1)]
 
 
-def _said(tok, prompt) -> str:
-    n = len(_Q[prompt].steps)
-    return f"{prompt!r} ({n} {'person' if n == 1 else 'people'})"
-
-
 def _cut_list(got, *case) -> list[int]:
-    dtype = getattr(got, "dtype", None)
-    floats = getattr(dtype, "is_floating_point", False) or getattr(dtype, "kind", "") == "f" or (
+    floats = "float" in str(getattr(got, "dtype", "")) or (
         isinstance(got, (list, tuple)) and len(got) > 0 and all(isinstance(v, float) for v in got))
     if int_list(got) is None:
         raise Refused("cache lengths are ints: 6.0 is not 6; count tokens with len(...), an int"
@@ -125,7 +86,7 @@ def _cut_list(got, *case) -> list[int]:
 def _cuts_hint(answers) -> str:
     """The first wrong answer explained: a '.' in a name, the count of cuts, where it cuts."""
     (tok, prompt), cuts = next((case, got) for case, got in answers if got != clause_cuts(*case))
-    q, want = _Q[prompt], clause_cuts(tok, prompt)
+    q, want, ids = _Q[prompt], clause_cuts(tok, prompt), tok.encode(prompt)
     n, dotted = len(q.steps), [who for who, _ in q.steps if "." in who]
     hint = ("the cut after person i is the cache's length once the prompt's tokens up to the end "
             "of that clause are in it")
@@ -137,8 +98,7 @@ def _cuts_hint(answers) -> str:
         if dotted and len(cuts) > n + 1:
             hint += (f"; a name can contain a '.' ({dotted[0]!r}), and it ends no clause: a "
                      f"clause ends at ', then ' or at the question's '. What's the state?'")
-    bad, ids = next((i for i, (c, w) in enumerate(zip(cuts, want)) if c != w), None), tok.encode(
-        prompt)
+    bad = next((i for i, (c, w) in enumerate(zip(cuts, want)) if c != w), None)
     if bad is not None and 0 <= cuts[bad] <= len(ids):
         hint += (f" (your cut {bad} keeps the prompt's first {cuts[bad]} tokens, "
                  f"{tok.decode(ids[:cuts[bad]])!r}; the clause ends at {q.prefix(bad)!r})")
@@ -146,7 +106,9 @@ def _cuts_hint(answers) -> str:
 
 
 CUTS = Exercise(
-    "clause_cuts", cases=_Later(_cut_cases), describe=_said, reference=clause_cuts,
+    "clause_cuts", cases=[(load_tokenizer(), prompt) for prompt in _Q], reference=clause_cuts,
+    describe=lambda tok, prompt: (f"{prompt!r} ({len(_Q[prompt].steps)} "
+                                  f"{'person' if len(_Q[prompt].steps) == 1 else 'people'})"),
     returns=_cut_list, otherwise=_cuts_hint, mistakes={
         "index 0 is the cut after the start sentence, before anyone: n + 1 cuts":
             lambda tok, prompt: clause_cuts(tok, prompt)[1:],
@@ -175,15 +137,11 @@ EXERCISES = [CUTS]
 
 # --- exercise 2: intermediate answers Z_i, on one cache, rolled back ----------------------------
 
-def _from_scratch(model: GPT, ids: list[int]) -> torch.Tensor:
-    return model(torch.tensor([ids], device=model.device), last_only=True)[0, -1].float()
-
-
 def _accepted(logits: torch.Tensor) -> list[int]:
     """The greedy token, and the runner-up when it is a near tie."""
     top = logits.topk(2)
-    near = float(top.values[0] - top.values[1]) < NEAR_TIE
-    return [int(t) for t in top.indices[: 2 if near else 1]]
+    return [int(t) for t in top.indices[: 2 if float(top.values[0] - top.values[1]) < NEAR_TIE
+                                        else 1]]
 
 
 def _prefilled(model: GPT, ids: list[int], max_len: int) -> KVCache:
@@ -207,43 +165,10 @@ def _holds(model: GPT, cache: KVCache, ids: list[int], extra: int = 0) -> bool:
             and _first_difference(cache, _prefilled(model, ids, len(ids)), len(ids)) is None)
 
 
-def _cases_for_answers():
-    target, tok = load_course_model("target", "cpu")
-    draft, _ = load_course_model("draft", "cpu")
-    noise = tiny_model(3, vocab_size=tok.n_vocab)  # answers nowhere near the truth
-    qs = coin_flip_eval(1, seed=32)  # one held-out question per number of people
-    extra = _questions()[-3:]  # nobody; long names
-    cases = [(target, "target", q) for q in (qs[0], qs[2], qs[4], qs[7], extra[1], extra[0])]
-    cases += [(draft, "draft", q) for q in (qs[5], qs[6])]
-    cases += [(noise, "a random model", q) for q in (qs[3], extra[2])]
-    return tok, cases
-
-
 _NO_COPY = ("every question is asked on the ONE cache you are given: no fork() (it copies the "
             "whole prefix, every layer, as chapter 03 measures) and no second cache. Feed the "
             "question into the cache itself, read the answer, then roll the cache back to the "
             "cut (crop) before the next clause")
-
-
-def _asked(name, case, model, tok, q, cache, statement, cot, intermediate_answers):
-    """Run the learner's function with no fork and no new cache allowed, naming an overflow."""
-    def overflow(e: Exception) -> str:
-        if "KV cache overflow" not in str(e):
-            return "your function raised on this input"
-        length = cache.get_seq_length()
-        if cot != statement and 0 < length and _holds(model, cache, cot[:length]):
-            return ("that is the chain-of-thought statement (prefix(i, cot=True), \"..., so "
-                    "it's tails\"): fill the cache with the plain form")
-        return ("the cache is full: it has room for the statement and ONE question at a time "
-                "(its suffix and up to two answer tokens). After reading an answer, roll the "
-                "cache back (crop) to the cut before the next clause: the question must not stay "
-                "in it")
-    try:
-        with forbid(name, KVCache.fork, KVCache.__init__):
-            return call_hinted(name, case, overflow, intermediate_answers, model, tok, q, cache)
-    except EngineCalled as e:
-        raise CheckFailed(f"{name}: wrong for {case}\n  your function called {e.called}()\n  "
-                          f"hint: {_NO_COPY}") from None
 
 
 @guarded
@@ -251,40 +176,55 @@ def check_intermediate_answers(intermediate_answers) -> None:
     """intermediate_answers(model, tok, question, cache) -> the greedy answer after each person
     i = 0..n, asked on the one cache given (no fork, no new cache), left holding the statement."""
     name = "intermediate_answers"
-    tok, cases = _cases_for_answers()
+    (target, tok), draft = load_course_model("target", "cpu"), load_course_model("draft", "cpu")[0]
+    noise, qs = tiny_model(3, vocab_size=tok.n_vocab), coin_flip_eval(1, seed=32)  # one per n
+    cases = [(target, "target", q) for q in (qs[0], qs[2], qs[4], qs[7], *QUESTIONS[-2:-4:-1])]
+    cases += [(draft, "draft", qs[5]), (draft, "draft", qs[6]), (noise, "a random model", qs[3]),
+              (noise, "a random model", QUESTIONS[-1])]  # answers nowhere near the truth
     with torch.no_grad():
         for model, model_name, q in cases:
             case, n = f"{model_name}, {q.prompt()!r}", len(q.steps)
             statement, cuts, suffix = _promise(tok, q)
             cot = tok.encode(q.prefix(n, cot=True))
             # what each question gives from scratch: the greedy token after "A:", as a word
-            accepted = [[tok.decode([t]).strip() for t in _accepted(
-                _from_scratch(model, statement[:cut] + suffix))] for cut in cuts]
+            accepted = [[tok.decode([t]).strip() for t in _accepted(model(torch.tensor(
+                [statement[:cut] + suffix]), last_only=True)[0, -1].float())] for cut in cuts]
             want = [a[0] for a in accepted]
             # room for the statement and one question at a time (two answer tokens fed back)
-            room = min(model.config.block_size, len(statement) + len(suffix) + 2)
-            cache = KVCache.for_model(model, max_len=room)
-            with KVCounter(model) as counter:
-                got = _asked(name, case, model, tok, q, cache, statement, cot,
-                             intermediate_answers)
-            if not isinstance(got, (list, tuple)):
-                fail(name, case, want, got,
-                     "return a list of str, the answer after each step i = 0..n"
-                     + (" (did you forget to return it?)" if got is None else
-                        f", not a {type(got).__name__}"))
-            if any(not isinstance(a, str) for a in got):
-                fail(name, case, want, got,
-                     "each answer is a str: decode the greedy token with tok.decode([token]) and "
-                     "strip its leading space (not a token id or a tensor)")
-            if len(got) != n + 1:
-                hint = (f"one answer per cut: i = 0 (the start sentence, before anyone) up to n = "
-                        f"{n}, so {n + 1} answers")
-                fail(name, case, want, list(got), "you left out i = 0, the answer after the start "
-                     "sentence: " + hint if list(got) == want[1:] else hint)
+            cache = KVCache.for_model(model, max_len=min(model.config.block_size,
+                                                          len(statement) + len(suffix) + 2))
+
+            def overflow(e: Exception) -> str:
+                if "KV cache overflow" not in str(e):
+                    return "your function raised on this input"
+                if cot != statement and 0 < cache.get_seq_length() and _holds(
+                        model, cache, cot[:cache.get_seq_length()]):
+                    return ("that is the chain-of-thought statement (prefix(i, cot=True), \"..., "
+                            "so it's tails\"): fill the cache with the plain form")
+                return ("the cache is full: it has room for the statement and ONE question at a "
+                        "time (its suffix and up to two answer tokens). After reading an answer, "
+                        "roll the cache back (crop) to the cut before the next clause: the "
+                        "question must not stay in it")
+            try:
+                with KVCounter(model) as counter, forbid(name, KVCache.fork, KVCache.__init__):
+                    got = call_hinted(name, case, overflow, intermediate_answers, model, tok, q,
+                                      cache)
+            except EngineCalled as e:
+                raise CheckFailed(f"{name}: wrong for {case}\n  your function called "
+                                  f"{e.called}()\n  hint: {_NO_COPY}") from None
+            expect(isinstance(got, (list, tuple)), name, case, want, got,
+                   "return a list of str, the answer after each step i = 0..n"
+                   + (" (did you forget to return it?)" if got is None else
+                      f", not a {type(got).__name__}"))
+            expect(all(isinstance(a, str) for a in got), name, case, want, got,
+                   "each answer is a str: decode the greedy token with tok.decode([token]) and "
+                   "strip its leading space (not a token id or a tensor)")
+            hint = (f"one answer per cut: i = 0 (the start sentence, before anyone) up to n = {n}, "
+                    f"so {n + 1} answers")
+            expect(len(got) == n + 1, name, case, want, list(got), "you left out i = 0, the "
+                   "answer after the start sentence: " + hint if list(got) == want[1:] else hint)
             _check_kv_work(name, case, model, counter.count, statement, cot, cuts, suffix, cache)
             _check_main_cache(name, case, model, cache, statement, cot, cuts, suffix)
-            if all(g in a for g, a in zip(got, accepted)):
-                continue
             hint = ("with the cache cut after person i, feed the question's suffix into it and "
                     "decode the greedy token after 'A:' (the argmax of the LAST position's "
                     "logits), stripped of its leading space")
@@ -293,7 +233,7 @@ def check_intermediate_answers(intermediate_answers) -> None:
                         "Z_i: ask the model")
             elif [g.strip() for g in got] == want:
                 hint = "strip the answer's leading space: ' tails' -> 'tails'"
-            fail(name, case, want, list(got), hint)
+            expect(all(g in a for g, a in zip(got, accepted)), name, case, want, list(got), hint)
     passed(name, len(cases))
 
 
@@ -302,21 +242,18 @@ def _check_kv_work(name, case, model, count, statement, cot, cuts, suffix, cache
     least = len(statement) + n_asks * s
     most = least + 2 * n_asks  # up to two answer tokens fed back per question
     where = case + " (K/V vectors your function computed, per layer)"
+    recomputed = sum(cuts) + n_asks * s
     if least <= count <= most:
         return
-    if cot != statement and _holds(model, cache, cot):
-        fail(name, where, f"{least} to {most}", count,
-             "this is the work of the chain-of-thought statement (prefix(i, cot=True), "
-             "\"..., so it's tails\"): ask in the plain form, question.prefix(i)")
-    recomputed = sum(cut + s for cut in cuts)
-    if count > most:
-        fail(name, where, f"{least} to {most}", count,
-             "too much K/V work"
-             + (f", {count} >= {recomputed}, what asking every question from scratch costs"
-                if count >= recomputed else "")
-             + f": this is recomputing the prefix for every question. Compute each clause's "
-               f"K/V once into `cache` ({len(statement)} in all), then per question only the "
-               f"{s} suffix tokens, fed into the same cache and rolled back after the answer")
+    expect(cot == statement or not _holds(model, cache, cot), name, where, f"{least} to {most}",
+           count, "this is the work of the chain-of-thought statement (prefix(i, cot=True), "
+           "\"..., so it's tails\"): ask in the plain form, question.prefix(i)")
+    expect(count <= most, name, where, f"{least} to {most}", count, "too much K/V work"
+           + (f", {count} >= {recomputed}, what asking every question from scratch costs"
+              if count >= recomputed else "")
+           + f": this is recomputing the prefix for every question. Compute each clause's "
+             f"K/V once into `cache` ({len(statement)} in all), then per question only the "
+             f"{s} suffix tokens, fed into the same cache and rolled back after the answer")
     fail(name, where, f"{least} to {most}", count,
          f"too little K/V work: every clause ({len(statement)} tokens) and, for each of the "
          f"{n_asks} questions, the {s} suffix tokens must go through the model once"
@@ -329,39 +266,35 @@ def _check_main_cache(name, case, model, cache, statement, cot, cuts, suffix) ->
     S, s, length = len(statement), len(suffix), cache.get_seq_length()
     where = case + " (the cache you were given, after your function returned)"
     want, now = f"{S} positions: the statement's K/V in every layer", f"{length} positions"
-    if length == 0:
-        fail(name, where, want, "an empty cache",
-             "fill the cache you are given (the `cache` argument) with the statement, clause by "
-             "clause, asking each question in it and rolling it back after the answer")
-    if cot != statement and _holds(model, cache, cot):
-        fail(name, where, want, now,
-             "that is the chain-of-thought statement (prefix(i, cot=True), \"..., so it's "
-             "tails\"): fill the cache with the plain form, question.prefix(i)")
+    expect(length > 0, name, where, want, "an empty cache",
+           "fill the cache you are given (the `cache` argument) with the statement, clause by "
+           "clause, asking each question in it and rolling it back after the answer")
+    expect(cot == statement or not _holds(model, cache, cot), name, where, want, now,
+           "that is the chain-of-thought statement (prefix(i, cot=True), \"..., so it's "
+           "tails\"): fill the cache with the plain form, question.prefix(i)")
     overlap = [t for a, b in zip([0] + cuts[:-1], cuts) for t in statement[max(a - 1, 0):b]]
-    if overlap != statement and _holds(model, cache, overlap):
-        fail(name, where, want, f"{length} positions = {S} + {len(overlap) - S}",
-             "each clause after the first was fed one token too many: a slice like "
-             "ids[done - 1:cut] feeds the previous clause's last token again. The next clause "
-             "starts at ids[done]")
-    if any(_holds(model, cache, statement[:c] + suffix, extra=2) for c in cuts[:-1]):
-        fail(name, where, want, now,
-             "the whole statement went in first, then the cache was cropped back to each cut "
-             "and asked there: crop only moves the length back, so the clauses after the cut "
-             "are lost (overwritten by the question) and nothing restores them. Ask as you go: "
-             "a clause, its question, crop back to the cut, the next clause")
+    expect(overlap == statement or not _holds(model, cache, overlap), name, where, want,
+           f"{length} positions = {S} + {len(overlap) - S}",
+           "each clause after the first was fed one token too many: a slice like "
+           "ids[done - 1:cut] feeds the previous clause's last token again. The next clause "
+           "starts at ids[done]")
+    expect(not any(_holds(model, cache, statement[:c] + suffix, extra=2) for c in cuts[:-1]),
+           name, where, want, now,
+           "the whole statement went in first, then the cache was cropped back to each cut "
+           "and asked there: crop only moves the length back, so the clauses after the cut "
+           "are lost (overwritten by the question) and nothing restores them. Ask as you go: "
+           "a clause, its question, crop back to the cut, the next clause")
     asked = length - S  # the suffix (and up to two answer tokens) once per question?
-    if any(asked == len(cuts) * (s + j) for j in range(3)):
-        fail(name, where, want, f"{length} positions = {S} + {len(cuts)} x {asked // len(cuts)}",
-             f"the question's suffix stayed in the cache, {len(cuts)} times: after reading an "
-             f"answer, roll the cache back (crop) to the cut, so the next clause follows the "
-             f"last one, not a question")
-    if abs(length - S) in (1, len(cuts)):  # one position off, at one question or at each
-        fail(name, where, want, now,
-             "the roll-back is off by one: after a question, crop to the cut itself, the "
-             "cache's length before the suffix went in")
-    if length != S:
-        fail(name, where, want, now,
-             "the cache must hold exactly the statement's tokens, prefix(n), once")
+    expect(all(asked != len(cuts) * (s + j) for j in range(3)), name, where, want,
+           f"{length} positions = {S} + {len(cuts)} x {asked // len(cuts)}",
+           f"the question's suffix stayed in the cache, {len(cuts)} times: after reading an "
+           f"answer, roll the cache back (crop) to the cut, so the next clause follows the "
+           f"last one, not a question")
+    expect(abs(length - S) not in (1, len(cuts)), name, where, want, now,  # at one question or all
+           "the roll-back is off by one: after a question, crop to the cut itself, the "
+           "cache's length before the suffix went in")
+    expect(length == S, name, where, want, now,
+           "the cache must hold exactly the statement's tokens, prefix(n), once")
     bad = _first_difference(cache, _prefilled(model, statement, S), S)
     if bad is None:
         return
@@ -369,11 +302,11 @@ def _check_main_cache(name, case, model, cache, statement, cot, cuts, suffix) ->
     for start, end in zip([0] + cuts[:-1], cuts):
         model(torch.tensor([statement[start:end]], device=model.device), cache=restarted,
               positions=torch.arange(end - start, device=model.device))
-    if _first_difference(cache, restarted, S) is None:
-        fail(name, where, want, f"different K/V from position {bad} on (in some layer)",
-             "each clause was fed at positions starting from 0 again (seed 003's position "
-             "bug): with a cache, positions continue from cache.get_seq_length(); let the model "
-             "do it (don't pass positions)")
+    expect(_first_difference(cache, restarted, S) is not None, name, where, want,
+           f"different K/V from position {bad} on (in some layer)",
+           "each clause was fed at positions starting from 0 again (seed 003's position "
+           "bug): with a cache, positions continue from cache.get_seq_length(); let the model "
+           "do it (don't pass positions)")
     fail(name, where, want, f"different K/V from position {bad} on (in some layer, key or value)",
          "the right length, but the K/V at these positions are not the statement's: something "
          "was written over them (a question fed after crop(cut) overwrites the slots after the "
@@ -383,25 +316,13 @@ def _check_main_cache(name, case, model, cache, statement, cot, cuts, suffix) ->
 
 # --- exercise 3: prefix sharing by hand ---------------------------------------------------------
 
-def _cases_for_prefixes():
-    target, tok = load_course_model("target", "cpu")
-    rng = random.Random(33)
-    a, b = tiny_model(4), tiny_model(5)
+def _random_ids(seed: int, model: GPT):
+    rng = random.Random(seed)
+    return lambda k: [rng.randrange(model.config.vocab_size) for _ in range(k)]
 
-    def ids(k):
-        return [rng.randrange(a.config.vocab_size) for _ in range(k)]
-    story = tok.encode("Once upon a time there was a little fox named Max.")
-    coin = tok.encode("A coin's state is heads. Alice flips, then Bob doesn't flip")
-    return [
-        (a, "a random model", ids(12), [ids(3), ids(1), ids(5)], 6),
-        (b, "a random model", ids(1), [ids(2), ids(4)], 1),
-        (b, "a random model", ids(20), [ids(7)], 4),
-        (a, "a random model", ids(6), [ids(2), ids(2), ids(2), ids(3)], 3),
-        (target, "target", story, [tok.encode(" One day, Max"), tok.encode(" Max liked to"),
-                                   tok.encode(" It was")], 5),
-        (target, "target", coin, [tok.encode(". What's the state? A:"),
-                                  tok.encode(", then Carol flips. What's the state? A:")], 3),
-    ]
+
+_COIN = ("A coin's state is heads. Alice flips, then Bob doesn't flip", ". What's the state? A:",
+         ", then Carol flips. What's the state? A:")  # a prefix, two questions
 
 
 @guarded
@@ -410,7 +331,16 @@ def check_shared_prefix_answers(shared_prefix_answers) -> None:
     n_new greedy tokens after prefix + each suffix, the prefix prefilled once, each suffix on a
     fork of its cache, which is left holding the prefix only."""
     name = "shared_prefix_answers"
-    cases = _cases_for_prefixes()
+    (target, tok), a, b = load_course_model("target", "cpu"), tiny_model(4), tiny_model(5)
+    ids, (coin, *questions) = _random_ids(33, a), (tok.encode(s) for s in _COIN)
+    cases = [
+        (a, "a random model", ids(12), [ids(3), ids(1), ids(5)], 6),
+        (b, "a random model", ids(1), [ids(2), ids(4)], 1),
+        (b, "a random model", ids(20), [ids(7)], 4),
+        (a, "a random model", ids(6), [ids(2), ids(2), ids(2), ids(3)], 3),
+        (target, "target", tok.encode("Once upon a time there was a little fox named Max."),
+         [tok.encode(" One day, Max"), tok.encode(" Max liked to"), tok.encode(" It was")], 5),
+        (target, "target", coin, questions, 3)]
     with torch.no_grad():
         for model, model_name, prefix, suffixes, n_new in cases:
             case = f"{model_name}, prefix {prefix}, suffixes {suffixes}, n_new={n_new}"
@@ -427,19 +357,34 @@ def check_shared_prefix_answers(shared_prefix_answers) -> None:
                     raise CheckFailed(f"{e}\n  hint: a fork has the max_len of the cache it "
                                       f"copies: make the prefix's cache big enough for the "
                                       f"prefix, the longest suffix and n_new tokens") from None
-            if not (isinstance(got, tuple) and len(got) == 2):
-                fail(name, case, "(continuations, prefix_cache)", kind(got),
-                     "return a pair: the list of continuations AND the prefix's KVCache "
-                     "(return continuations, prefix_cache)" if isinstance(got, (list, tuple))
-                     and len(got) == len(want) and all(isinstance(g, (list, tuple, torch.Tensor))
-                                                       for g in got) else
-                     "return a tuple of two things: (continuations, prefix_cache)")
-            tokens = _token_lists(name, case, want, got[0], prefix, suffixes, n_new)
+            expect(isinstance(got, tuple) and len(got) == 2, name, case,
+                   "(continuations, prefix_cache)", kind(got),
+                   "return a pair: the list of continuations AND the prefix's KVCache "
+                   "(return continuations, prefix_cache)" if isinstance(got, (list, tuple))
+                   and len(got) == len(want) and all(isinstance(g, (list, tuple, torch.Tensor))
+                                                     for g in got) else
+                   "return a tuple of two things: (continuations, prefix_cache)")
+            rows = got[0] if not isinstance(got[0], torch.Tensor) or got[0].dim() != 2 else [
+                *got[0]]
+            expect(isinstance(rows, (list, tuple)), name, case, want, got[0],
+                   "continuations: a list with one list of token ids per suffix")
+            expect(len(rows) == len(suffixes), name, case, want, got[0],
+                   f"one continuation per suffix: {len(suffixes)} lists")
+            tokens = [int_list(r) for r in rows]
+            expect(None not in tokens, name, case, want, got[0],
+                   "each continuation is a list of int token ids (not floats, not text)")
+            for t, s in zip(tokens, suffixes):
+                hint = f"each continuation is exactly the n_new = {n_new} new tokens"
+                if len(t) == n_new + len(s) or len(t) == n_new + len(s) + len(prefix):
+                    hint += ", without the suffix or the prefix in front"
+                elif len(t) == n_new - 1:
+                    hint += " (off by one: the first new token comes from the suffix's pass)"
+                expect(len(t) == n_new, name, case, want, tokens, hint)
             _check_prefix_work(name, case, counter.count, passes.passes, prefix, suffixes, n_new)
             _check_prefix_cache(name, case, model, got[1], prefix, suffixes, n_new)
             for k, (ref, row) in enumerate(zip(refs, tokens)):
-                t = next((t for t, (a, b) in enumerate(zip(ref.tokens, row)) if a != b), None)
-                if t is None or row[t] in _accepted(ref.logits[t]):  # a near tie: may differ on
+                t = next((t for t, (x, y) in enumerate(zip(ref.tokens, row)) if x != y), None)
+                if t is None or row[t] in _accepted(ref.logits[t]):  # a near tie: may differ later
                     continue
                 hint = ("greedy decoding on a fork of the prefix's cache: the suffix in one pass, "
                         "then feed each new token; each continuation must equal generating "
@@ -456,29 +401,6 @@ def check_shared_prefix_answers(shared_prefix_answers) -> None:
                             "position; then feed each new token to get the next")
                 fail(name, f"{case}, suffix {k}", want[k], row, hint)
     passed(name, len(cases))
-
-
-def _token_lists(name, case, want, continuations, prefix, suffixes, n_new):
-    rows = list(continuations) if isinstance(continuations, torch.Tensor) and \
-        continuations.dim() == 2 else continuations
-    if not isinstance(rows, (list, tuple)):
-        fail(name, case, want, continuations,
-             "continuations: a list with one list of token ids per suffix")
-    if len(rows) != len(suffixes):
-        fail(name, case, want, continuations, f"one continuation per suffix: {len(suffixes)} lists")
-    tokens = [int_list(r) for r in rows]
-    if any(t is None for t in tokens):
-        fail(name, case, want, continuations,
-             "each continuation is a list of int token ids (not floats, not text)")
-    for t, s in zip(tokens, suffixes):
-        if len(t) != n_new:
-            hint = f"each continuation is exactly the n_new = {n_new} new tokens"
-            if len(t) == n_new + len(s) or len(t) == n_new + len(s) + len(prefix):
-                hint += ", without the suffix or the prefix in front"
-            elif len(t) == n_new - 1:
-                hint += " (off by one: the first new token comes from the suffix's pass)"
-            fail(name, case, want, tokens, hint)
-    return tokens
 
 
 def _check_prefix_work(name, case, count, passes, prefix, suffixes, n_new) -> None:
@@ -515,31 +437,26 @@ def _check_prefix_work(name, case, count, passes, prefix, suffixes, n_new) -> No
 def _check_prefix_cache(name, case, model, prefix_cache, prefix, suffixes, n_new) -> None:
     where, P = case + " (the prefix cache you returned)", len(prefix)
     want = f"a KVCache holding the {P} prefix positions, as a prefill leaves them"
-    if not isinstance(prefix_cache, KVCache):
-        fail(name, where, want, kind(prefix_cache),
-             "return the KVCache you prefilled with the prefix, second in the pair")
-    if (prefix_cache.n_layer != model.config.n_layer or prefix_cache.batch_size != 1
-            or prefix_cache.n_head != model.config.n_head):
-        fail(name, where, want, repr(prefix_cache), "a cache for this model, batch size 1")
+    expect(isinstance(prefix_cache, KVCache), name, where, want, kind(prefix_cache),
+           "return the KVCache you prefilled with the prefix, second in the pair")
+    expect(prefix_cache.n_layer == model.config.n_layer and prefix_cache.batch_size == 1
+           and prefix_cache.n_head == model.config.n_head, name, where, want, repr(prefix_cache),
+           "a cache for this model, batch size 1")
     length = prefix_cache.get_seq_length()
-    if length > P:
-        grown = [P + sum(len(s) + n_new - 1 for s in suffixes[:k + 1])
-                 for k in range(len(suffixes))]
-        fail(name, where, want, f"{length} positions",
-             "the suffixes and their tokens went into the prefix's own cache"
-             + (" (one after the other: sharing one cache without forking)"
-                if length in grown or length in [g + k + 1 for k, g in enumerate(grown)] else "")
-             + ": continue each suffix on prefix_cache.fork(), so the prefix's cache stays as the "
-               "prefill left it, ready for the next request")
-    if length < P:
-        fail(name, where, want, f"{length} positions",
-             "the prefix's cache must still hold the whole prefix")
+    grown = [P + sum(len(s) + n_new - 1 for s in suffixes[:k + 1]) for k in range(len(suffixes))]
+    expect(length <= P, name, where, want, f"{length} positions",
+           "the suffixes and their tokens went into the prefix's own cache"
+           + (" (one after the other: sharing one cache without forking)"
+              if length in grown or length in [g + k + 1 for k, g in enumerate(grown)] else "")
+           + ": continue each suffix on prefix_cache.fork(), so the prefix's cache stays as the "
+             "prefill left it, ready for the next request")
+    expect(length == P, name, where, want, f"{length} positions",
+           "the prefix's cache must still hold the whole prefix")
     bad = _first_difference(prefix_cache, _prefilled(model, prefix, P), P)
-    if bad is not None:
-        fail(name, where, want, f"different K/V from position {bad} on (in some layer)",
-             "the right length, but something wrote over the prefix's K/V (a suffix fed after "
-             "crop? into a cache that is not a fork?): continue each suffix on "
-             "prefix_cache.fork()")
+    expect(bad is None, name, where, want, f"different K/V from position {bad} on (in some layer)",
+           "the right length, but something wrote over the prefix's K/V (a suffix fed after "
+           "crop? into a cache that is not a fork?): continue each suffix on "
+           "prefix_cache.fork()")
 
 
 # --- exercise 4: predict, then measure: which slots the start state reaches ---------------------
@@ -602,22 +519,6 @@ def check_predict_differing_slots(predict_differing_slots) -> None:
 
 # --- exercise 5: debug a fork that shares its buffers -------------------------------------------
 
-def _fork_cases():
-    target, tok = load_course_model("target", "cpu")
-    rng, a = random.Random(34), tiny_model(4)
-
-    def ids(k):
-        return [rng.randrange(a.config.vocab_size) for _ in range(k)]
-    coin = tok.encode("A coin's state is heads. Alice flips, then Bob doesn't flip")
-    return [
-        (a, "a random model, requests one after the other", ids(10), [ids(3), ids(5)], 6, False),
-        (a, "a random model, requests taking turns", ids(10), [ids(3), ids(5), ids(2)], 6, True),
-        (target, "the course target, two questions taking turns", coin,
-         [tok.encode(". What's the state? A:"), tok.encode(", then Carol flips. What's the state? "
-                                                           "A:")], 3, True),
-    ]
-
-
 def _serve(model, cache_cls, prefix, suffixes, n_new, turns: bool, seen: dict):
     """Prefix caching with cache_cls's fork(): the prefix prefilled, a fork per request, each
     decoded greedily, one after the other or taking turns (a server's batch); `seen` gets the
@@ -646,18 +547,17 @@ def _fork_diagnosis(source, forks) -> str:
         return "the fork must be a cache like its source (a KVCache with keys and values)"
     if twin.max_len < source.max_len:
         return ""  # copied, but too small: the overflow says so
-    shared = [any(x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
-                  for x, y in zip(mine, theirs))
-              for mine, theirs in ((twin.keys, source.keys), (twin.values, source.values))]
+    keys, values = (any(x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+                        for x, y in zip(mine, theirs))
+                    for mine, theirs in ((twin.keys, source.keys), (twin.values, source.values)))
     if twin.keys is source.keys:
         return ("the fork shares its source's lists of buffers: every fork writes its suffix "
                 "into the same tensors, at the same slots after the prefix. One request alone "
                 "never notices; requests taking turns overwrite each other's keys and values")
-    if all(shared):
+    if keys and values:
         return ("the fork has new lists, but of the same tensors: the buffers themselves must be "
                 "copied (clone them), or the requests overwrite each other's keys and values")
-    if any(shared):
-        keys = shared[0]
+    if keys or values:
         return (f"the fork copies the {'values' if keys else 'keys'} but shares the "
                 f"{'keys' if keys else 'values'}: copy both")
     if twin.get_seq_length() != source.get_seq_length():
@@ -665,9 +565,23 @@ def _fork_diagnosis(source, forks) -> str:
     return ""
 
 
-def _fork_error_hint(seen: dict):
-    """A crash while serving: what the forks made so far share or lack, or a fork without room."""
-    def hint(e: Exception) -> str:
+@guarded
+def check_fork(FixedForkCache) -> None:
+    """FixedForkCache(minikv.KVCache) with its own fork(): requests served one after the other and
+    taking turns as from scratch, the source untouched, without the engine's KVCache.fork."""
+    name = "FixedForkCache"
+    expect(isinstance(FixedForkCache, type) and issubclass(FixedForkCache, KVCache), name,
+           "FixedForkCache", "a subclass of the notebook's ForkableCache", kind(FixedForkCache),
+           "pass the class itself: class FixedForkCache(ForkableCache)")
+    (target, tok), a = load_course_model("target", "cpu"), tiny_model(4)
+    ids, (coin, *questions) = _random_ids(34, a), (tok.encode(s) for s in _COIN)
+    cases = [
+        (a, "a random model, requests one after the other", ids(10), [ids(3), ids(5)], 6, False),
+        (a, "a random model, requests taking turns", ids(10), [ids(3), ids(5), ids(2)], 6, True),
+        (target, "the course target, two questions taking turns", coin, questions, 3, True)]
+    seen: dict = {}
+
+    def crashed(e: Exception) -> str:  # what the forks made so far share or lack, or no room
         if seen.get("forks") and _fork_diagnosis(seen["source"], seen["forks"]):
             return _fork_diagnosis(seen["source"], seen["forks"])
         if "KV cache overflow" in str(e):
@@ -675,43 +589,30 @@ def _fork_error_hint(seen: dict):
                     "tokens cannot be appended. A fork keeps the source's capacity (max_len): "
                     "copy whole buffers")
         return "your cache raised on this input"
-    return hint
-
-
-@guarded
-def check_fork(FixedForkCache) -> None:
-    """FixedForkCache(minikv.KVCache) with its own fork(): requests served one after the other and
-    taking turns as from scratch, the source untouched, without the engine's KVCache.fork."""
-    name = "FixedForkCache"
-    if not (isinstance(FixedForkCache, type) and issubclass(FixedForkCache, KVCache)):
-        fail(name, "FixedForkCache", "a subclass of the notebook's ForkableCache",
-             kind(FixedForkCache), "pass the class itself: class FixedForkCache(ForkableCache)")
-    cases = _fork_cases()
     with torch.no_grad():
         for model, label, prefix, suffixes, n_new, turns in cases:
             case = f"{label}: prefix {len(prefix)} tokens, suffixes {suffixes}, n_new={n_new}"
             want = [generate(model, prefix + s, n_new, return_logits=True) for s in suffixes]
-            seen: dict = {}
+            seen.clear()
             with forbid(name, KVCache.fork):
-                source, forks, tokens = call_hinted(name, case, _fork_error_hint(seen), _serve,
-                                                    model, FixedForkCache, prefix, suffixes,
-                                                    n_new, turns, seen)
+                source, forks, tokens = call_hinted(name, case, crashed, _serve, model,
+                                                    FixedForkCache, prefix, suffixes, n_new,
+                                                    turns, seen)
             for k, (ref, got) in enumerate(zip(want, tokens)):
-                bad = next((t for t, (a, b) in enumerate(zip(ref.tokens, got)) if a != b), None)
+                bad = next((t for t, (x, y) in enumerate(zip(ref.tokens, got)) if x != y), None)
                 if bad is None or got[bad] in _accepted(ref.logits[bad]):
                     continue
                 hint = _fork_diagnosis(source, forks) or (
                     "each request must continue on a copy of the prefix's keys and values that "
                     "nothing else writes into")
-                if turns:
-                    hint = ("each request is right when decoded alone, wrong when the requests "
-                            "take turns: the forks are not independent. " + hint)
-                fail(name, f"{case}, request {k}", ref.tokens, got, hint)
-            if source.get_seq_length() != len(prefix) or _first_difference(
-                    source, _prefilled(model, prefix, len(prefix)), len(prefix)) is not None:
-                fail(name, case + " (the source cache afterwards)",
-                     f"the prefix's {len(prefix)} positions, as prefilled", "changed",
-                     _fork_diagnosis(source, forks) or "a fork must leave its source alone")
+                fail(name, f"{case}, request {k}", ref.tokens, got, "each request is right when "
+                     "decoded alone, wrong when the requests take turns: the forks are not "
+                     "independent. " + hint if turns else hint)
+            expect(source.get_seq_length() == len(prefix) and _first_difference(
+                source, _prefilled(model, prefix, len(prefix)), len(prefix)) is None, name,
+                case + " (the source cache afterwards)",
+                f"the prefix's {len(prefix)} positions, as prefilled", "changed",
+                _fork_diagnosis(source, forks) or "a fork must leave its source alone")
     passed(name, len(cases))
 
 
