@@ -32,10 +32,7 @@ def choose(logits, seed, position, temperature, mix=lambda s, p: s * 1_000_003 +
 
 
 def _greedy_else(draw):  # the argmax at temperature 0, else draw(logits, seed, position, t)
-    def choose_(logits, seed, position, temperature):
-        return int(logits.argmax()) if temperature == 0 else draw(logits, seed, position,
-                                                                  temperature)
-    return choose_
+    return lambda x, s, p, t: int(x.argmax()) if t == 0 else draw(x, s, p, t)
 
 
 def _draw(weights, generator=None):
@@ -88,21 +85,13 @@ def invariant_split_sum(x, n_splits, chunk=16):
     for w in range(n_splits):
         partials += [x[c * chunk:(c + 1) * chunk].sum()
                      for c in range(w * per_worker, min((w + 1) * per_worker, n_chunks))]
-    total = partials[0]
-    for p in partials[1:]:
-        total = total + p
-    return total
+    return sum(partials[1:], partials[0])  # one by one, from the left
 
 
 def choose_determinism(n_det, overhead):
     n, steps, rounds = 8, 19, 5
     verify = steps + n_det * rounds if n_det < n else steps - rounds + n * rounds
     return "verify" if verify <= steps * (1 + overhead) else "invariant"
-
-
-def predict_server_passes():
-    steps, rounds = 19, 5
-    return {0: steps, 1: steps + rounds, 4: steps - rounds + 4 * rounds}
 
 
 def verify_window(model, seq, proposals, cache, sampling, start, window, *, judge_at=0, own_at=0,
@@ -129,7 +118,8 @@ SOLUTIONS = [  # (checker, a right answer): other mixes than the engine's, other
     (CHOOSE, partial(choose, mix=lambda s, p: int.from_bytes(
         hashlib.sha256(f"{s}/{p}".encode()).digest()[:8], "big"))),
     (SPLIT, invariant_split_sum), (SCHEDULE, lambda n, w: np.array(schedule(n, w))),  # 2-D array
-    (PASSES, predict_server_passes), (WINDOW, verify_window), (DESIGN, choose_determinism)]
+    (PASSES, lambda: {0: 19, 1: 19 + 5, 4: 19 - 5 + 4 * 5}),  # 19 steps, 5 windows of 4
+    (WINDOW, verify_window), (DESIGN, choose_determinism)]
 
 WRONG = [(CHOOSE, wrong, fragment) for wrong, fragment in CHOOSE_WRONG] + [
     (SPLIT, lambda x, n, c: float(invariant_split_sum(x, n, c)), "0-d float32 tensor"),
@@ -146,7 +136,7 @@ WRONG = [(CHOOSE, wrong, fragment) for wrong, fragment in CHOOSE_WRONG] + [
     (SCHEDULE, ch05.served_schedule, "called minikv's own"),
     (DESIGN, lambda n, o: "invariant", "nothing to verify"),  # two mistakes at once
     (DESIGN, lambda n, o: choose_determinism(n, o) == "verify", 'return "verify" or "invariant"'),
-    (PASSES, lambda: {**predict_server_passes(), 4: 34.0}, "a whole number"),
+    (PASSES, lambda: {0: 19, 1: 24, 4: 34.0}, "a whole number"),
     (PASSES, lambda: {"0": 19, "1": 24, "4": 34}, r"\{0: \.\.\., 1: \.\.\., 4: \.\.\.\}"),
     (PASSES, lambda: None, "did you forget to return it"),
     (PASSES, lambda: {0: 19, 1: 24, 4: ch05.server_passes(4)}, "a prediction is made before"),
