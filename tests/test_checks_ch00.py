@@ -77,64 +77,8 @@ def test_check_cells_follow_their_exercises():
         "choose_width"]
 
 
-def fails_with(check, wrong, *fragments):
-    with pytest.raises(CheckFailed) as info:
-        check(wrong)
-    for fragment in fragments:
-        assert fragment in str(info.value), f"{fragment!r} not in:\n{info.value}"
-
-
-@pytest.mark.parametrize("wrong, fragment", [  # what the tables cannot state: wrong types
-    (lambda cfg: float(count_params(cfg)), "return an int, not a float: a parameter count is a "
-     "whole number (count with integers: // not /, no float(), no math.pow)"),
-    (lambda cfg: f"{count_params(cfg):,}", "return an int, not a str"),
-])
-def test_count_params_wrong_types(wrong, fragment):
-    fails_with(ch00.check_count_params, wrong, "count_params: wrong for", fragment)
-
-
-@pytest.mark.parametrize("wrong, fragment", [
-    (lambda tok, docs: [tok.encode(d) + [tok.eot_token] for d in docs], "one list per document"),
-    (lambda tok, docs: torch.tensor(encode_documents(tok, docs)), "not a torch.Tensor"),
-    (lambda tok, docs: np.array(encode_documents(tok, docs)), "not a numpy.ndarray"),
-    (lambda tok, docs: [float(t) for t in encode_documents(tok, docs)],
-     "every token id must be an int, got 104.0 (float)"),
-    (lambda tok, docs: 7, "return a list of ints, not a int"),
-])
-def test_encode_documents_wrong_types(wrong, fragment):
-    fails_with(ch00.check_encode_documents, wrong, "encode_documents: wrong for", fragment)
-
-
-@pytest.mark.parametrize("wrong, fragment", [
-    (lambda model, idx: model(idx), "called minikv's own minikv.engine.model.GPT.forward"),
-    *[(partial(ch00._forward, mistake=m), hint) for m, hint in ch00.FORWARD_MISTAKES.items()],
-    (partial(forward_spelled_out, causal=False), "without the causal mask"),
-    (partial(ch00._forward, blocks=2), "run only 2 of the model's 3 blocks"),
-    (lambda model, idx: ch00._forward(model, idx)[:, -1], "return only the last position"),
-    (lambda model, idx: ch00._forward(model, idx)[:, -1:], "return only the last position"),
-    (lambda model, idx: ch00._forward(model, idx)[0], "dropped the batch dimension"),
-    (lambda model, idx: ch00._forward(model, idx).detach().numpy(), "not a numpy array"),
-    (lambda model, idx: ch00._forward(model, idx).argmax(-1), "not the argmax ids"),
-    (lambda model, idx: (ch00._forward(model, idx), None), "return the logits tensor itself"),
-    (lambda model, idx: ch00._forward(model, idx)[:, :, :-1], "shape (B, T, vocab) = (1, 6, 512)"),
-    (lambda model, idx: ch00._forward(model, idx) * 1.01, "then ln_f, then lm_head"),
-])
-def test_forward_by_hand_wrong_answers(wrong, fragment):
-    fails_with(ch00.check_forward_by_hand, wrong, "forward_by_hand: ", fragment)
-
-
-@pytest.mark.parametrize("wrong, fragment", [  # each usual wrong prediction, with its own hint
-    *[(lambda p=p, k=k: (3 if p is None else p, P + 2 if k is None else k), "hint: " + hint)
-      for (p, k), hint in ch00._generation_mistakes(P, len(PROMPT.split()), len(PROMPT), 3, 40)],
-    (lambda: 3, "a pair of ints"),
-    (lambda: (3.0, 29.0), "a pair of ints"),
-    (lambda: (5, 50), "the prompt is 27 tokens, fed once; the model wrote 3 tokens"),
-    (lambda: minikv.generate(minikv.load_course_model("target")[0],
-                             minikv.load_tokenizer().encode(PROMPT), 40).stats.forward_passes,
-     "your prediction ran the model (it called minikv's own"),
-])
-def test_predict_generation_wrong_answers(wrong, fragment):
-    fails_with(ch00.check_predict_generation, wrong, "predict_generation: ", fragment)
+def each(check, *pairs):
+    return [(check, wrong, fragment) for wrong, fragment in pairs]
 
 
 def load_gpt2_untied(state_dict, config):
@@ -143,36 +87,65 @@ def load_gpt2_untied(state_dict, config):
     return model
 
 
-@pytest.mark.parametrize("wrong, fragments", [
-    (ch00.shipped_load, ["the shipped loader's logits", "the same in both layouts"]),
-    (loader(lambda name, t, ours:  # by name, but c_proj only when the shape says so
-            name.endswith(ch00.CONV1D[0::2]) or t.shape != ours.shape),
-     ["the shipped loader's logits"]),
-    (loader(lambda name, t, ours: name.endswith(ch00.CONV1D[:3])),
-     ["a shape mismatch", "transpose all four"]),
-    (loader(lambda name, t, ours: t.dim() == 2), ["a shape mismatch", "and nothing else"]),
-    (loader(lambda name, t, ours: name.endswith(ch00.CONV1D), skip=()), ["causal-mask buffer"]),
-    (lambda sd, config: (sd["lm_head.weight"], load_gpt2_fixed(sd, config))[1],
-     ["no 'lm_head.weight'"]),
-    (load_gpt2_untied, ["ties the LM head"]),
-    (lambda sd, config: load_gpt2_fixed(sd, config) and None, ["forget to return it"]),
-    (lambda sd, config: minikv.GPT.from_gpt2_state_dict(sd, config),
-     ["called minikv's own", "from_gpt2_state_dict"]),
+@pytest.mark.parametrize("check, wrong, fragment", [
+    *each(ch00.check_count_params,  # what the tables cannot state: wrong types
+          (lambda cfg: float(count_params(cfg)), "return an int, not a float: a parameter count "
+           "is a whole number (count with integers: // not /, no float(), no math.pow)"),
+          (lambda cfg: f"{count_params(cfg):,}", "return an int, not a str")),
+    *each(ch00.check_encode_documents,
+          (lambda tok, docs: [tok.encode(d) + [tok.eot_token] for d in docs],
+           "one list per document"),
+          (lambda tok, docs: torch.tensor(encode_documents(tok, docs)), "not a torch.Tensor"),
+          (lambda tok, docs: np.array(encode_documents(tok, docs)), "not a numpy.ndarray"),
+          (lambda tok, docs: [float(t) for t in encode_documents(tok, docs)],
+           "every token id must be an int, got 104.0 (float)"),
+          (lambda tok, docs: 7, "return a list of ints, not a int")),
+    *each(ch00.check_forward_by_hand,
+          (lambda model, idx: model(idx), "called minikv's own minikv.engine.model.GPT.forward"),
+          *[(partial(ch00._forward, mistake=m), hint) for m, hint in ch00.FORWARD_MISTAKES.items()],
+          (partial(forward_spelled_out, causal=False), "without the causal mask"),
+          (partial(ch00._forward, blocks=2), "run only 2 of the model's 3 blocks"),
+          (lambda model, idx: ch00._forward(model, idx)[:, -1], "return only the last position"),
+          (lambda model, idx: ch00._forward(model, idx)[:, -1:], "return only the last position"),
+          (lambda model, idx: ch00._forward(model, idx)[0], "dropped the batch dimension"),
+          (lambda model, idx: ch00._forward(model, idx).detach().numpy(), "not a numpy array"),
+          (lambda model, idx: ch00._forward(model, idx).argmax(-1), "not the argmax ids"),
+          (lambda model, idx: (ch00._forward(model, idx), None), "the logits tensor itself"),
+          (lambda model, idx: ch00._forward(model, idx)[:, :, :-1], "(B, T, vocab) = (1, 6, 512)"),
+          (lambda model, idx: ch00._forward(model, idx) * 1.01, "then ln_f, then lm_head")),
+    *each(ch00.check_predict_generation,  # each usual wrong prediction, with its own hint
+          *[(lambda p=p, k=k: (3 if p is None else p, P + 2 if k is None else k), "hint: " + h)
+            for (p, k), h in ch00._generation_mistakes(P, len(PROMPT.split()), len(PROMPT), 3, 40)],
+          (lambda: 3, "a pair of ints"), (lambda: (3.0, 29.0), "a pair of ints"),
+          (lambda: (5, 50), "the prompt is 27 tokens, fed once; the model wrote 3 tokens"),
+          (lambda: minikv.generate(minikv.load_course_model("target")[0],
+                                   minikv.load_tokenizer().encode(PROMPT), 40).stats.forward_passes,
+           "your prediction ran the model (it called minikv's own")),
+    *each(ch00.check_load_gpt2,
+          (ch00.shipped_load, "these are the shipped loader's logits: the bug is still there"),
+          (loader(lambda name, t, ours:  # by name, but c_proj only when the shape says so
+                  name.endswith(ch00.CONV1D[0::2]) or t.shape != ours.shape),
+           "the shipped loader's logits"),
+          (loader(lambda name, t, ours: name.endswith(ch00.CONV1D[:3])), "a shape mismatch"),
+          (loader(lambda name, t, ours: t.dim() == 2), "a shape mismatch"),
+          (loader(lambda name, t, ours: name.endswith(ch00.CONV1D), skip=()), "causal-mask buffer"),
+          (lambda sd, config: (sd["lm_head.weight"], load_gpt2_fixed(sd, config))[1],
+           "no 'lm_head.weight'"),
+          (load_gpt2_untied, "ties the LM head"),
+          (lambda sd, config: load_gpt2_fixed(sd, config) and None, "forget to return it"),
+          (lambda sd, config: minikv.GPT.from_gpt2_state_dict(sd, config),
+           "called minikv's own minikv.engine.model.GPT.from_gpt2_state_dict")),
+    *each(ch00.check_choose_width,
+          (lambda: 208, "over budget: you left out the embeddings; wte and wpe hold 266,240 "),
+          (lambda: 288, "over budget: you counted 2 bytes per parameter"),
+          (lambda: 256, "over budget: you counted 2 bytes per parameter"),
+          (lambda: 192, "a wider model fits too, and the goal is the widest: 24 MiB is 24 x 2**20"),
+          (lambda: 184, "hint: n_embd=184 fits (19.61 MiB), but a wider model fits too"),
+          (lambda: 204, "GPTConfig refuses n_embd=204 with n_head=8"),
+          (lambda: 768, "over budget: count every parameter"),
+          (lambda: 200.0, "a positive int"), (lambda: None, "a positive int")),
 ])
-def test_load_gpt2_wrong_answers(wrong, fragments):
-    fails_with(ch00.check_load_gpt2, wrong, "load_gpt2_fixed: ", *fragments)
-
-
-@pytest.mark.parametrize("width, fragments", [
-    (208, ["over budget: you left out the embeddings; wte and wpe hold 266,240 parameters"]),
-    (288, ["over budget", "2 bytes per parameter"]),
-    (256, ["over budget", "2 bytes per parameter"]),
-    (192, ["a wider model fits too", "not 24 x 10**6"]),
-    (184, ["hint: n_embd=184 fits (19.61 MiB), but a wider model fits too"]),
-    (204, ["GPTConfig refuses n_embd=204", "multiple of 8"]),
-    (768, ["over budget: count every parameter"]),
-    (200.0, ["a positive int"]),
-    (None, ["a positive int"]),
-])
-def test_choose_width_wrong_answers(width, fragments):
-    fails_with(ch00.check_choose_width, lambda: width, "choose_width: ", *fragments)
+def test_wrong_answers_are_named(check, wrong, fragment):
+    with pytest.raises(CheckFailed) as info:
+        check(wrong)
+    assert fragment in str(info.value), str(info.value)
