@@ -19,14 +19,6 @@ CUTS, ANSWERS, SHARED = (ch03.check_clause_cuts, ch03.check_intermediate_answers
                          ch03.check_shared_prefix_answers)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():  # on a busy 2-core machine, two threads per process oversubscribe and crawl
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def t(ids):
     return torch.tensor([ids])
 
@@ -62,31 +54,21 @@ def asked(feed=lambda m, c, ids, done, cut: m(t(ids[done:cut]), cache=c),
     def intermediate_answers(model, tok, question, cache):
         n, answers, done = len(question.steps), [], 0
         statement = tok.encode(question.prefix(n, cot=cot))
-        with torch.no_grad():
-            for cut in [len(tok.encode(question.prefix(i, cot=cot))) for i in range(n + 1)]:
-                feed(model, cache, statement, done, cut)
-                done, before = cut, cache.get_seq_length()
-                answers.append(ask(model, tok, cache))
-                roll(cache, cut, before)
+        for cut in [len(tok.encode(question.prefix(i, cot=cot))) for i in range(n + 1)]:
+            feed(model, cache, statement, done, cut)  # the checkers run them under no_grad
+            done, before = cut, cache.get_seq_length()
+            answers.append(ask(model, tok, cache))
+            roll(cache, cut, before)
         return answers
     return intermediate_answers
 
 
-def answers_recomputed(model, tok, question, cache):  # right, each question's prefix recomputed
-    with torch.no_grad():
-        model(t(tok.encode(question.prefix(len(question.steps)))), cache=cache)
-        return [word(tok, model(t(tok.encode(question.question(i)))))
-                for i in range(len(question.steps) + 1)]
-
-
-def answers_crop_no_restore(model, tok, question, cache):
-    """The statement once, then cropped to each cut (last first) and asked there."""
+def answers_crop_no_restore(model, tok, question, cache):  # the statement, cropped to each cut
     n, answers = len(question.steps), []
-    with torch.no_grad():
-        model(t(tok.encode(question.prefix(n))), cache=cache)
-        for i in reversed(range(n + 1)):
-            cache.crop(len(tok.encode(question.prefix(i))))
-            answers.append(word(tok, model(t(tok.encode(SUFFIX)), cache=cache)))
+    model(t(tok.encode(question.prefix(n))), cache=cache)
+    for i in reversed(range(n + 1)):
+        cache.crop(len(tok.encode(question.prefix(i))))
+        answers.append(word(tok, model(t(tok.encode(SUFFIX)), cache=cache)))
     return answers[::-1]
 
 
@@ -96,10 +78,8 @@ def shared(room=100, prefill=lambda m, ids, c: m(t(ids), cache=c), fork=lambda c
     """shared_prefix_answers by generate() on forks, one step swapped for a mistake."""
     def shared_prefix_answers(model, prefix_ids, suffixes, n_new):
         cache = minikv.KVCache.for_model(model, max_len=len(prefix_ids) + room)
-        with torch.no_grad():
-            prefill(model, prefix_ids, cache)
-            outs = [decode(model, s, n_new, fork(cache)) for s in suffixes]
-        return out(outs, cache, suffixes)
+        prefill(model, prefix_ids, cache)
+        return out([decode(model, s, n_new, fork(cache)) for s in suffixes], cache, suffixes)
     return shared_prefix_answers
 
 
@@ -153,7 +133,9 @@ WRONG = [
     (CUTS, lambda tok, p: [k for k, x in enumerate(tok.encode(p)) if tok.decode([x]) in ",."],
      "a name can contain a '.'"),  # every ',' or '.' token ends a clause
     (CUTS, split_on_dots, "a name can contain a '.'"),
-    (ANSWERS, answers_recomputed, "recomputing the prefix for every question"),
+    (ANSWERS, lambda m, tok, q, c: [m(t(tok.encode(q.prefix(len(q.steps)))), cache=c)] and [
+        word(tok, m(t(tok.encode(q.question(i))))) for i in range(len(q.steps) + 1)],
+     "recomputing the prefix for every question"),  # right answers, each prefix recomputed
     (ANSWERS, lambda m, tok, q, c: RIGHT_ANSWERS(m, tok, q, minikv.KVCache.for_model(
         m, max_len=200)), "no fork() (it copies the whole prefix"),  # a new cache
     (ANSWERS, lambda m, tok, q, c: RIGHT_ANSWERS(m, tok, q, c.fork()),

@@ -43,8 +43,7 @@ QUESTIONS = coin_flip_eval(2, seed=30) + [  # held out, 1 to 8 people (two each)
 
 
 def _promise(tok, q: CoinFlip) -> tuple[list[int], list[int], list[int]]:
-    """The statement's tokens, the cuts after each clause and the suffix's tokens, once the
-    chapter's claim holds: clauses end on token boundaries (else the corpus is at fault)."""
+    """(statement, cuts, suffix) tokens, once clauses end on token boundaries (the corpus's job)."""
     n = len(q.steps)
     statement, suffix = tok.encode(q.prefix(n)), tok.encode(q.question(0)[len(q.prefix(0)):])
     cuts = [len(tok.encode(q.prefix(i))) for i in range(n + 1)]
@@ -67,8 +66,7 @@ def clause_cuts(tok, prompt) -> list[int]:
     return _promise(tok, _Q[prompt])[1]
 
 
-def _per_cut(length):
-    """A wrong clause_cuts: length(tok, question, i) for each cut i."""
+def _per_cut(length):  # a wrong clause_cuts: length(tok, question, i) for each cut i
     return lambda tok, prompt: [length(tok, _Q[prompt], i)
                                 for i in range(len(_Q[prompt].steps) + 1)]
 
@@ -327,9 +325,8 @@ _COIN = ("A coin's state is heads. Alice flips, then Bob doesn't flip", ". What'
 
 @guarded
 def check_shared_prefix_answers(shared_prefix_answers) -> None:
-    """shared_prefix_answers(model, prefix_ids, suffixes, n_new) -> (continuations, prefix_cache):
-    n_new greedy tokens after prefix + each suffix, the prefix prefilled once, each suffix on a
-    fork of its cache, which is left holding the prefix only."""
+    """shared_prefix_answers(model, prefix_ids, suffixes, n_new) -> (continuations, prefix_cache),
+    the prefix prefilled once, each suffix on a fork of its cache, which keeps the prefix only."""
     name = "shared_prefix_answers"
     (target, tok), a, b = load_course_model("target", "cpu"), tiny_model(4), tiny_model(5)
     ids, (coin, *questions) = _random_ids(33, a), (tok.encode(s) for s in _COIN)
@@ -461,9 +458,6 @@ def _check_prefix_cache(name, case, model, prefix_cache, prefix, suffixes, n_new
 
 # --- exercise 4: predict, then measure: which slots the start state reaches ---------------------
 
-SLOT_DIFFERS = 1e-3  # identical inputs give identical K/V (0.0); a real difference is far above
-
-
 @guarded
 def check_predict_differing_slots(predict_differing_slots) -> None:
     """predict_differing_slots() -> how many (layer, position) slots of the target's cache differ
@@ -485,7 +479,8 @@ def check_predict_differing_slots(predict_differing_slots) -> None:
     differ = torch.zeros(L, T, dtype=torch.bool)
     for layer in range(L):
         for x, y in ((a.keys[layer], b.keys[layer]), (a.values[layer], b.values[layer])):
-            differ[layer] |= ((x[0, :, :T] - y[0, :, :T]).abs().amax(dim=(0, 2)) > SLOT_DIFFERS)
+            # identical inputs give identical K/V (0.0); a real difference is far above 1e-3
+            differ[layer] |= ((x[0, :, :T] - y[0, :, :T]).abs().amax(dim=(0, 2)) > 1e-3)
     want = int(differ.sum())
     start = next(p for p, (s, t) in enumerate(zip(ids, other)) if s != t)
     after = T - start  # the start-state token's slot and every slot after it
@@ -520,9 +515,8 @@ def check_predict_differing_slots(predict_differing_slots) -> None:
 # --- exercise 5: debug a fork that shares its buffers -------------------------------------------
 
 def _serve(model, cache_cls, prefix, suffixes, n_new, turns: bool, seen: dict):
-    """Prefix caching with cache_cls's fork(): the prefix prefilled, a fork per request, each
-    decoded greedily, one after the other or taking turns (a server's batch); `seen` gets the
-    source and the forks as they are made. -> (source, forks, tokens per request)"""
+    """Prefix caching on cache_cls's forks, requests one after the other or taking turns (as a
+    server's batch), `seen` getting the source and forks. -> (source, forks, tokens)"""
     source = cache_cls.for_model(model, max_len=len(prefix) + max(map(len, suffixes)) + n_new)
     model(torch.tensor([prefix]), cache=source)
     forks, tokens, feeds = [], [[] for _ in suffixes], [list(s) for s in suffixes]
@@ -666,13 +660,10 @@ def check_choose_fork_plan(choose_fork_plan) -> None:
             hint = "over budget: the target's cache is float32, 4 bytes a number"
         fail(name, case, f"at most {FORK_BUDGET:,} bytes",
              f"{alive} caches of {per_cache:,} bytes = {used:,}", hint)
-    if max_len != need:
-        fail(name, case, "the smallest max_len that fits a request",
-             f"max_len={max_len} ({per_cache:,} bytes per cache)",
-             "a request fits, but in fewer positions too, and every cache alive pays for each "
-             "position: the answer's last token is never fed" if max_len == need + 1 else
-             "a request fits, but in fewer positions too, and every cache alive pays for each "
-             "position")
+    expect(max_len == need, name, case, "the smallest max_len that fits a request",
+           f"max_len={max_len} ({per_cache:,} bytes per cache)", "a request fits, but in fewer "
+           "positions too, and every cache alive pays for each position"
+           + (": the answer's last token is never fed" if max_len == need + 1 else ""))
     if requests != FORK_BUDGET // per_cache - 1:
         hint = "it fits, but more requests fit too"
         if requests == 48 * 10**6 // per_cache - 1:
@@ -681,8 +672,3 @@ def check_choose_fork_plan(choose_fork_plan) -> None:
              hint)
     print(f"✓ {name}: max_len {max_len}, {requests} requests: {alive} caches of {per_cache:,} "
           f"bytes, {used / 2**20:.2f} MiB of {FORK_BUDGET // 2**20}")
-
-
-__all__ = ["check_clause_cuts", "check_intermediate_answers", "check_shared_prefix_answers",
-           "check_predict_differing_slots", "check_fork", "check_choose_fork_plan",
-           "CheckFailed", "EXERCISES"]
