@@ -1,21 +1,17 @@
-"""Checkers for chapter 07 (shrinking the cache: grouped-query attention, a quantized KV cache, a
-sliding window with attention sinks), each against the engine, on the CPU in a few seconds:
-
-- gqa_attention: against causal_attention on random tensors, then inside target-gqa2/target-mqa.
-- quantize_block / dequantize_block: per token (per channel: on the transposed block) against the
-  engine's quantize and dequantize, on the target's real keys and values and edge-case blocks.
-- held_positions (a table): the positions a real SinkWindowCache holds after each pass.
-- predict_bytes (predict, then measure): the nbytes of two caches that combine savings.
-- window_cache (debug): the fixed class against SinkWindowCache, logits and positions every step.
-- choose_window (design): sinks and window for a byte budget, against the held-out loss.
+"""Checkers for chapter 07 (shrinking the cache), each against the engine, in a few CPU seconds:
+gqa_attention (causal_attention on random tensors, then inside target-gqa2 and target-mqa);
+quantize_block / dequantize_block (the engine's quantize, per token; per channel on the transposed
+block); held_positions (a table: what a real SinkWindowCache holds after each pass); predict_bytes
+(predict, then measure two caches' nbytes); window_cache (debug: the fixed class against
+SinkWindowCache at every step); choose_window (design: sinks and window for a byte budget, against
+the held-out loss).
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import sys
-from functools import partial
+from functools import lru_cache, partial
 
 import torch
 import torch.nn.functional as F
@@ -131,13 +127,12 @@ def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> bool:
 
 
 def _gqa_crash_hint(nh: int, nkv: int):
-    def hint(error: Exception) -> str:
-        if isinstance(error, RuntimeError) and nkv not in (1, nh):
-            return (f"k and v have n_kv_head = {nkv} heads and q has n_head = {nh}: q @ kᵀ needs "
-                    f"a K/V head for every query head. Repeat each K/V head for its group of "
-                    f"n_head // n_kv_head = {nh // nkv} query heads (repeat_interleave on dim 1)")
-        return "your function raised on this input"
-    return hint
+    return lambda error: (
+        f"k and v have n_kv_head = {nkv} heads and q has n_head = {nh}: q @ kᵀ needs a K/V head "
+        f"for every query head. Repeat each K/V head for its group of n_head // n_kv_head = "
+        f"{nh // nkv} query heads (repeat_interleave on dim 1)"
+        if isinstance(error, RuntimeError) and nkv not in (1, nh) else
+        "your function raised on this input")
 
 
 def _check_gqa_output(name: str, case: str, got, q, k, v, given) -> None:
@@ -177,8 +172,7 @@ def _check_gqa_output(name: str, case: str, got, q, k, v, given) -> None:
 @guarded
 @torch.no_grad()
 def check_gqa_attention(gqa_attention) -> None:
-    """gqa_attention(q, k, v) -> (B, n_head, T, head_dim), query head i reading K/V head
-    i // (n_head // n_kv_head): on random tensors, then inside the grouped course models."""
+    """gqa_attention(q, k, v) -> (B, n_head, T, head_dim), query head i reading K/V head i // g."""
     name = "gqa_attention"
     gen = torch.Generator().manual_seed(70)
     for B, nh, nkv, T, hs in GQA_SHAPES:
@@ -195,8 +189,7 @@ def check_gqa_attention(gqa_attention) -> None:
         _check_gqa_output(name, case, got, q, k, v, given)
     for model_name in GQA_MODELS:
         model, tok = load_course_model(model_name, "cpu")
-        cfg = model.config
-        ids = torch.tensor([tok.encode(TEXT)])
+        cfg, ids = model.config, torch.tensor([tok.encode(TEXT)])
         case = (f"the course model {model_name} ({cfg.n_head} query heads, {cfg.kv_heads} K/V "
                 f"head{'s' * (cfg.kv_heads > 1)}), model(idx, attention=gqa_attention) on a "
                 f"{ids.size(1)}-token prompt")
@@ -215,8 +208,7 @@ def check_gqa_attention(gqa_attention) -> None:
 # --- exercise 2: a quantized block of keys ------------------------------------------------------
 
 def _real_kv() -> tuple[torch.Tensor, ...]:
-    """The target's layer-0 and layer-5 keys and layer-3 values for a prompt, (1, 8, T, head_dim):
-    T = 20, not head_dim (24), so that a scale per channel instead of per position shows."""
+    """The target's layer-0/5 keys and layer-3 values, (1, 8, T, 24): T = 20 != head_dim."""
     target, tok = load_course_model("target", "cpu")
     ids = tok.encode(TEXT)[:20]
     cache = KVCache.for_model(target, max_len=len(ids))
@@ -225,10 +217,14 @@ def _real_kv() -> tuple[torch.Tensor, ...]:
                  for t in (cache.keys[0], cache.keys[5], cache.values[3]))
 
 
-def quant_cases() -> list[tuple[str, torch.Tensor, int]]:
-    """(what the case is about, x, bits); the first tells most mistakes apart."""
+def quant_cases() -> list[tuple[str, torch.Tensor, int, str]]:
+    """(what the case is about, x, bits, per); the first tells most mistakes apart. Per channel
+    (KIVI's keys), a channel's scale spans the positions; T != head_dim shows an axis mix-up."""
     k0, k5, v3 = _real_kv()
-    gen = torch.Generator().manual_seed(71)
+    gen, gen72 = torch.Generator().manual_seed(71), torch.Generator().manual_seed(72)
+    outlier = torch.randn(1, 2, 9, 6, generator=gen72)
+    outlier[..., 3] *= 25.0                      # a channel large at every position
+    outlier[..., 1] = 0.0                        # a channel that is all zeros
     head = torch.randn(6, 5, generator=gen) * 3
     head[2] = 0.0                               # a position whose vector is all zeros
     head[4] = torch.tensor([0.5, -4.0, 1.0, 3.5, -0.25])  # its largest magnitude is negative
@@ -237,11 +233,15 @@ def quant_cases() -> list[tuple[str, torch.Tensor, int]]:
     real = f"the course target's {{}} for a {k0.size(2)}-token prompt, {tuple(k0.shape)}"
     edges = ("one head's keys, (T, hs) = (6, 5): position 2 all zeros, position 4's largest "
              "element negative")
-    return [(real.format("layer-0 keys"), k0, 8), (real.format("layer-0 keys"), k0, 4),
-            (real.format("layer-5 keys"), k5, 4),
-            (real.format("layer-3 values (values are quantized the same way)"), v3, 8),
-            (edges, head, 8), (edges, head, 4),
-            ("float64 keys (2, 3, 10, 7), positions from 1e-3 to 1e2 in size", wide, 4)]
+    k0_label = real.format("layer-0 keys")
+    return [(k0_label, k0, 8, "token"), (k0_label, k0, 4, "token"),
+            (real.format("layer-5 keys"), k5, 4, "token"),
+            (real.format("layer-3 values (values are quantized the same way)"), v3, 8, "token"),
+            (edges, head, 8, "token"), (edges, head, 4, "token"),
+            ("float64 keys (2, 3, 10, 7), positions from 1e-3 to 1e2 in size", wide, 4, "token"),
+            (k0_label, k0, 8, "channel"), (k0_label, k0, 4, "channel"),
+            ("keys (1, 2, 9, 6) with an outlier channel (3, 25x larger everywhere) and an "
+             "all-zero channel (1)", outlier, 4, "channel")]
 
 
 def engine_quantized(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...]:
@@ -403,20 +403,6 @@ def _check_quantized(name, case, x, bits, got) -> tuple[torch.Tensor, torch.Tens
     return codes, scales
 
 
-def channel_cases() -> list[tuple[str, torch.Tensor, int]]:
-    """(what the case is about, x, bits) for per="channel" (KIVI's keys): a channel's scale spans
-    the block's positions; T differs from head_dim, so an axis mix-up shows."""
-    k0, _, _ = _real_kv()
-    gen = torch.Generator().manual_seed(72)
-    outlier = torch.randn(1, 2, 9, 6, generator=gen)
-    outlier[..., 3] *= 25.0                      # a channel large at every position
-    outlier[..., 1] = 0.0                        # a channel that is all zeros
-    real = f"the course target's layer-0 keys for a {k0.size(2)}-token prompt, {tuple(k0.shape)}"
-    return [(real, k0, 8), (real, k0, 4), ("keys (1, 2, 9, 6) with an outlier channel (3, 25x "
-                                           "larger everywhere) and an all-zero channel (1)",
-                                           outlier, 4)]
-
-
 _CHANNEL_WORDS = [("per position", "per channel"), ("(..., T, 1)", "(..., 1, hs)"),
                   ("that position's head_dim elements", "that channel's T positions"),
                   ("its own head_dim elements", "its own T positions"),
@@ -461,11 +447,9 @@ def _check_channel_quantized(name, case, x, bits, got) -> tuple[torch.Tensor, to
 @guarded
 @torch.no_grad()
 def check_quantize(quantize_block, dequantize_block) -> None:
-    """quantize_block(x, bits, per) -> (codes, scales), one scale per token (the engine's) or per
-    channel (KIVI's keys); dequantize_block(codes, scales) -> x̂."""
+    """quantize_block(x, bits, per) -> (codes, scales); dequantize_block(codes, scales) -> x̂."""
     name = "quantize_block"
-    cases = [(label, x, bits, "token") for label, x, bits in quant_cases()]
-    cases += [(label, x, bits, "channel") for label, x, bits in channel_cases()]
+    cases = quant_cases()
     for label, x, bits, per in cases:
         case = f"{label}, bits={bits}" + (", per='channel'" if per == "channel" else "")
         given = x.clone()
@@ -486,11 +470,10 @@ def check_quantize(quantize_block, dequantize_block) -> None:
 
 
 def _quant_crash_hint(error: Exception) -> str:
-    if isinstance(error, RuntimeError) and "size of tensor" in str(error):
-        return ("shapes that do not broadcast: the scales must be (..., T, 1), one per "
-                "position, kept as a column (amax(dim=-1, keepdim=True)), so that x / scales "
-                "divides each position by its own")
-    return "your function raised on this input"
+    return ("shapes that do not broadcast: the scales must be (..., T, 1), one per position, kept "
+            "as a column (amax(dim=-1, keepdim=True)), so that x / scales divides each position "
+            "by its own" if isinstance(error, RuntimeError) and "size of tensor" in str(error)
+            else "your function raised on this input")
 
 
 DEQUANT_MISTAKES = {  # hint -> a wrong dequantize_block
@@ -532,9 +515,8 @@ def _check_dequantized(case, x, codes, scales, mine, out) -> None:
 
 # --- exercise 3: which positions a sink-and-window cache holds ----------------------------------
 
-# (sinks, window); each is fed N_TOKENS tokens one per pass, t = 0 .. N_TOKENS - 1
+N_TOKENS = 24  # each (sinks, window) is fed N_TOKENS tokens one per pass, t = 0 .. N_TOKENS - 1
 WINDOW_PAIRS = [(2, 4), (0, 5), (4, 8), (1, 1), (0, 1), (3, 2), (5, 3), (4, 12)]
-N_TOKENS = 24
 
 
 def _right(t: int, s: int, w: int) -> list[int]:
@@ -546,18 +528,14 @@ def _recent(t: int, n: int) -> list[int]:
     return list(range(max(0, t - n + 1), t + 1))
 
 
-@functools.lru_cache(maxsize=None)
+@lru_cache(maxsize=None)
 def engine_positions(sinks: int, window: int, n_tokens: int = N_TOKENS) -> list[list[int]]:
-    """A real SinkWindowCache fed a text one token per pass (`feed`, one token at a time): the
-    positions it holds after each pass, t = 0 .. n_tokens - 1."""
+    """The positions a real SinkWindowCache holds after each pass, fed one token per pass."""
     model = tiny_model(7, n_layer=1)
     cache = SinkWindowCache.for_model(model, sinks=sinks, window=window)
     gen = torch.Generator().manual_seed(72 + 10 * sinks + window)
-    held = []
-    for token in torch.randint(0, model.config.vocab_size, (n_tokens,), generator=gen).tolist():
-        feed(model, [token], cache)
-        held.append(list(cache.positions))
-    return held
+    tokens = torch.randint(0, model.config.vocab_size, (n_tokens,), generator=gen).tolist()
+    return [(feed(model, [token], cache), list(cache.positions))[1] for token in tokens]
 
 
 def _held_list(got, t, sinks, window):
@@ -628,15 +606,13 @@ EXERCISES = (HELD,)
 BYTES_TEXT = ("Once upon a time there was a little cat named Tom. Tom liked to play in the garden "
               "with his red ball. One day the ball rolled under a big tree, and Tom could not "
               "find it.")
-BYTES_TOKENS = 50
-BYTES_KEYS = ("gqa2_int4", "mqa_window")
+BYTES_TOKENS, BYTES_KEYS = 50, ("gqa2_int4", "mqa_window")
 
 
 def measure_bytes() -> dict[str, int]:
     """nbytes after 50 tokens: target-gqa2 with a 4-bit QuantizedKVCache (one pass), target-mqa
     with a SinkWindowCache(4, 16) (one token per pass)."""
-    gqa2, tok = load_course_model("target-gqa2", "cpu")
-    mqa, _ = load_course_model("target-mqa", "cpu")
+    (gqa2, tok), (mqa, _) = (load_course_model(m, "cpu") for m in ("target-gqa2", "target-mqa"))
     ids = tok.encode(BYTES_TEXT)[:BYTES_TOKENS]
     assert len(ids) == BYTES_TOKENS
     quantized = QuantizedKVCache.for_model(gqa2, max_len=BYTES_TOKENS, bits=4)
@@ -647,27 +623,22 @@ def measure_bytes() -> dict[str, int]:
 
 
 def _bytes_mistakes(key: str) -> list[tuple[int, str]]:
-    layers, hs, n = 12, 24, BYTES_TOKENS
-    if key == "gqa2_int4":
-        heads = 2
-        return [
-            (layers * 2 * heads * (hs // 2) * n,
-             "you forgot the scales: every position of every K/V head stores a 4-byte fp32 scale "
-             "next to its 12 bytes of 4-bit codes, so int4 saves 6x over fp32, not 8x"),
-            (layers * 2 * heads * (hs + 4) * n,
-             "a 4-bit code is half a byte: two codes share a byte (24 values: 12 bytes), plus the "
-             "4-byte scale"),
-            (layers * 2 * 8 * (hs // 2 + 4) * n,
-             "target-gqa2 caches 2 K/V heads, not the 8 query heads: the grouped heads share"),
-            (layers * heads * (hs // 2 + 4) * n, "K and V: both are cached, each with its scale"),
-            (2 * heads * (hs // 2 + 4) * n, "every one of the 12 layers has its own K/V"),
-            (layers * 2 * heads * hs * 4 * n, "this is the fp32 cache: the int4 one holds codes "
-                                              "and scales"),
-            (layers * 2 * heads * (hs // 2 + 4) * (n - 1),
-             "the prompt's 50 tokens are all fed: the cache holds 50 positions"),
-        ]
-    per = layers * 2 * 1 * hs * 4
+    layers, hs, n, heads, per = 12, 24, BYTES_TOKENS, 2, 12 * 2 * 1 * 24 * 4  # per: an mqa slot
     return [
+        (layers * 2 * heads * (hs // 2) * n, "you forgot the scales: every position of every K/V "
+         "head stores a 4-byte fp32 scale next to its 12 bytes of 4-bit codes, so int4 saves 6x "
+         "over fp32, not 8x"),
+        (layers * 2 * heads * (hs + 4) * n, "a 4-bit code is half a byte: two codes share a byte "
+         "(24 values: 12 bytes), plus the 4-byte scale"),
+        (layers * 2 * 8 * (hs // 2 + 4) * n,
+         "target-gqa2 caches 2 K/V heads, not the 8 query heads: the grouped heads share"),
+        (layers * heads * (hs // 2 + 4) * n, "K and V: both are cached, each with its scale"),
+        (2 * heads * (hs // 2 + 4) * n, "every one of the 12 layers has its own K/V"),
+        (layers * 2 * heads * hs * 4 * n,
+         "this is the fp32 cache: the int4 one holds codes and scales"),
+        (layers * 2 * heads * (hs // 2 + 4) * (n - 1),
+         "the prompt's 50 tokens are all fed: the cache holds 50 positions"),
+    ] if key == "gqa2_int4" else [
         (per * n, "the window cache evicts: it holds the 4 sinks and the last 16 positions, not "
                   "all 50"),
         (per * 21, "it evicts after every pass: sinks + window = 20 positions, the newest "
@@ -781,8 +752,7 @@ def check_window_cache(cache_class) -> None:
         mine = call(name, case, cache_class, model, sinks, window)
         for t, token in enumerate(ids):
             x = torch.tensor([[token]])
-            want = model(x, cache=engine)[0, -1]
-            from_buggy = model(x, cache=buggy)[0, -1]
+            want, from_buggy = (model(x, cache=c)[0, -1] for c in (engine, buggy))
             with forbid(name, SinkWindowCache.update, SinkWindowCache.get_seq_length):
                 got = call(name, f"{case}, at position {t}", model, x, cache=mine)[0, -1]
             same_as_buggy &= torch.allclose(got, from_buggy, atol=1e-5)
@@ -813,8 +783,7 @@ def check_window_cache(cache_class) -> None:
 
 DESIGN_BUDGET = 300_000          # bytes of K/V per sequence, fp32 target: 16 positions
 OTHER_BUDGETS = (450_000, 100_000)
-DESIGN_DOCS = 12
-SINK_CANDIDATES = (0, 1, 2, 3, 4, 6, 8)
+DESIGN_DOCS, SINK_CANDIDATES = 12, (0, 1, 2, 3, 4, 6, 8)
 LOSS_MARGIN = 0.02               # within 2% of the best split counts as best
 
 
@@ -836,8 +805,7 @@ def window_bytes(sinks: int, window: int) -> int:
 @guarded
 @torch.no_grad()
 def check_choose_window(choose_window) -> None:
-    """choose_window(budget_bytes) -> (sinks, window) that fits the budget and whose held-out loss
-    is within 2% of the best split of the slots the budget buys."""
+    """choose_window(budget_bytes) -> (sinks, window): fits, and within 2% of the best loss."""
     name = "choose_window"
     per_position = window_bytes(0, 1)
     for budget in (DESIGN_BUDGET,) + OTHER_BUDGETS:
@@ -847,8 +815,7 @@ def check_choose_window(choose_window) -> None:
         if pair is None or len(pair) != 2 or pair[0] < 0 or pair[1] < 1:
             fail(name, case, "(sinks, window): two ints, sinks ≥ 0, window ≥ 1", got,
                  "return the pair (sinks, window)" + _no_return(got))
-        sinks, window = pair
-        slots = budget // per_position
+        (sinks, window), slots = pair, budget // per_position
         held = window_bytes(sinks, window)
         if held > budget:
             fail(name, case, f"at most {budget:,} bytes held", f"{held:,} bytes for "
@@ -868,14 +835,11 @@ def check_choose_window(choose_window) -> None:
         best = min(losses.values())
         if mine > best * (1 + LOSS_MARGIN):
             best_s = min(losses, key=losses.get)
-            if sinks == 0:
-                hint = ("no sinks: a trained model parks attention on the first tokens, and "
-                        "without them the softmax loses its anchor (StreamingLLM); keep a few")
-            elif sinks > best_s:
-                hint = ("too many sinks: every sink is a position taken from the window, and "
-                        "the recent tokens are what the next token needs most")
-            else:
-                hint = "too few sinks: a few more first positions anchor attention better"
+            hint = ("no sinks: a trained model parks attention on the first tokens, and without "
+                    "them the softmax loses its anchor (StreamingLLM); keep a few" if sinks == 0
+                    else "too many sinks: every sink is a position taken from the window, and the "
+                    "recent tokens are what the next token needs most" if sinks > best_s else
+                    "too few sinks: a few more first positions anchor attention better")
             table = ", ".join(f"{s} sinks: {v:.3f}" for s, v in losses.items())
             fail(name, case, f"a split within {100 * LOSS_MARGIN:.0f}% of the best held-out "
                  f"loss ({best:.3f}, {best_s} sinks + {slots - best_s} window)",
