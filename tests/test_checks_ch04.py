@@ -116,7 +116,7 @@ def test_round_cases_cover_every_kind_of_round_and_are_sound():
     assert {(g, "later") for g in gammas if g > 1} <= kinds
 
 
-# --- exercise 2: the residual (a table) -----------------------------------------------------------
+# --- exercises 2-4 (tables): their cases are sound ------------------------------------------------
 
 def test_one_step_gives_p_only_with_the_rules_own_residual():
     """Soundness: the reference residual makes one speculative step give exactly p, under the
@@ -135,12 +135,6 @@ def test_one_step_gives_p_only_with_the_rules_own_residual():
         assert not torch.allclose(step(p, q, chapter_line, half), p, atol=1e-3)
 
 
-# --- exercise 3: α from a trace (a table; its per-index mistakes are named by `otherwise`) -------
-
-def _per_index(wrong):
-    return lambda trace, index=None: A(trace) if index is None else wrong(R(trace), index)
-
-
 def test_alpha_cases_include_the_edges_and_are_the_engines():
     with torch.inference_mode():
         runs = list(ch04._alpha_runs())
@@ -151,8 +145,6 @@ def test_alpha_cases_include_the_edges_and_are_the_engines():
     per_index = [A(out.trace, i) for _, out in runs for i in range(3)]
     assert None in per_index and len({round(a, 3) for a in per_index if a is not None}) > 5
 
-
-# --- exercise 4: choose γ (a table) ---------------------------------------------------------------
 
 def test_gamma_cases_are_sound():
     """Each best_gamma case has a clear winner or an exact tie, and the answers vary; the
@@ -173,10 +165,6 @@ def test_gamma_cases_are_sound():
 # --- exercise 5 (predict, then measure): a draft that is never wrong ------------------------------
 
 MEASURED = {"target_passes": 7, "draft_passes": 23, "target_kv": 33, "draft_kv": 32}
-
-
-def predict_perfect_draft():
-    return dict(MEASURED)
 
 
 def _predicting(**changes):
@@ -266,6 +254,10 @@ def test_the_closed_form_is_the_engines_rule():
 
 # --- all exercises --------------------------------------------------------------------------------
 
+def _per_index(wrong):
+    return lambda trace, index=None: A(trace) if index is None else wrong(R(trace), index)
+
+
 BEYOND_THE_TABLES = {  # what no table names: wrong types, crashes, inputs changed, stateful code
     ch04.check_residual: [
         (lambda p, q, a: p.sub_(q * a).clamp_(min=0) / p.sum(), "in-place operations"),
@@ -307,7 +299,7 @@ def test_a_wrong_answer_is_named(check, wrong, fragment):
 
 
 CHECKS = [(ch04.check_speculative_round, speculative_round), (ch04.check_accept_sampled,
-          accept_sampled), (ch04.check_predict_perfect_draft, predict_perfect_draft),
+          accept_sampled), (ch04.check_predict_perfect_draft, lambda: dict(MEASURED)),
           (ch04.check_choose_gamma, ch04.reference_choose_gamma)]
 ACCEPTED = [(ch04.check_speculative_round, _round(after=lambda t, d, start: _zero(*(
     x[:, :, c.get_seq_length():] for c in (t, d) for x in c.keys + c.values)))),  # stale slots

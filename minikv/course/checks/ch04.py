@@ -213,13 +213,11 @@ def _check_round(name, case, round_fn, target, draft, seq, t_cache, d_cache, gam
              "your function returned None: return the tokens it appended to seq (a list of ints)"
              if got is None else f"return the tokens the round appended to seq as a list of "
              f"ints, not a {_type(got)}")
-    if seq == before_seq:
-        fail(name, case, f"seq extended by {expected}", "seq unchanged",
-             "append the committed tokens to seq in place (seq.extend(...)), then return them")
-    if seq != before_seq + tokens:
-        fail(name, case, f"seq == seq before the round + the returned tokens ({tokens})",
-             f"seq grew by {seq[len(before_seq):]}",
-             "append exactly the tokens you return, in place, and nothing else")
+    expect(seq != before_seq, name, case, f"seq extended by {expected}", "seq unchanged",
+           "append the committed tokens to seq in place (seq.extend(...)), then return them")
+    expect(seq == before_seq + tokens, name, case, f"seq == seq before the round + the returned "
+           f"tokens ({tokens})", f"seq grew by {seq[len(before_seq):]}",
+           "append exactly the tokens you return, in place, and nothing else")
     # the passes it made
     wrong = _pass_hints(t_passes.passes, d_passes.passes, gamma, len(before_seq) - d_before[0],
                         len(before_seq))
@@ -706,9 +704,8 @@ def check_predict_perfect_draft(predict_perfect_draft) -> None:
              "return your four predictions as a dict, one int per key"
              + (" (did you forget to return it?)" if got is None else ""))
     for key, value in got.items():
-        if as_int(value) is None:
-            fail(name, case, f"{key}: an int", f"{key}: {value!r}",
-                 "a count is a whole number: predict it, do not compute a fraction")
+        expect(as_int(value) is not None, name, case, f"{key}: an int", f"{key}: {value!r}",
+               "a count is a whole number: predict it, do not compute a fraction")
     P, out, measured = perfect_draft_run()
     assert out.stats.rejected == 0, ("this machine's target disagreed with itself at a near-tie "
                                      "(chapter 05): the run this prediction is about needs α = 1")
@@ -861,17 +858,15 @@ def check_accept_sampled(accept_sampled) -> None:
         def outcome(g):
             got = call_hinted(name, case, crashed, accept_sampled, p_in, q_in, list(proposals), g)
             pair = int_list(got) if isinstance(got, (tuple, list)) else None
-            if pair is None or len(pair) != 2:
-                fail(name, case, "(accepted, token): two ints", got,
-                     "return how many proposals are kept and the target's token after them")
-            if not (0 <= pair[0] <= len(proposals) and 0 <= pair[1] < p.size(1)):
-                fail(name, case, f"accepted in 0..{len(proposals)}, a token in "
-                     f"0..{p.size(1) - 1}", tuple(pair), "accepted counts proposals kept")
+            expect(pair is not None and len(pair) == 2, name, case, "(accepted, token): two ints",
+                   got, "return how many proposals are kept and the target's token after them")
+            expect(0 <= pair[0] <= len(proposals) and 0 <= pair[1] < p.size(1), name, case,
+                   f"accepted in 0..{len(proposals)}, a token in 0..{p.size(1) - 1}", tuple(pair),
+                   "accepted counts proposals kept")
             return tuple(pair)
         results = _outcomes(outcome, proposals)
-        if not (torch.equal(p_in, p) and torch.equal(q_in, q)):
-            fail(name, case, "p and q left as they were", "they changed",
-                 "no in-place operations on p or q: other rounds read them")
+        expect(torch.equal(p_in, p) and torch.equal(q_in, q), name, case, "p and q left as they "
+               "were", "they changed", "no in-place operations on p or q: other rounds read them")
         buggy = _outcomes(lambda g: _quietly(accept_sampled_buggy, p, q, list(proposals), g),
                           proposals)
         counts = torch.zeros(len(proposals) + 1, p.size(1))
