@@ -3,6 +3,7 @@ list of (wrong implementation, hint fragment) for the stateful exercises and wha
 state (wrong types, crashes, inputs changed in place); the solutions pass; the cases are sound."""
 import math
 import re
+from functools import partial
 
 import numpy as np
 import pytest
@@ -23,25 +24,20 @@ def _crop(seq, *caches):
         cache.crop(min(cache.get_seq_length(), len(seq) - 1))
 
 
-def _draft(draft, seq, d_cache, gamma, feed=lambda seq, p, d_cache: (seq + p)[
-        d_cache.get_seq_length():]):
-    proposals = []
-    for _ in range(gamma):
-        logits = draft(torch.tensor([feed(seq, proposals, d_cache)]), cache=d_cache,
-                       last_only=True)
-        proposals.append(int(logits[0, -1].argmax()))
-    return proposals
-
-
 def _verify(target, seq, t_cache, proposals):
     return target(torch.tensor([seq[-1:] + proposals]), cache=t_cache)[0].argmax(-1).tolist()
 
 
 def _round(pick=lambda p, c: p[:_n(p, c)] + [c[_n(p, c)]], verify=_verify, crop=_crop,
-           after=lambda t_cache, d_cache, start: None, **feed):
+           after=lambda t_cache, d_cache, start: None,
+           feed=lambda seq, p, d_cache: (seq + p)[d_cache.get_seq_length():]):
     """The solution's round, or a wrong one: one of its steps replaced."""
     def speculative_round(target, draft, seq, t_cache, d_cache, gamma):
-        start, proposals = len(seq) - 1, _draft(draft, seq, d_cache, gamma, **feed)
+        start, proposals = len(seq) - 1, []
+        for _ in range(gamma):
+            logits = draft(torch.tensor([feed(seq, proposals, d_cache)]), cache=d_cache,
+                           last_only=True)
+            proposals.append(int(logits[0, -1].argmax()))
         new = pick(proposals, verify(target, seq, t_cache, proposals))
         seq.extend(new)
         crop(seq, t_cache, d_cache)
@@ -53,21 +49,6 @@ def _round(pick=lambda p, c: p[:_n(p, c)] + [c[_n(p, c)]], verify=_verify, crop=
 speculative_round = _round()
 
 
-def round_by_the_engine_core(target, draft, seq, t_cache, d_cache, gamma):
-    from functools import partial
-    proposals, before = _draft(draft, seq, d_cache, gamma), len(seq)
-    minikv.verify_and_commit(
-        seq, proposals, t_cache, lambda rows, c: target(torch.tensor([rows]), cache=c)[0],
-        partial(ch04.accept_matching, sampling=minikv.SamplingParams(), first_position=before),
-        other_caches={"draft": d_cache})
-    return seq[before:]
-
-
-def _zero(*tensors):
-    for t in tensors:
-        t.zero_()
-
-
 ROUND_WRONG = [  # rounds that commit the usual wrong tokens (the first the checker lists)...
     (_round(pick=lambda p, c, wrong=wrong: (wrong(p, c) or [p[:_n(p, c)] + [c[_n(p, c)]]])[0]),
      hint) for hint, wrong in ch04.COMMIT_MISTAKES.items()] + [  # ...and do other wrong things
@@ -77,10 +58,10 @@ ROUND_WRONG = [  # rounds that commit the usual wrong tokens (the first the chec
                                        for x in s[-1:] + p]), "one target pass each"),
     (_round(after=lambda t, d, start: d.reset()), "reset the draft cache"),
     (_round(crop=lambda s, t, d: (t.reset(), d.reset())), "reset the target cache"),
-    (_round(after=lambda t, d, start: _zero(*(x[:, :, start:] for x in t.keys + t.values))),
+    (_round(after=lambda t, d, start: [x[:, :, start:].zero_() for x in t.keys + t.values]),
      "zero, reset or overwrite"),  # "unverified", accepted K/V too
-    (_round(after=lambda t, d, start: _zero(*d.values)), "the draft cache's K/V"),
-    (_round(after=lambda t, d, start: _zero(t.values[-1][:, :, start:])), "target cache's K/V"),
+    (_round(after=lambda t, d, start: [x.zero_() for x in d.values]), "the draft cache's K/V"),
+    (_round(after=lambda t, d, start: t.values[-1][:, :, start:].zero_()), "target cache's K/V"),
     (_round(feed=lambda s, p, d: (s + p)[-1:]), "first pass feeds only the last committed token"),
     (_round(verify=lambda m, s, c, p: m(torch.tensor([s + p]))[0, -len(p) - 1:].argmax(-1)
             .tolist()), "feed the target the whole sequence again"),
@@ -88,7 +69,10 @@ ROUND_WRONG = [  # rounds that commit the usual wrong tokens (the first the chec
     (lambda *args: speculative_round(*args) and None, "returned None"),
     (lambda tg, dr, seq, *rest: speculative_round(tg, dr, seq, *rest) and seq, "exactly the"),
     (lambda *args: torch.tensor(speculative_round(*args), dtype=torch.float32), "a torch.Tensor"),
-    (round_by_the_engine_core, "called minikv's own minikv.engine.verify.verify_and_commit"),
+    (_round(verify=lambda m, s, c, p: (minikv.verify_and_commit(  # on copies: called is enough
+        list(s), p, c.fork(), lambda rows, c: m(torch.tensor([rows]), cache=c)[0], partial(
+            ch04.accept_matching, sampling=minikv.SamplingParams(), first_position=len(s))),
+        _verify(m, s, c, p))[1]), "called minikv's own minikv.engine.verify.verify_and_commit"),
     (lambda tg, dr, seq, t, d, g: (minikv.speculative_generate(tg, dr, seq, g + 1, gamma=g),
                                    speculative_round(tg, dr, seq, t, d, g))[1],
      "called minikv's own minikv.engine.speculative"),
@@ -301,8 +285,8 @@ def test_a_wrong_answer_is_named(check, wrong, fragment):
 CHECKS = [(ch04.check_speculative_round, speculative_round), (ch04.check_accept_sampled,
           accept_sampled), (ch04.check_predict_perfect_draft, lambda: dict(MEASURED)),
           (ch04.check_choose_gamma, ch04.reference_choose_gamma)]
-ACCEPTED = [(ch04.check_speculative_round, _round(after=lambda t, d, start: _zero(*(
-    x[:, :, c.get_seq_length():] for c in (t, d) for x in c.keys + c.values)))),  # stale slots
+ACCEPTED = [(ch04.check_speculative_round, _round(after=lambda t, d, start: [  # stale slots
+    x[:, :, c.get_seq_length():].zero_() for c in (t, d) for x in c.keys + c.values])),
             (ch04.check_accept_sampled, accept_draws_differently)]  # judged by distribution
 
 

@@ -16,6 +16,7 @@ import contextlib
 import functools
 import io
 import math
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -102,10 +103,6 @@ def _matching(proposals, choices, shift=0):
     return n
 
 
-def _kept(proposals, choices) -> list[int]:
-    return [p for p, c in zip(proposals, choices) if p == c]
-
-
 # hint -> what a wrong round commits, from the proposals and the target's choices: the ones it may
 # commit ([] where the mistake changes nothing)
 COMMIT_MISTAKES = {
@@ -122,7 +119,7 @@ COMMIT_MISTAKES = {
         [p[:_matching(p, c)] + c[_matching(p, c) + 1:][:1]] if _matching(p, c) < len(p) else []),
     "this is what you get when you keep every proposal that matches: only the matching PREFIX is "
     "accepted, everything after the first mismatch is thrown away":
-        lambda p, c: [_kept(p, c) + [c[len(_kept(p, c))]]],
+        lambda p, c: [[x for x, y in zip(p, c) if x == y] + [c[sum(map(operator.eq, p, c))]]],
 }
 
 
@@ -830,18 +827,6 @@ def _sampled_cases() -> list[tuple[str, torch.Tensor, torch.Tensor, list[int]]]:
 TRIALS = 2400
 
 
-def _outcomes(fn, proposals: list[int]) -> list:
-    """fn(generator) for TRIALS seeded generators: the outcome (k, y) of each round."""
-    return [fn(torch.Generator().manual_seed(1_000 * t + len(proposals))) for t in range(TRIALS)]
-
-
-def _quietly(fn, *args):
-    try:
-        return tuple(fn(*args))
-    except Exception:  # noqa: BLE001 - the buggy round crashes where it has no proposal
-        return None
-
-
 @guarded
 def check_accept_sampled(accept_sampled) -> None:
     """accept_sampled(p, q, proposals, generator) -> (accepted, token): one round of speculative
@@ -864,11 +849,14 @@ def check_accept_sampled(accept_sampled) -> None:
                    f"accepted in 0..{len(proposals)}, a token in 0..{p.size(1) - 1}", tuple(pair),
                    "accepted counts proposals kept")
             return tuple(pair)
-        results = _outcomes(outcome, proposals)
+        seeds = [1_000 * t + len(proposals) for t in range(TRIALS)]  # one generator per trial
+        results = [outcome(torch.Generator().manual_seed(s)) for s in seeds]
         expect(torch.equal(p_in, p) and torch.equal(q_in, q), name, case, "p and q left as they "
                "were", "they changed", "no in-place operations on p or q: other rounds read them")
-        buggy = _outcomes(lambda g: _quietly(accept_sampled_buggy, p, q, list(proposals), g),
-                          proposals)
+        buggy = None  # the buggy round's outcomes, where it runs (it crashes with no proposal)
+        with contextlib.suppress(NameError, UnboundLocalError):
+            buggy = [accept_sampled_buggy(p, q, list(proposals), torch.Generator().manual_seed(s))
+                     for s in seeds]
         counts = torch.zeros(len(proposals) + 1, p.size(1))
         for k, y in results:
             counts[k, y] += 1
