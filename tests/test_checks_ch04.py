@@ -18,7 +18,6 @@ A, R, _n = ch04.reference_alpha, ch04._rounds, ch04._matching
 
 # --- exercise 1: one speculative round ------------------------------------------------------------
 
-
 def _crop(seq, *caches):
     for cache in caches:
         cache.crop(min(cache.get_seq_length(), len(seq) - 1))
@@ -80,9 +79,8 @@ ROUND_WRONG = [  # rounds that commit the usual wrong tokens (the first the chec
 
 
 def test_round_cases_cover_every_kind_of_round_and_are_sound():
-    """The cases include fully accepted rounds (where the draft cache is shorter than the
-    sequence), rejections of the first proposal and later ones, for every γ; the engine's own
-    speculative decoding equals target-only greedy on every case, with a clear argmax margin."""
+    """For every γ, fully accepted rounds, rejections of the first proposal and of later ones; the
+    engine's speculative decoding is target-only greedy on every case, by a clear margin."""
     kinds = set()
     for seed, prompt, gamma in ch04.ROUND_CASES:
         target, draft = ch04.tiny_pair(seed)
@@ -131,9 +129,8 @@ def test_alpha_cases_include_the_edges_and_are_the_engines():
 
 
 def test_gamma_cases_are_sound():
-    """Each best_gamma case has a clear winner or an exact tie, and the answers vary; the
-    speed-up at α = 1 is the formula's limit; choose_gamma's answers span no speculation to 7+, and
-    one request is the chapter's formula."""
+    """best_gamma's cases have a clear winner or an exact tie, varied answers, the limit at α = 1;
+    choose_gamma's span no speculation to 7+, and one request is the chapter's formula."""
     for alpha, c, max_gamma in ch04.BEST_GAMMA.cases:
         values = sorted((ch04.speedup(alpha, c, g) for g in range(1, max_gamma + 1)), reverse=True)
         assert len(values) < 2 or values[0] == values[1] or values[0] - values[1] > 1e-9 * values[0]
@@ -151,15 +148,11 @@ def test_gamma_cases_are_sound():
 MEASURED = {"target_passes": 7, "draft_passes": 23, "target_kv": 33, "draft_kv": 32}
 
 
-def _predicting(**changes):
-    return lambda: {**MEASURED, **changes}
-
-
 PREDICT_WRONG = [  # every usual wrong count the checker names (P = 4, 6 rounds, 23 proposals)
-    (_predicting(**{key: value}), hint)
+    (lambda key=key, value=value: {**MEASURED, key: value}, hint)
     for key, mistakes in ch04._prediction_mistakes(4, 30, 4, 6, 23, 23).items()
     for value, hint in mistakes if value != MEASURED[key]] + [
-    (_predicting(draft_kv=7.5), "a count is a whole number"),
+    (lambda: {**MEASURED, "draft_kv": 7.5}, "a count is a whole number"),
     (lambda: [7, 23, 33, 32], "as a dict"),
     (lambda: None, "did you forget to return it"),
     (lambda: {"passes": 7}, "as a dict"),

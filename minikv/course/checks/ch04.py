@@ -17,7 +17,7 @@ import functools
 import io
 import math
 import operator
-from collections.abc import Sequence
+from collections import UserList
 
 import torch
 
@@ -82,9 +82,8 @@ def tiny_pair(seed: int) -> tuple[GPT, GPT]:
             block.mlp.c_proj.weight.mul_(0.3)
     with torch.random.fork_rng(devices=[]):
         draft = GPT(GPTConfig.preset("tiny", n_layer=1)).eval()
-    kept = {k: v for k, v in target.state_dict().items()
-            if not k.startswith("transformer.h.") or k.startswith("transformer.h.0.")}
-    draft.load_state_dict(kept)
+    draft.load_state_dict({k: v for k, v in target.state_dict().items()  # all but blocks 1..
+                           if k.split(".")[:2] != ["transformer", "h"] or k.split(".")[2] == "0"})
     return target, draft
 
 
@@ -451,19 +450,13 @@ class _Trace(tuple):
         return trace
 
 
-class _Lazy(Sequence):
+class _Lazy(UserList):
     """Cases made on first use: those that run the models wait for the check."""
 
-    def __init__(self, make):
+    def __init__(self, make):  # not UserList's: `data` is made when first read
         self.make = make
 
-    def __getitem__(self, i):
-        return self.items[i]
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    items = functools.cached_property(lambda self: self.make())
+    data = functools.cached_property(lambda self: self.make())
 
 
 def _alpha_runs():
@@ -504,9 +497,8 @@ def _alpha_cases() -> list[tuple]:
 
 
 def _same(got, want) -> bool:
-    if want is None or got is None:
-        return got is want
-    return math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-12)
+    return got is want if got is None or want is None else math.isclose(got, want, rel_tol=1e-9,
+                                                                         abs_tol=1e-12)
 
 
 def _as_alpha(got, trace, index):
@@ -619,8 +611,7 @@ PREDICTED = {"target_passes": "target forward passes", "draft_passes": "draft fo
 
 
 def perfect_draft_run() -> tuple[int, object, dict[str, int]]:
-    """The run the prediction is about, greedy, the course target as its own draft, measured by
-    the engine: (prompt length, the output, {quantity: count})."""
+    """The run predicted, measured by the engine: (prompt length, its output, {quantity: count})."""
     target, tok = load_course_model("target", "cpu")
     ids = tok.encode(PERFECT_PROMPT)
     with torch.inference_mode():
@@ -879,14 +870,10 @@ def check_accept_sampled(accept_sampled) -> None:
 # --- exercise 7 (design): γ for a batch -----------------------------------------------------------
 
 def batch_speedup(alpha: float, c: float, batch: int, balance: float, gamma: int) -> float:
-    """Tokens per unit of time with γ proposals per round, over plain batched decoding, when a
-    target pass of n rows costs max(1, n / balance) decode steps and a draft pass c (γ = 0: no
-    speculation, 1)."""
-    if gamma == 0:
-        return 1.0
-    tokens = gamma + 1 if alpha == 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
-    plain = max(1.0, batch / balance)
-    return tokens * plain / (gamma * c + max(1.0, batch * (gamma + 1) / balance))
+    """Tokens per unit of time over plain batched decoding (γ = 0: 1), when a target pass of n
+    rows costs max(1, n / balance) decode steps and a draft pass c."""
+    return 1.0 if gamma == 0 else speedup(alpha, 0.0, gamma) * max(1.0, batch / balance) / (
+        gamma * c + max(1.0, batch * (gamma + 1) / balance))
 
 
 MAX_GAMMA = 16
