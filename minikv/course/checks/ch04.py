@@ -568,7 +568,7 @@ BEST_GAMMA = _Exercise(
            (0.5, 0.5, 16), (0.7, 0.1, 8), (0.99, 0.01, 16), (0.97, 0.003, 16), (0.3, 0.3, 16),
            (0.75, 0.05, 16), (0.85, 0.15, 16), (0.9, 0.124, 3), (0.9, 0.1, 1), (0.0, 0.1, 16),
            (0.0, 0.0, 16), (1.0, 0.1, 16), (1.0, 0.1, 4), (1.0, 1.0, 16), (1.0, 2.0, 16),
-           (0.9, 0.0, 16), (0.9, 0.0, 12)],
+           (0.9, 0.0, 16), (0.9, 0.0, 12), (1.0, 0.7, 16)],
     describe=lambda alpha, c, max_gamma: f"alpha={alpha}, c={c}, max_gamma={max_gamma}",
     reference=reference_best_gamma, returns=_as_gamma,
     raised=_crash_hint(ZeroDivisionError, "at α = 1 the formula is 0/0: every proposal is "
@@ -884,10 +884,11 @@ def _as_choice(got, *case):
 DESIGN = _Exercise(
     "choose_gamma",
     # (α, c, batch, balance): one request (the chapter's formula), batches below and past the
-    # balance point, α = 1, a draft too dear, and an exact tie between speculating and not
+    # balance point, α = 1 (once with the best γ at the cap), a draft too dear, and an exact tie
+    # between speculating and not
     cases=[(0.9, 0.05, 1, 64), (0.9, 0.05, 16, 64), (0.9, 0.05, 32, 64), (0.9, 0.05, 64, 64),
            (0.95, 0.02, 8, 64), (0.8, 0.1, 128, 64), (1.0, 0.1, 4, 16), (0.6, 0.3, 1, 64),
-           (0.5, 0.5, 1, 64), (0.97, 0.01, 2, 16), (0.7, 0.02, 24, 32)],
+           (0.5, 0.5, 1, 64), (0.97, 0.01, 2, 16), (0.7, 0.02, 24, 32), (1.0, 0.6, 1, 64)],
     describe=lambda alpha, c, batch, balance: (f"alpha={alpha}, c={c}, batch={batch}, "
                                                f"balance={balance}"),
     reference=reference_choose_gamma, returns=_as_choice,

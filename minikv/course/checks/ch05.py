@@ -577,9 +577,10 @@ def reference_determinism(n_det: int, overhead: float) -> str:
 DESIGN = Exercise(
     "choose_determinism",
     # (deterministic requests of 8, invariant kernels' overhead per pass): nothing to protect, one
-    # request, a few, all of them, with overheads on both sides of every crossing
+    # request, a few, all of them, with overheads on both sides of every crossing and close to
+    # it (an off-by-one in the steps, the window or the requests moves a crossing), and a tie
     cases=[(0, 0.05), (1, 0.05), (1, 0.4), (2, 0.4), (3, 0.4), (3, 0.9), (8, 0.5), (8, 1.9),
-           (7, 1.9), (6, 1.2), (4, 1.2), (2, 0.15)],
+           (7, 1.9), (6, 1.2), (4, 1.2), (2, 0.15), (7, 1.7), (2, 0.45), (2, 0.51), (0, 0.0)],
     describe=lambda n_det, overhead: f"n_det={n_det}, overhead={overhead}",
     reference=reference_determinism,
     explain=lambda n_det, overhead: (
