@@ -74,7 +74,8 @@ ROUND_WRONG = [  # rounds that commit the usual wrong tokens (the first the chec
         _verify(m, s, c, p))[1]), "called minikv's own minikv.engine.verify.verify_and_commit"),
     (lambda tg, dr, seq, t, d, g: (minikv.speculative_generate(tg, dr, seq, g + 1, gamma=g),
                                    speculative_round(tg, dr, seq, t, d, g))[1],
-     "called minikv's own minikv.engine.speculative")]
+     "called minikv's own minikv.engine.speculative"),
+]
 
 
 def test_round_cases_cover_every_kind_of_round_and_are_sound():
@@ -158,7 +159,8 @@ PREDICT_WRONG = [  # every usual wrong count the checker names (P = 4, 6 rounds,
     (lambda: {"target_passes": minikv.speculative_generate(
         *[minikv.load_course_model("target", "cpu")[0]] * 2, [1, 2, 3, 4], 30,
         gamma=4).stats.target_passes, "draft_passes": 23, "target_kv": 33, "draft_kv": 32},
-     "a prediction is made before the measurement")]
+     "a prediction is made before the measurement"),
+]
 
 
 def test_the_perfect_draft_run_accepts_everything_and_is_the_targets_own():
@@ -205,7 +207,8 @@ SAMPLED_WRONG = [(_following(rule), hint) for rule, hint in ch04.SAMPLED_MISTAKE
     (lambda p, *rest: accept_sampled(p.mul_(1.01), *rest), "no in-place operations"),
     (lambda *args: (len(args[2]) + 1, 0), "accepted counts proposals kept"),
     (lambda *args: (lambda k, y: (torch.tensor(k), torch.tensor([y], dtype=torch.float32)))(
-        *accept_sampled(*args)), "two ints")]
+        *accept_sampled(*args)), "two ints"),
+]
 
 
 def test_the_closed_form_is_the_engines_rule():
@@ -228,6 +231,10 @@ def test_the_closed_form_is_the_engines_rule():
 
 # --- all exercises --------------------------------------------------------------------------------
 
+def _per_index(wrong):
+    return lambda trace, index=None: A(trace) if index is None else wrong(R(trace), index)
+
+
 BEYOND_THE_TABLES = {  # what no table names: wrong types, crashes, inputs changed, stateful code
     ch04.check_residual: [
         (lambda p, q, a: p.sub_(q * a).clamp_(min=0) / p.sum(), "in-place operations"),
@@ -243,9 +250,9 @@ BEYOND_THE_TABLES = {  # what no table names: wrong types, crashes, inputs chang
         (lambda t, i=None: A(t, i) if i is not None else sum(a for a, _, _ in R(t)) / sum(
             a + j for a, j, _ in R(t)), "return None (n/a) then"),
         (lambda t, i=None: A(t, i) and torch.tensor(A(t, i)), "float, not a torch.Tensor"),
-        (lambda t, i=None: A(t) if i is None else ch04._ratio(  # proposal i judged wherever made
-            sum(a > i for a, _, _ in R(t)), sum(n > i for *_, n in R(t))), "never judged"),
-        (lambda t, i=None: A(t) if i is None else sum(a > i for a, _, _ in R(t)) / len(R(t)),
+        (_per_index(lambda r, i: ch04._ratio(sum(a > i for a, _, _ in r),
+                                             sum(n > i for *_, n in r))), "never judged"),
+        (_per_index(lambda r, i: sum(a > i for a, _, _ in r) / len(r) if r else None),
          "divide by every round"),
         (lambda trace, index=None: A(trace), "pooled over every proposal"),
         (lambda t, i=None: A(t, None if i is None else max(i - 1, 0)), "index counts from 0")],

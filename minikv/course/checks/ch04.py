@@ -118,7 +118,8 @@ COMMIT_MISTAKES = {
         [p[:_matching(p, c)] + c[_matching(p, c) + 1:][:1]] if _matching(p, c) < len(p) else []),
     "this is what you get when you keep every proposal that matches: only the matching PREFIX is "
     "accepted, everything after the first mismatch is thrown away":
-        lambda p, c: [[x for x, y in zip(p, c) if x == y] + [c[sum(map(operator.eq, p, c))]]]}
+        lambda p, c: [[x for x, y in zip(p, c) if x == y] + [c[sum(map(operator.eq, p, c))]]],
+}
 
 
 CROP_WITHOUT_MIN = _crash_hint(  # the engine's message names the crop
@@ -304,7 +305,8 @@ ACCEPTANCE_RULES = [
     ("a cautious rule that accepts half as often, a = min(1, p/q) / 2",
      lambda p, q: chapter_acceptance(p, q) / 2),
     ("a rule that never accepts, a = 0", lambda p, q: torch.zeros_like(p)),
-    ("a stricter rule, a = min(1, p/q) squared", lambda p, q: chapter_acceptance(p, q) ** 2)]
+    ("a stricter rule, a = min(1, p/q) squared", lambda p, q: chapter_acceptance(p, q) ** 2),
+]
 
 
 def _as_list(t) -> list:
@@ -376,7 +378,8 @@ RESIDUAL = Exercise(
             lambda p, q, a: _normalised(p * (1 - a)),
         "this is what you get with q(x)(1 - a(x)), where the refused drafts came from: drawing "
         "there re-proposes the refused tokens instead of filling what p still lacks":
-            lambda p, q, a: _normalised(q * (1 - a))},
+            lambda p, q, a: _normalised(q * (1 - a)),
+    },
     otherwise=_residual_otherwise)
 check_residual = RESIDUAL.check
 
@@ -529,7 +532,8 @@ ALPHA = _Exercise(
         "the draft's proposals are judged": _pooled(lambda r, ok: _ratio(
             ok + len(r), ok + len(r) + sum(j for _, j, _ in r))),
         "this is the fraction of rounds without a rejection, not of judged proposals accepted":
-            _pooled(lambda r, ok: _ratio(len(r) - sum(j for _, j, _ in r), len(r)))},
+            _pooled(lambda r, ok: _ratio(len(r) - sum(j for _, j, _ in r), len(r))),
+    },
     otherwise=_alpha_otherwise)
 check_alpha_from_trace = ALPHA.check
 
@@ -589,7 +593,8 @@ BEST_GAMMA = _Exercise(
             [(g if alpha == 1 else (1 - alpha ** g) / (1 - alpha)) / (g * c + 1)
              for g in range(1, m + 1)]),
         "one more than the best γ: this is what you get when you return the γ after the best one "
-        "(an index off by one)": lambda alpha, c, m: reference_best_gamma(alpha, c, m) + 1},
+        "(an index off by one)": lambda alpha, c, m: reference_best_gamma(alpha, c, m) + 1,
+    },
     otherwise=lambda runs: ALPHA_1 if next(case for case, got in runs
                                            if got != reference_best_gamma(*case))[0] == 1 else (
         "compute (1 - α^(γ+1)) / ((1 - α)(γc + 1)) for every γ in 1..max_gamma and return the γ "
@@ -632,7 +637,8 @@ def _prediction_mistakes(P: int, N: int, gamma: int, rounds: int, proposed: int,
             (math.ceil(N / gamma), "you let a round commit γ tokens (it commits γ + 1: the "
                                    "bonus) and forgot the prefill's pass"),
             (N, "one target pass per token is target-only decoding: here each round commits "
-                "several")],
+                "several"),
+        ],
         "draft_passes": [
             (R * gamma, "you gave every round γ proposals: the run stops at max_new_tokens, so "
                         "the last round proposes only what the budget leaves (the tokens left, "
@@ -642,7 +648,8 @@ def _prediction_mistakes(P: int, N: int, gamma: int, rounds: int, proposed: int,
             (N, "one draft pass per token: the first token comes from the prefill and the "
                 "bonus tokens from the target, so the draft proposes fewer"),
             ((R + 1) * gamma, "the prefill is the target's alone: the draft proposes only in "
-                              "the rounds")],
+                              "the rounds"),
+        ],
         "target_kv": [
             (P + N, "the last committed token is never fed to the target (it is produced by "
                     "the last pass and nothing follows it), and the last round verifies fewer "
@@ -651,7 +658,8 @@ def _prediction_mistakes(P: int, N: int, gamma: int, rounds: int, proposed: int,
             (N - 1, "you forgot the prompt: the prefill computes its K/V, one per prompt token"),
             (P + proposed, "a verification pass feeds the last committed token AND the "
                            "proposals: γ + 1 rows, not γ"),
-            ((R + 1) * (gamma + 1), "the prefill feeds the prompt, not γ + 1 rows")],
+            ((R + 1) * (gamma + 1), "the prefill feeds the prompt, not γ + 1 rows"),
+        ],
         "draft_kv": [
             (draft_passes, "you counted one row per draft pass: a round's first draft pass "
                            "feeds everything the draft's cache has not seen: the prompt and the "
@@ -663,7 +671,9 @@ def _prediction_mistakes(P: int, N: int, gamma: int, rounds: int, proposed: int,
             (P + N - 1, "the draft's cache ends TWO behind the sequence, not one: after the "
                         "last round it has fed neither its last proposal nor the target's bonus"),
             (P + N, "the draft never sees the last two committed tokens (its last proposal and "
-                    "the bonus): its cache ends two behind the sequence")]}
+                    "the bonus): its cache ends two behind the sequence"),
+        ],
+    }
 
 
 @one_thread
@@ -750,7 +760,8 @@ SAMPLED_MISTAKES = [
     ((_chapter_accept, lambda p_row, q_row: _normalised((p_row - q_row).abs()),
            lambda p, q, g: p[g]),
      "symptom: a refused draw can be replaced by a token the draft over-proposes: the residual "
-     "is max(0, p - q), not |p - q|")]
+     "is max(0, p - q), not |p - q|"),
+]
 
 
 def outcome_distribution(p: torch.Tensor, q: torch.Tensor, proposals: list[int],
@@ -800,7 +811,8 @@ def _sampled_cases() -> list[tuple[str, torch.Tensor, torch.Tensor, list[int]]]:
          rows([.50, .00, .30, .20], [.10, .20, .30, .40], [.25, .25, .25, .25]),
          rows([.20, .30, .30, .20], [.25, .25, .25, .25]), [1, 0]),
         ("no proposal at all (the last round when one token is left)",
-         rows([.10, .60, .20, .10]), torch.zeros(0, 4), [])]
+         rows([.10, .60, .20, .10]), torch.zeros(0, 4), []),
+    ]
 
 
 TRIALS = 2400
@@ -908,7 +920,8 @@ DESIGN = _Exercise(
             lambda g: 1.0 if g == 0 else (g + 1 if alpha == 1 else (1 - alpha ** g) / (1 - alpha))
             * max(1.0, batch / balance) / (g * c + max(1.0, batch * (g + 1) / balance))),
         "this ignores the draft's passes: γ of them a round, c each":
-            lambda alpha, c, batch, balance: reference_choose_gamma(alpha, 0.0, batch, balance)},
+            lambda alpha, c, batch, balance: reference_choose_gamma(alpha, 0.0, batch, balance),
+    },
     otherwise="price a round: γ draft passes at c, one verification pass of batch × (γ + 1) rows "
               "at max(1, rows / balance); it commits the chapter's expected tokens per request, "
               "against max(1, batch / balance) for one plain step")
