@@ -386,7 +386,7 @@ class Exercise:
     show: Callable = _as_is         # a value as the message shows it
     explain: Callable | None = None  # words after the expected value: explain(*case)
     unchanged: str = ""             # if set, fn gets copies, and this hint when it changes one
-    raised: str = "your function raised on this input"
+    raised: str | Callable = "your function raised on this input"  # or a function of the error
     solution: Callable | None = None  # a right answer in the learner's form, for the tests, when
     #                                   the reference calls a function that `forbid` forbids
 
@@ -425,7 +425,8 @@ class Exercise:
         except (NotImplementedError, CheckFailed):
             raise
         except Exception as e:  # noqa: BLE001 - any crash is a wrong answer for this case
-            return None, ("a result", f"{type(e).__name__}: {e}", self.raised)
+            hint = self.raised(e) if callable(self.raised) else self.raised
+            return None, ("a result", f"{type(e).__name__}: {e}", hint)
         try:
             value = self.returns(got, *case)
         except Refused as r:

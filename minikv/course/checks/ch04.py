@@ -53,22 +53,6 @@ def _crash_hint(error: type, hint: str, says: str = ""):
                       else "your function raised on this input")
 
 
-class _Exercise(Exercise):
-    """An Exercise whose crash hint names the error: `raised` is a function of the exception."""
-
-    def _run(self, fn, case: tuple):
-        errors = []
-
-        def run(*args):
-            try:
-                return fn(*args)
-            except Exception as e:
-                errors.append(e)
-                raise
-        got, refused = super()._run(run, case)
-        return (got, refused[:2] + (self.raised(errors[-1]),)) if errors else (got, refused)
-
-
 # --- exercise 1: one speculative round ----------------------------------------------------------
 
 @functools.cache
@@ -513,7 +497,7 @@ def _as_alpha(got, trace, index):
     return got
 
 
-ALPHA = _Exercise(
+ALPHA = Exercise(
     "alpha_from_trace", cases=_Lazy(_alpha_cases),
     describe=lambda trace, index: trace.label + ("" if index is None else f", index={index}"),
     reference=reference_alpha, returns=_as_alpha, same=_same,
@@ -564,7 +548,7 @@ def _as_gamma(got, *case):
 
 ALPHA_1 = ("at α = 1 the formula is 0/0; its limit is γ + 1 tokens per round, so the speed-up is "
            "(γ + 1) / (γc + 1)")
-BEST_GAMMA = _Exercise(
+BEST_GAMMA = Exercise(
     "best_gamma",
     # the chapter's measured numbers, edges (α = 0 and 1, c = 0, ties) and small max_gamma; every
     # case but the exact ties has a clear winner
@@ -893,7 +877,7 @@ def _as_choice(got, *case):
     return as_int(got)
 
 
-DESIGN = _Exercise(
+DESIGN = Exercise(
     "choose_gamma",
     # (α, c, batch, balance): one request (the chapter's formula), batches below and past the
     # balance point, α = 1 (once with the best γ at the cap), a draft too dear, and an exact tie
