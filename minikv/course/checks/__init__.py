@@ -261,6 +261,21 @@ class PassCounter:
         self.handle.remove()
 
 
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of Pearson's chi-square test of `counts` against `probs` (cells expected fewer
+    than 5 times pooled into one; an outcome of probability 0 that happened gives 0)."""
+    counts, probs, n = counts.flatten().double(), probs.flatten().double(), counts.sum()
+    if bool(((probs <= 1e-12) & (counts > 0)).any()):
+        return 0.0
+    big = probs * n >= 5
+    observed = torch.cat([counts[big], counts[~big].sum().view(1)])
+    expected = torch.cat([probs[big] * n, (probs[~big] * n).sum().view(1)])
+    keep = expected > 0
+    stat = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    df = torch.tensor(max(int(keep.sum()) - 1, 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(df, stat / 2))
+
+
 def cache_state(cache) -> tuple:
     """Everything a KVCache holds: its length and every layer's keys and values (cloned)."""
     return cache.get_seq_length(), [t.clone() for t in cache.keys + cache.values]

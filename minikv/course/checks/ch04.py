@@ -31,6 +31,7 @@ from . import (
     as_int,
     cache_state,
     call_hinted,
+    chi_square_p,
     expect,
     fail,
     forbid,
@@ -763,19 +764,6 @@ def outcome_distribution(p: torch.Tensor, q: torch.Tensor, proposals: list[int],
     return out
 
 
-def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """p-value of Pearson's chi-square test of `counts` against `probs` (cells expected fewer
-    than 5 times pooled into one; an outcome of probability 0 that happened gives 0)."""
-    counts, probs, n = counts.flatten().double(), probs.flatten().double(), counts.sum()
-    if bool(((probs <= 1e-12) & (counts > 0)).any()):
-        return 0.0
-    big = probs * n >= 5
-    observed = torch.cat([counts[big], counts[~big].sum().view(1)])
-    expected = torch.cat([probs[big] * n, (probs[~big] * n).sum().view(1)])
-    keep = expected > 0
-    stat = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
-    df = torch.tensor(max(int(keep.sum()) - 1, 1) / 2, dtype=torch.float64)
-    return float(torch.special.gammaincc(df, stat / 2))
 
 
 def _sampled_cases() -> list[tuple[str, torch.Tensor, torch.Tensor, list[int]]]:
@@ -836,11 +824,11 @@ def check_accept_sampled(accept_sampled) -> None:
         for k, y in results:
             counts[k, y] += 1
         want = outcome_distribution(p, q, proposals, RIGHT_RULE)
-        if _chi_square_p(counts, want) < 1e-6:
+        if chi_square_p(counts, want) < 1e-6:
             fits = [h for rule, h in SAMPLED_MISTAKES
                     if not torch.allclose(outcome_distribution(p, q, proposals, rule), want,
                                           atol=1e-9)
-                    and _chi_square_p(counts, outcome_distribution(p, q, proposals, rule)) > 1e-4]
+                    and chi_square_p(counts, outcome_distribution(p, q, proposals, rule)) > 1e-4]
             hint = ("this is accept_sampled_buggy unchanged, trial for trial: "
                     + SAMPLED_MISTAKES[0][1]) if results == buggy else "; or ".join(fits) or (
                 "accept proposal i with probability min(1, p_i(x)/q_i(x)); at the first refusal "

@@ -17,6 +17,7 @@ from . import (
     as_int,
     call,
     call_hinted,
+    chi_square_p,
     diagnose,
     expect,
     fail,
@@ -77,14 +78,6 @@ def _chooser(name: str, choose):
                  "return an index into the logits")
         return got
     return pick
-
-
-def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """p-value of Pearson's chi-square test of `counts` against `probs`."""
-    expected = probs.double() * counts.sum()
-    stat = ((counts.double() - expected) ** 2 / expected).sum()
-    return float(torch.special.gammaincc(torch.tensor((counts.numel() - 1) / 2,
-                                                      dtype=torch.float64), stat / 2))
 
 
 DRAWS = 2000
@@ -189,9 +182,9 @@ def check_choose(choose) -> None:
                 counts[pick(DIST_LOGITS, i, i % 13, temperature)] += 1
             n_cases += DRAWS
             want = torch.softmax(DIST_LOGITS.double() / temperature, -1)
-            if _chi_square_p(counts, want) < 1e-6:
+            if chi_square_p(counts, want) < 1e-6:
                 def alike(scaled: torch.Tensor) -> bool:  # drawn from softmax(scaled)?
-                    return _chi_square_p(counts, torch.softmax(scaled, -1)) > 1e-4
+                    return chi_square_p(counts, torch.softmax(scaled, -1)) > 1e-4
                 fail(name, f"{DRAWS} draws (seeds 0..{DRAWS - 1}) from logits "
                      f"{DIST_LOGITS.tolist()} at temperature {temperature}",
                      f"frequencies near {[round(x, 3) for x in want.tolist()]}",
