@@ -38,25 +38,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
-
-
-def solution_check_cells(notebook: str, chapter: str) -> list[tuple[str, object, str, list[str]]]:
-    """The check cells of solutions/<notebook>, each in the shared two-line form calling
-    fresh(chapter): (source of the code cell before it, the check cell, the checker it calls, the
-    names it passes)."""
-    import nbformat
-
-    from minikv.course import notebooks as course
-    nb = nbformat.read(course.ROOT / "solutions" / notebook, as_version=4)
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    found = []
-    for before, cell in zip(code, code[1:]):
-        if "check" not in cell.metadata.get("tags", []):
-            continue
-        first, second = cell.source.splitlines()
-        assert first == "import importlib, minikv.course.checks as checks"
-        assert second.startswith(f'importlib.reload(checks).fresh("{chapter}").check_')
-        assert course.BEGIN in before.source
-        found.append((before.source, cell, second.split(".check_")[1].split("(")[0],
-                      second.split("(", 3)[-1].rstrip(")").split(", ")))
-    return found

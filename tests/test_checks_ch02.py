@@ -13,7 +13,7 @@ import minikv
 from minikv.course.checks import CheckFailed, ch02
 from minikv.engine.cache import Cache
 
-from conftest import solution_check_cells, stub
+from conftest import stub
 
 cache_bytes, kv_work = ch02._bytes, ch02._kv_work
 BYTES, WORK, ATTENTION, CACHE, PAIRS, FIXED, HEADS = (
@@ -263,14 +263,3 @@ def test_cached_attention_names_every_mistake(hint, wrong):
     if "may not see its own key" in hint:  # a 1-query, 1-key case leaves a row all masked first
         hint = "a query row whose keys are all masked"
     assert f"\n  hint: {hint}" in str(failure.value), str(failure.value)
-
-
-def test_check_cells_are_two_lines_after_their_exercise():
-    """Each exercise cell of the solution is followed by exactly one check cell, in the shared
-    two-line form, which calls the checker on what that cell defines."""
-    cells = solution_check_cells("02_kv_cache_guide.ipynb", "ch02")
-    for before, _, _, passed in cells:
-        assert f" {passed[0]}(" in before
-    assert [called for _, _, called, _ in cells] == [
-        "cache_bytes", "kv_work", "cached_attention", "my_kv_cache", "predict_attention_pairs",
-        "fixed_cache", "choose_kv_heads"]

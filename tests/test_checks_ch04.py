@@ -284,15 +284,14 @@ ACCEPTED = [(ch04.check_speculative_round, _round(after=lambda t, d, start: [  #
 
 
 @pytest.mark.parametrize("check, solution", CHECKS + ACCEPTED)
-def test_solutions_pass_fast_leaving_the_random_state_alone_and_a_stub_goes_through(
+def test_solutions_pass_leaving_the_random_state_alone_and_a_stub_goes_through(
         check, solution, capsys):
-    import time
     torch.manual_seed(123)
-    before, start = torch.random.get_rng_state(), time.process_time()  # CPU time: shared cores
+    before = torch.random.get_rng_state()
     check(solution)
     with pytest.raises(NotImplementedError):
         check(stub)
-    assert time.process_time() - start < 5 and torch.equal(before, torch.random.get_rng_state())
+    assert torch.equal(before, torch.random.get_rng_state())
     out = capsys.readouterr().out
     assert out.endswith(" cases pass\n") and out.count("✓ ") == 1
     if check == ch04.check_predict_perfect_draft:

@@ -2,7 +2,6 @@
 gets its hint (the tables' named mistakes in test_checks_table.py); the cases are sound."""
 import copy
 import re
-import time
 from functools import partial
 
 import numpy as np
@@ -186,11 +185,10 @@ WRONG = [(checker, wrong, fragment) for checker, pairs in MISTAKES.items()
 
 
 @pytest.mark.parametrize("checker, solution", CODE.items(), ids=lambda v: v.__name__)
-def test_the_solution_passes_quickly_and_leaves_the_random_state(checker, solution, capsys):
+def test_the_solution_passes_and_leaves_the_random_state(checker, solution, capsys):
     torch.manual_seed(123)
-    before, start = torch.random.get_rng_state(), time.perf_counter()
+    before = torch.random.get_rng_state()
     checker(solution)
-    assert time.perf_counter() - start < 5
     assert torch.equal(before, torch.random.get_rng_state())
     assert re.search(r"✓ \w+: all \d+ cases pass\n$", capsys.readouterr().out)
     with pytest.raises(NotImplementedError):

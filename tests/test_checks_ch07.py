@@ -2,7 +2,6 @@
 NotImplementedError through, and reject every plausible wrong answer with a hint that names the
 mistake: the mistakes a checker writes itself (GQA_MISTAKES, the bytes') are fed to it from its
 own data, the rest are listed here; held_positions' table is tested in test_checks_table.py."""
-import time
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ from minikv.course.checks import CheckFailed, ch07
 from minikv.engine import causal_attention
 from minikv.engine.quantized import QuantizedKVCache, quantize
 
-from conftest import solution_check_cells, stub
+from conftest import stub
 
 GQA, QUANT, HELD, BYTES, CACHE, CHOOSE = (
     ch07.check_gqa_attention, ch07.check_quantize, ch07.check_held_positions,
@@ -185,11 +184,10 @@ STUBS = {QUANT: [(stub, stub), (Q, stub)],  # a stubbed dequantize_block after a
 
 
 @pytest.mark.parametrize("checker", RIGHT, ids=_id)
-def test_right_ways_pass_quickly_leaving_the_random_state_and_a_stub_goes_through(checker, capsys):
+def test_right_ways_pass_leaving_the_random_state_and_a_stub_goes_through(checker, capsys):
     torch.manual_seed(123)
-    before, start = torch.random.get_rng_state(), time.perf_counter()
+    before = torch.random.get_rng_state()
     checker(*RIGHT[checker][0])
-    seconds = time.perf_counter() - start
     assert torch.equal(before, torch.random.get_rng_state())
     for args in RIGHT[checker][1:]:
         checker(*args)
@@ -197,7 +195,6 @@ def test_right_ways_pass_quickly_leaving_the_random_state_and_a_stub_goes_throug
     for args in STUBS.get(checker, [(stub,)]):
         with pytest.raises(NotImplementedError):
             checker(*args)
-    assert seconds < 5
 
 
 @pytest.mark.parametrize("checker, wrong, fragment",
@@ -240,13 +237,3 @@ def test_quantize_reference_is_what_the_quantized_cache_holds():
         torch.testing.assert_close(held[:, :, :20], dequantized, atol=0, rtol=0)
         torch.testing.assert_close(cache.key_scales[0][:, :, :20], scales, atol=0, rtol=0)
         assert codes.abs().max() == 2 ** (bits - 1) - 1
-
-
-def test_check_cells_follow_their_exercise():
-    cells = solution_check_cells("07_shrinking_the_cache.ipynb", "ch07")
-    for before, cell, _, passed in cells:
-        assert all(f"def {name}(" in before or f"class {name}(" in before for name in passed)
-        assert "✓" in str(cell.outputs)
-    assert [called for _, _, called, _ in cells] == [
-        "gqa_attention", "quantize", "held_positions", "predict_bytes", "window_cache",
-        "choose_window"]

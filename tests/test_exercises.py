@@ -76,12 +76,20 @@ def test_a_solved_notebook_passes_lax_on_the_plainest_cpu_kernels(tmp_path):
 
 @pytest.mark.parametrize("solution", [p for p, _ in course.exercise_pairs()], ids=lambda p: p.name)
 def test_every_check_cell_names_its_exercise(solution):
+    """Each check cell, in the shared two-line form (a fresh copy of its chapter's checkers),
+    checks what the solution cell just before it defines, and printed its ✓ there."""
     notebook = nbformat.read(solution, as_version=4)
     names = course.exercise_names(notebook)
     assert len(names) == course.check_cells(notebook) == len(set(names.values()))
     code = [c for c in notebook.cells if c.cell_type == "code"]
     for i, name in names.items():
-        assert f".check_{name}(" in code[i].source and name.isidentifier()
+        first, second = code[i].source.splitlines()
+        assert first == "import importlib, minikv.course.checks as checks" and name.isidentifier()
+        assert second.startswith(f'importlib.reload(checks).fresh("ch{solution.name[:2]}")'
+                                 f'.check_{name}(')
+        checked = second.split("(", 3)[-1].split(",")[0].rstrip(")")
+        assert course.BEGIN in code[i - 1].source and f" {checked}(" in code[i - 1].source
+        assert "✓" in str(code[i].outputs)
 
 
 # --- the grader ----------------------------------------------------------------------------------

@@ -37,7 +37,6 @@ import functools
 import importlib.util
 import inspect
 import operator
-import random
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -94,21 +93,6 @@ def call_hinted(exercise: str, case: str, hint_of, fn, *args, **kwargs):
 
 def passed(exercise: str, n_cases: int) -> None:
     print(f"✓ {exercise}: all {n_cases} cases pass")
-
-
-def random_windows(rng: random.Random, n_windows: int, lengths: tuple[int, int], vocab: int,
-                   agree: float) -> list[tuple[list[int], list[int]]]:
-    """Random speculative windows (proposals, verified): rng.randint(*lengths) proposals drawn from
-    range(vocab), and the verifier's tokens, each the proposal's with probability `agree` (else
-    drawn afresh), plus one more after the last proposal."""
-    windows = []
-    for _ in range(n_windows):
-        n = rng.randint(*lengths)
-        proposals = [rng.randrange(vocab) for _ in range(n)]
-        verified = ([p if rng.random() < agree else rng.randrange(vocab) for p in proposals]
-                    + [rng.randrange(vocab)])
-        windows.append((proposals, verified))
-    return windows
 
 
 def tiny_model(seed: int, std: float = 0.1, **config_overrides) -> GPT:
