@@ -481,8 +481,10 @@ def test_sigint_during_training_leaves_the_previous_checkpoint(tmp_path):
     that already holds a checkpoint: that checkpoint is untouched and loads."""
     env = Env(tmp_path)
     script = textwrap.dedent(f"""
-        import sys
+        import signal, sys
         from minikv.course import train
+        # Ctrl-C as at a terminal, even when this test runs in the background (which ignores it)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         orig = train.F.cross_entropy
         def noisy(*a, **k):
             print("training", flush=True)
