@@ -384,15 +384,15 @@ class Exercise:
     same: Callable = operator.eq    # does an answer match the reference? (torch.equal, allclose)
     show: Callable = _as_is         # a value as the message shows it
     explain: Callable | None = None  # words after the expected value: explain(*case)
-    unchanged: str = ""             # if set, fn gets copies, and this hint when it changes one
+    unchanged: str = ""             # if set, the hint when fn changes an argument in place
     raised: str | Callable = "your function raised on this input"  # or a function of the error
     solution: Callable | None = None  # a right answer in the learner's form, for the tests, when
     #                                   the reference calls a function that `forbid` forbids
 
     def check(self, fn) -> None:
         with torch.random.fork_rng(devices=[]), _one_thread():
+            wants = self._wants  # before the learner's function runs: its cases are its own
             runs = [self._run(fn, case) for case in self.cases]
-            wants = self._wants
             wrong = [(case, got) for case, (got, refused), want in zip(self.cases, runs, wants)
                      if refused is None and not self.same(got, want)]
             for case, (got, refused), want in zip(self.cases, runs, wants):
@@ -417,7 +417,7 @@ class Exercise:
 
     def _run(self, fn, case: tuple):
         """(the answer coerced, None), or (None, (expected, answer, hint) to fail with)."""
-        given = copy.deepcopy(case) if self.unchanged else case
+        given = copy.deepcopy(case)  # fn may change its arguments: the next cases stay whole
         try:
             with forbid(self.name, *self.forbid):
                 got = fn(*given)

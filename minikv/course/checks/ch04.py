@@ -434,6 +434,9 @@ class _Trace(tuple):
         trace.label = label
         return trace
 
+    def __reduce__(self):  # copy.deepcopy, which the runner gives the learner
+        return _Trace, (self.label, tuple(self))
+
 
 class _Lazy(UserList):
     """Cases made on first use: those that run the models wait for the check."""
