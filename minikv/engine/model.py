@@ -187,4 +187,3 @@ def _check_gpt2_state_dict(sd: dict) -> None:
     wte = sd.get("wte.weight")
     if wte is None or not torch.equal(sd.get("lm_head.weight", wte), wte):
         raise ValueError("not a GPT-2 state dict: no wte.weight, or lm_head.weight not tied to it")
-

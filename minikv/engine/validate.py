@@ -46,8 +46,8 @@ def token_ids(ids, vocab_size: int) -> list[int]:
         raise TypeError(f"token ids must be ints, got {ids!r:.60}: {e}") from None
     if not tokens:
         raise ValueError("the prompt is empty: give at least one token (e.g. <|endoftext|>)")
-    int_at_least("token id", min(tokens), 0, " (encode with the model's own tokenizer)", vocab_size)
-    int_at_least("token id", max(tokens), 0, " (encode with the model's own tokenizer)", vocab_size)
+    for extreme in (min(tokens), max(tokens)):  # both inside the vocabulary: every id is
+        int_at_least("token id", extreme, 0, " (encode with the model's own tokenizer)", vocab_size)
     return tokens
 
 
