@@ -14,11 +14,17 @@ TOOLING = ("viz", "course", "bench")
 # growth is a decision, not a drift.
 ENGINE_STATEMENT_BUDGET = sum({
     "the engine as the seams issue (30) left it: model, caches, decoders, server": 1570,
+    "issue 31: one thread per cache (Cache.in_use), KVCounter's hooks off after Ctrl-C": 21,
+    "issue 31: types at the boundary (flags, models, token containers, allocation)": 25,
+    "issue 32: the Llama-style block (RoPE, RMSNorm, SwiGLU, no biases), its loader": 72,
 }.values())
 # The shape of readable code, measured as code-review-2026-11-25.md measured it (section 2).
 LONGEST_FUNCTION = 45       # lines, signature and docstring included (nano-vllm's engine: 49)
 WIDE_SHARE = 0.10           # of non-blank lines at 90 columns or more (the anchors: 5-13%)
-VALIDATION_SHARE = 0.10     # of code lines that only check input (the anchors: 1-11%)
+# Of code lines that only check input (the anchors: 1-11%). 0.10 after issue 30; issue 31's
+# contract (every public argument's type checked at the boundary, tests/test_fuzz_api.py) needs
+# more: a flag check or a container check is a line each, at each entry point.
+VALIDATION_SHARE = 0.135
 
 
 def imported_modules(source: str, package: str) -> list[tuple[int, str]]:
@@ -165,7 +171,8 @@ SEAMS = {  # file -> the names ARCHITECTURE.md tells a newcomer to use there
     "paged.py": ["BlockPool"],
     "model.py": ["causal_attention"],
     "records.py": ["GenerationOutput", "TraceEvent"],
-    "validate.py": ["int_at_least", "one_of", "token_ids", "check_room"],
+    "validate.py": ["int_at_least", "one_of", "check_flags", "check_model", "token_ids",
+                    "check_room"],
 }
 
 

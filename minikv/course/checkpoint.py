@@ -9,11 +9,12 @@ A checkpoint is a directory of three files:
 The safetensors header holds a SHA-256 over the exact bytes of config.json and training.json and
 over every tensor's name, shape, dtype and bytes, so a change to any byte of any of the three files
 is caught (a config edit that keeps every shape, say n_head 4 -> 8, included). Loading checks, in
-order and before anything large is allocated: that the directory and files exist; the config's keys,
-types and ranges; every tensor's name, shape and dtype as the safetensors header declares them,
-against the shapes the config implies; then the bytes, the hash and finite values. Anything wrong is
-a ValueError that names the file and says how to get a good one. safetensors files hold raw tensor
-bytes and a JSON header, so loading one cannot run code, unlike a pickled torch.save file.
+order and before anything large is allocated: that the directory and files exist (and that the JSON
+files are no bigger than MAX_JSON_BYTES); the config's keys, types and ranges; every tensor's name,
+shape and dtype as the safetensors header declares them, against the shapes the config implies;
+then the bytes, the hash and finite values. Anything wrong is a ValueError that names the file and
+says how to get a good one. safetensors files hold raw tensor bytes and a JSON header, so loading
+one cannot run code, unlike a pickled torch.save file.
 
 Saving refuses what loading would refuse (NaN weights, a column-parallel inference copy) and writes
 all three files into a temporary directory that replaces the old checkpoint at once; a Ctrl-C while
@@ -37,8 +38,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..engine import GPT, GPTConfig
+from ..engine.config import GPT2_FIELDS
 from .device import resolve_device
-from .files import check_writable
+from .files import check_writable, read_at_most
 from .tokenizer import load_tokenizer
 
 CONFIG_FILE, WEIGHTS_FILE, METADATA_FILE = "config.json", "model.safetensors", "training.json"
@@ -46,6 +48,9 @@ FORMAT = "minikv-checkpoint-2"  # the header's sha256 covers config.json and tra
 MODELS_DIR = Path(__file__).parent / "models"
 # shipped in minikv/course/models/<name>/, made by `python -m minikv train --ship`
 COURSE_MODELS = ("target", "draft", "target-gqa2", "target-mqa")
+# config.json is ~150 bytes and training.json a few KB: a bigger one is not the package's, and is
+# refused before it is read (parsing a JSON file takes several times its size in memory)
+MAX_JSON_BYTES = 1 << 20
 TIED = "lm_head.weight"  # the same tensor as transformer.wte.weight
 
 
@@ -64,9 +69,13 @@ def save_checkpoint(model: GPT, directory: str | Path, metadata: dict | None = N
     try:
         meta_bytes = (json.dumps(metadata or {}, indent=2, sort_keys=True, allow_nan=False)
                       + "\n").encode()
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RecursionError) as e:
         raise ValueError(f"metadata must be a JSON-serialisable dict of finite numbers, "
                          f"strings, lists and dicts: {e}") from None
+    if len(meta_bytes) > MAX_JSON_BYTES:  # loading would refuse it
+        raise ValueError(f"metadata takes {len(meta_bytes):,} bytes as JSON, more than the "
+                         f"{MAX_JSON_BYTES:,} a checkpoint's {METADATA_FILE} can hold: keep "
+                         f"summaries in it, not per-step logs")
     config_bytes = (json.dumps(model.config.to_dict(), indent=2) + "\n").encode()
     header = {"format": "pt", "minikv": FORMAT,
               "sha256": checkpoint_sha256(config_bytes, meta_bytes, tensors)}
@@ -156,18 +165,18 @@ def _fix(directory: Path) -> str:
 
 def _read_bytes(directory: Path, name: str, required: bool = True) -> bytes | None:
     path = directory / name
-    if not path.is_file():
+    if not path.exists():  # a directory or a pipe in its place is an error, not "absent"
         if not required:
             return None
         raise ValueError(f"{path} is missing: a checkpoint needs {CONFIG_FILE} and {WEIGHTS_FILE}; "
                          f"{_fix(directory)}")
-    return path.read_bytes()
+    return read_at_most(path, MAX_JSON_BYTES, "checkpoint file", _fix(directory))
 
 
 def _parse_json(data: bytes, path: Path, directory: Path):
     try:
         return json.loads(data.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, a 5000-digit int, [[[[...
         raise ValueError(f"{path} is not valid JSON ({e}); {_fix(directory)}") from None
 
 
@@ -177,7 +186,7 @@ def read_config(directory: str | Path) -> GPTConfig:
     path = directory / CONFIG_FILE
     raw = _parse_json(_read_bytes(directory, CONFIG_FILE), path, directory)
     expected = {f.name for f in fields(GPTConfig)}
-    optional = {"n_kv_head"}  # absent: one K/V head per query head, as in GPT-2
+    optional = expected - set(GPT2_FIELDS)  # absent: as in GPT-2 (one K/V head per head, ...)
     if not isinstance(raw, dict) or not expected - optional <= set(raw) <= expected:
         got = sorted(raw) if isinstance(raw, dict) else type(raw).__name__
         raise ValueError(f"{path} must hold exactly the GPTConfig keys "
@@ -306,6 +315,8 @@ def read_weights(directory: str | Path, config: GPTConfig | None = None
 
 def load_checkpoint(directory: str | Path, device: str | torch.device | None = None) -> GPT:
     """The GPT saved in `directory`, in eval mode on `device` (default: minikv.default_device())."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"directory must be a path (str or Path), not {type(directory).__name__}")
     directory = Path(directory)
     try:
         exists, is_dir = directory.exists(), directory.is_dir()

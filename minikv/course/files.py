@@ -1,7 +1,9 @@
-"""Writing files safely: every file the course writes goes through here."""
+"""Reading and writing files safely: every file the course writes goes through here, and every
+file a user can point it at is read through `read_at_most`."""
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 
@@ -34,3 +36,34 @@ def write_atomically(path: str | Path, data: bytes | str) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def read_at_most(path: str | Path, limit: int, what: str, fix: str) -> bytes:
+    """The bytes of the regular file at `path`, or a ValueError ("cannot read `what` `path`
+    (why); `fix`") for a missing file, a directory, a pipe or a file over `limit` bytes, decided
+    before any byte is read: a file's size is never trusted to say how much memory to take."""
+    path = Path(path)
+    try:
+        # O_NONBLOCK: opening a named pipe must not wait for a writer; regular files ignore it
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise ValueError(f"cannot read {what} {path} ({e.strerror}); {fix}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):  # a directory opens too, on Linux
+            raise ValueError(f"cannot read {what} {path} (not a regular file); {fix}")
+        if info.st_size > limit:
+            raise ValueError(f"cannot read {what} {path} ({info.st_size:,} bytes, more than the "
+                             f"{limit:,} it can be); {fix}")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            # read(n) allocates n bytes up front: ask for the size, not the limit; + 1 byte
+            # catches a file that grew since fstat
+            data = f.read(info.st_size + 1)
+    except OSError as e:
+        raise ValueError(f"cannot read {what} {path} ({e.strerror}); {fix}") from None
+    finally:
+        os.close(fd)
+    if len(data) > info.st_size:
+        raise ValueError(f"cannot read {what} {path} (it grew while it was read): try again "
+                         f"once nothing writes to it")
+    return data

@@ -26,12 +26,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import nbformat
+from .files import read_at_most, write_atomically
+from .notebooks import MAX_NOTEBOOK_BYTES, ROOT, exercise_names, read_notebook
 
-from .files import write_atomically
-from .notebooks import ROOT, exercise_names
-
-CACHE_FORMAT = 1  # bump when the cached cell results change meaning
+CACHE_FORMAT = 2  # bump when the cached cell results change meaning (2: with their sha256)
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
@@ -55,7 +53,7 @@ def run_cells(path: Path, timeout: int = 300) -> list[str | None]:
     without raising, else its error ("Type: message"); a cell left unrun (the kernel died) gets
     an error saying so."""
     from nbclient import NotebookClient
-    nb = nbformat.read(path, as_version=4)
+    nb = read_notebook(path)
     code = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
                             interrupt_on_timeout=True, record_timing=False,
@@ -83,19 +81,44 @@ def cell_errors(path: Path, timeout: int = 300, cache: Path | None = None) -> li
     `cache` is given and had none)."""
     if cache is None:
         return run_cells(path, timeout)
-    key = hashlib.sha256(f"{CACHE_FORMAT}\n{sys.executable}\n".encode() + path.read_bytes())
+    cells = sum(c.cell_type == "code" for c in read_notebook(path).cells)
+    data = read_at_most(path, MAX_NOTEBOOK_BYTES, "notebook", "restore it from git")
+    key = hashlib.sha256(f"{CACHE_FORMAT}\n{sys.executable}\n".encode() + data)
     entry = Path(cache) / f"{key.hexdigest()}.json"
-    if entry.exists():
-        return json.loads(entry.read_text())
+    cached = _cached(entry, cells)
+    if cached is not None:
+        return cached
     errors = run_cells(path, timeout)
-    write_atomically(entry, json.dumps(errors))
+    write_atomically(entry, json.dumps({"errors": errors, "sha256": _sha256(errors)}))
     return errors
+
+
+def _sha256(errors: list[str | None]) -> str:
+    return hashlib.sha256(json.dumps(errors).encode()).hexdigest()
+
+
+def _cached(entry: Path, cells: int) -> list[str | None] | None:
+    """The cell results in the cache file `entry`, or None when it is absent or not what
+    cell_errors writes (one str or None per code cell, and their sha256): a truncated, flipped or
+    edited entry is run again, never trusted (a flipped byte could turn ✗ into ✓) nor a crash."""
+    if not entry.exists():
+        return None
+    try:
+        # an entry is one short message per cell: 1 MB per cell is far more than any holds
+        doc = json.loads(read_at_most(entry, (cells + 1) << 20, "cache entry", "").decode())
+    except (ValueError, RecursionError):
+        return None
+    errors = doc["errors"] if isinstance(doc, dict) and set(doc) == {"errors", "sha256"} else None
+    ok = (isinstance(errors, list) and len(errors) == cells
+          and all(e is None or isinstance(e, str) for e in errors)
+          and doc.get("sha256") == _sha256(errors))
+    return errors if ok else None
 
 
 def grade(path: Path, exercise: str | None = None, timeout: int = 300,
           cache: Path | None = None) -> list[Result]:
     """Every exercise of the notebook at `path` (or only `exercise`), passed or not."""
-    names = exercise_names(nbformat.read(path, as_version=4))
+    names = exercise_names(read_notebook(path))
     if exercise is not None and exercise not in names.values():
         raise ValueError(f"{path}: no exercise {exercise!r}; its exercises: "
                          f"{', '.join(names.values())}")
@@ -129,9 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(f"error: no such notebook: {', '.join(missing)}", file=sys.stderr)
         return 2
+    try:  # every notebook checked before any runs: a broken one is a message, not a traceback
+        notebooks = {p: read_notebook(p) for p in paths}
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.exercise is not None:
-        paths = [p for p in paths
-                 if args.exercise in exercise_names(nbformat.read(p, as_version=4)).values()]
+        paths = [p for p in paths if args.exercise in exercise_names(notebooks[p]).values()]
         if not paths:
             print(f"error: no exercise {args.exercise!r} in the notebooks given", file=sys.stderr)
             return 2

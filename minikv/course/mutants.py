@@ -27,10 +27,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import nbformat
 import torch
 
-from .notebooks import BEGIN, END, ROOT, is_check
+from .notebooks import BEGIN, END, ROOT, is_check, read_notebook
 
 # the slips: an operator for its neighbour (both ways), a comparison with or without its edge
 OPS = {ast.Add: [ast.Sub], ast.Sub: [ast.Add], ast.Mult: [ast.Div], ast.FloorDiv: [ast.Div],
@@ -197,7 +196,7 @@ def verdict(solution: str, check: str, namespace: dict, seconds: float) -> str:
 
 def run_notebook(path: Path, cap: int, seconds: float, log=print) -> list[dict]:
     """Run the notebook at `path`; at each check cell, grade its exercise's mutants."""
-    nb = nbformat.read(path, as_version=4)
+    nb = read_notebook(path)
     namespace: dict = {"__name__": "__main__"}
     results, pending = [], []  # pending: the solution cells since the last check cell
     for cell in (c for c in nb.cells if c.cell_type == "code"):

@@ -16,6 +16,7 @@ NotImplementedError.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import textwrap
@@ -23,9 +24,10 @@ from pathlib import Path
 
 import nbformat
 
-from .files import write_atomically
+from .files import read_at_most, write_atomically
 
 ROOT = Path(__file__).resolve().parents[2]
+MAX_NOTEBOOK_BYTES = 64 << 20  # the biggest chapter, figures and all, is ~0.6 MB
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 STUB = "raise NotImplementedError(\"your turn: replace this line with your code\")"
 
@@ -63,6 +65,30 @@ def exercise_from_solution(solution: nbformat.NotebookNode) -> nbformat.Notebook
         if cell.cell_type == "code" and "check" in cell.metadata.get("tags", []):
             cell.outputs, cell.execution_count = [], None
     return exercise
+
+
+def read_notebook(path: Path) -> nbformat.NotebookNode:
+    """The nbformat-4 notebook at `path`, checked against its schema, or a ValueError that says
+    what is wrong and what to do: nbformat.read lets a broken file through (cells as a dict) or
+    fails deep inside as an AttributeError, AssertionError, RecursionError or jsonschema error."""
+    path = Path(path)
+    fix = "restore it from git, or open it in Jupyter and save it again"
+    data = read_at_most(path, MAX_NOTEBOOK_BYTES, "notebook", fix)
+    try:
+        raw = json.loads(data.decode())
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, a 5000-digit int, [[[[...
+        raise ValueError(f"{path} is not a notebook: it is not valid JSON ({e}); {fix}") from None
+    version = raw.get("nbformat") if isinstance(raw, dict) else None
+    if type(version) is not int or version != 4:
+        raise ValueError(f"{path} is not an nbformat 4 notebook (its \"nbformat\" is "
+                         f"{version!r}); {fix}")
+    try:  # validated as on disk first: nbformat.reads only logs what is wrong, and goes on
+        nbformat.validate(nbformat.from_dict(raw))
+        notebook = nbformat.reads(data.decode(), as_version=4)  # joins lists of lines
+    except Exception as e:  # noqa: BLE001 - jsonschema's errors, and whatever else it raises
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{path} is not a valid notebook ({reason}); {fix}") from None
+    return notebook
 
 
 def exercise_pairs() -> list[tuple[Path, Path]]:
@@ -201,7 +227,7 @@ def write_exercises(check: bool = False) -> list[Path]:
     `check`, only list the files that would change."""
     stale, solutions = [], {}
     for solution_path, exercise_path in exercise_pairs():
-        solution = nbformat.read(solution_path, as_version=4)
+        solution = read_notebook(solution_path)
         solutions[solution_path.stem] = solution
         text = nbformat.writes(exercise_from_solution(solution)) + "\n"
         if not exercise_path.exists() or exercise_path.read_text() != text:
@@ -210,7 +236,7 @@ def write_exercises(check: bool = False) -> list[Path]:
                 write_atomically(exercise_path, text)
         chapter_path = ROOT / "notebooks" / solution_path.name
         if chapter_path.exists():
-            chapter = nbformat.read(chapter_path, as_version=4)
+            chapter = read_notebook(chapter_path)
             listed = chapter_with_exercise_list(chapter, exercise_list(solution_path.stem,
                                                                        solution))
             if listed != chapter:
@@ -226,10 +252,11 @@ def write_exercises(check: bool = False) -> list[Path]:
 
 
 def run_notebooks(paths: list[Path], timeout: int = 120) -> None:
-    """Execute each notebook top to bottom in a fresh kernel and save it with its outputs."""
+    """Execute each notebook top to bottom in a fresh kernel and save it with its outputs. Every
+    notebook is read and checked before the first one runs: a broken one is reported, not run."""
     from nbclient import NotebookClient
-    for path in paths:
-        nb = nbformat.read(path, as_version=4)
+    notebooks = [(path, read_notebook(path)) for path in paths]
+    for path, nb in notebooks:
         for cell in nb.cells:  # no timestamps: a re-run that changes nothing leaves no diff
             cell.metadata.pop("execution", None)
         NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
@@ -249,7 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("paths", nargs="+", type=Path)
     args = parser.parse_args(argv)
     if args.command == "run":
-        run_notebooks(args.paths)
+        try:
+            run_notebooks(args.paths)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         return 0
     stale = write_exercises(check=args.check)
     for path in stale:

@@ -28,7 +28,7 @@ import tiktoken
 
 from . import corpus
 from .corpus import EOT
-from .files import write_atomically
+from .files import read_at_most, write_atomically
 
 # GPT-2's pre-split: merges never cross these pieces (words with their leading space, numbers, ...)
 PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -36,6 +36,7 @@ VOCAB_SIZE = 1024
 TRAIN_SEED = 0
 RANKS_PATH = Path(__file__).parent / "assets" / "course.tiktoken"
 RANKS_SHA256 = "ead9ff4419322400f8aade9971793b5028b7621b13e6d4311a6d6785160d03f9"
+MAX_RANKS_BYTES = 1 << 20  # the shipped file is ~12 KB: a bigger one is refused unread
 # The files tiktoken_ext/openai_public.py:gpt2() reads, cached by tiktoken as <cache dir>/sha1(url)
 GPT2_FILES = {
     "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe":
@@ -101,10 +102,7 @@ def load_ranks(path: str | Path | None = None) -> dict[bytes, int]:
     path = Path(RANKS_PATH if path is None else path)
     fix = ("restore it from git, or regenerate it with `python -m minikv tokenizer --train` and "
            "update RANKS_SHA256")
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise ValueError(f"cannot read the course tokenizer {path} ({e.strerror}); {fix}") from None
+    data = read_at_most(path, MAX_RANKS_BYTES, "the course tokenizer", fix)
     if hashlib.sha256(data).hexdigest() != RANKS_SHA256:
         raise ValueError(f"{path} does not match RANKS_SHA256 in {__file__}: {fix}")
     ranks = {}

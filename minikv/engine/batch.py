@@ -16,7 +16,7 @@ from .attention import padded_attention
 from .cache import KVCache
 from .records import GenerationOutput, Stats
 from .sampling import SamplingParams
-from .validate import check_room, int_at_least, prompt_of_call
+from .validate import check_flags, check_room, int_at_least, prompt_of_call
 
 
 def generate_batch(model, prompts, max_new_tokens: int, temperature: float = 0.0,
@@ -26,7 +26,7 @@ def generate_batch(model, prompts, max_new_tokens: int, temperature: float = 0.0
     greedy tokens equal each prompt's alone. A row past `eos_id` decodes pads, dropped.
     `position_bug`: the classic mistake, default positions shifted by a row's padding."""
     sp = SamplingParams(temperature, top_k, seed, eos_id)
-    rows = _checked_rows(model, prompts, max_new_tokens, sp, pad_id)
+    rows = _checked_rows(model, prompts, max_new_tokens, sp, pad_id, position_bug)
     B, width = len(rows), max(len(r) for r in rows)
     device = model.device
     pad = torch.tensor([width - len(r) for r in rows], device=device)              # (B,)
@@ -66,10 +66,12 @@ def generate_batch(model, prompts, max_new_tokens: int, temperature: float = 0.0
             for r, n, s in zip(rows, new, stats)]
 
 
-def _checked_rows(model, prompts, max_new_tokens, sp, pad_id) -> list[list[int]]:
+def _checked_rows(model, prompts, max_new_tokens, sp, pad_id, position_bug) -> list[list[int]]:
     """Each prompt as a list of ids, once the call is known to be right."""
-    if isinstance(prompts, (str, torch.Tensor)) or not hasattr(prompts, "__iter__"):
-        raise TypeError("prompts must be a list of prompts (lists of token ids)")
+    check_flags(position_bug=position_bug)
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a list of prompts (lists of token ids), not "
+                        f"{type(prompts).__name__}")
     rows = [prompt_of_call(model, p, max_new_tokens, sp) for p in prompts]
     if not rows:
         raise ValueError("no prompts to generate from")

@@ -4,6 +4,7 @@ met again later."""
 from __future__ import annotations
 
 import copy
+import threading
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 
@@ -28,7 +29,10 @@ class Cache(ABC):
     - `crop(n)`: roll back to the first n positions (speculative decoding and
       verification need it). Default: refuse (a ValueError).
     - `restored_on_error()`: a context that crops back to where it started if the block
-      raises (or is interrupted), so a retry never feeds a token twice.
+      raises (or is interrupted), so a retry never feeds a token twice; it holds
+      `in_use()` meanwhile.
+    - `in_use()`: held by the thread using the cache, another thread refused (not a
+      default to override: every pass and `restored_on_error` take it).
     - `max_len`: the most positions it holds (None: no limit of its own).
     """
     max_len: int | None = None
@@ -47,12 +51,32 @@ class Cache(ABC):
         raise ValueError(f"a {type(self).__name__} cannot roll back: verify with a KVCache")
 
     @contextmanager
-    def restored_on_error(self):
-        start = self.get_seq_length()
+    def in_use(self):
+        """Held by the thread whose pass or decoder is using the cache (its own passes
+        re-enter). A second thread would interleave its positions with the first's, so it
+        is refused at once, not made to wait; threads that take turns may share it."""
+        lock = self.__dict__.setdefault("_in_use", threading.RLock())  # setdefault: atomic
+        if not lock.acquire(blocking=False):
+            raise RuntimeError("this cache is in use by another thread: give each thread its "
+                               "own cache (cache.fork())")
         try:
             yield
-        except BaseException:
-            if self.get_seq_length() > start:
+        finally:
+            lock.release()
+
+    def __getstate__(self) -> dict:
+        """What a copy takes (fork, copy, pickle): everything but the in-use lock."""
+        return {k: v for k, v in self.__dict__.items() if k != "_in_use"}
+
+    @contextmanager
+    def restored_on_error(self):
+        start = None
+        try:
+            with self.in_use():  # taken first: no other thread moves `start` meanwhile
+                start = self.get_seq_length()
+                yield
+        except BaseException:  # the release too: a Ctrl-C there must not keep the block's work
+            if start is not None and self.get_seq_length() > start:
                 self.crop(start)
             raise
 
@@ -80,8 +104,8 @@ class KVCache(Cache):
     def _allocate(self, n_layer: int, batch_size: int, n_head: int, max_len: int,
                   device) -> None:
         shape = (batch_size, n_head, max_len, self.head_dim)
-        self.keys = [torch.zeros(shape, device=device, dtype=self.dtype) for _ in range(n_layer)]
-        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.keys = zeros(n_layer, shape, device, self.dtype)
+        self.values = zeros(n_layer, shape, device, self.dtype)
 
     # --- sizes, read off the buffers: what the slots can really hold -------------------
     @property
@@ -122,6 +146,7 @@ class KVCache(Cache):
     # --- the Hugging Face-style API ----------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Number of cached positions (every layer holds the same number)."""
+        int_at_least("layer_idx", layer_idx, 0, below=self.n_layer)
         return self._length
 
     def update(self, key: torch.Tensor, value: torch.Tensor,
@@ -185,6 +210,27 @@ class KVCache(Cache):
 
 
 # --- checks shared by the cache kinds that hold (B, n_head, positions, head_dim) per layer ---
+def zeros(count: int, shape: tuple, device, dtype: torch.dtype) -> list[torch.Tensor]:
+    """`count` zeroed buffers of `shape`. An unknown or absent device, or a size this machine
+    cannot hold, is a clear error before any buffer is kept (torch's would not say what to do)."""
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype (e.g. torch.float32), not {dtype!r:.30}")
+    try:
+        return [torch.zeros(shape, device=device, dtype=dtype) for _ in range(count)]
+    except (RuntimeError, AssertionError, NotImplementedError) as e:
+        what = f"{count} x {tuple(shape)} {dtype} buffers on device {device!r}"
+        if "allocate" in str(e) or "overflow" in str(e):  # more than this machine holds
+            raise MemoryError(f"no memory for {what}: lower batch_size, max_len or "
+                              f"num_blocks") from e
+        raise ValueError(f"cannot make {what} ({str(e).splitlines()[0]:.60}): pick a device "
+                         f"with minikv.resolve_device()") from e
+
+
+def check_cache(cache) -> None:
+    if not isinstance(cache, (Cache, type(None))):
+        raise TypeError(f"cache must be a minikv.KVCache (or a Cache) or None, not {type(cache)}")
+
+
 def check_matches(cache: Cache, cfg: GPTConfig, batch_size: int, device, dtype) -> None:
     """Raise unless `cache` is shaped for a model of `cfg` on (device, dtype) and this
     batch."""
@@ -199,6 +245,8 @@ def check_matches(cache: Cache, cfg: GPTConfig, batch_size: int, device, dtype) 
 def check_kv(cache: Cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> None:
     """Raise unless `key` and `value` are one pass's (B, n_head, T, head_dim) K/V."""
     int_at_least("layer_idx", layer_idx, 0, below=cache.n_layer)
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (key, value)):
+        raise TypeError("key and value must be (B, n_head, T, head_dim) tensors")
     want = ((cache.batch_size, cache.n_head, key.shape[2], cache.head_dim), cache.dtype,
             cache.device)
     if {(tuple(t.shape), t.dtype, t.device) for t in (key, value)} != {want}:
@@ -210,5 +258,9 @@ def kv_cache_bytes(cfg: GPTConfig, seq_len: int, batch_size: int = 1,
     """The KV cache's size: layers x 2 (K and V) x batch x heads x seq_len x head_dim x
     bytes, heads being the K/V heads (cfg.kv_heads, or `n_kv_head` to ask "what if":
     grouped-query attention shares one K/V head among several query heads)."""
-    heads = cfg.kv_heads if n_kv_head is None else n_kv_head
+    if not isinstance(cfg, GPTConfig) or not isinstance(dtype, torch.dtype):
+        raise TypeError("kv_cache_bytes takes a GPTConfig (model.config) and a torch.dtype")
+    int_at_least("seq_len", seq_len, 0, " (positions cached)")
+    int_at_least("batch_size", batch_size)
+    heads = cfg.kv_heads if n_kv_head is None else int_at_least("n_kv_head", n_kv_head)
     return cfg.n_layer * 2 * batch_size * heads * seq_len * cfg.head_dim * dtype.itemsize

@@ -1,9 +1,10 @@
 """Model shapes: one frozen dataclass and a few named presets."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
-from .validate import int_at_least, one_of
+from .validate import check_flags, int_at_least, one_of
 
 
 @dataclass(frozen=True)
@@ -15,17 +16,35 @@ class GPTConfig:
     n_embd: int = 768
     layer_norm_eps: float = 1e-5
     n_kv_head: int | None = None  # K/V heads (grouped-query attention); None: one per head
+    # A Llama/Qwen-style block is the same model with these four choices changed:
+    positions: str = "learned"    # "rope": rotate q and k by their position (no position table)
+    rope_theta: float = 10000.0   # RoPE's base: pair i turns by position * theta^(-2i/head_dim)
+    norm: str = "layernorm"       # "rmsnorm": scale by the root mean square (no mean, no bias)
+    mlp: str = "gelu"             # "swiglu": down(silu(gate(x)) * up(x)), a gated MLP
+    n_inner: int | None = None    # the MLP's hidden width; None: 4 * n_embd, as in GPT-2
+    bias: bool = True             # biases in the linear layers and norms (Llama has none)
 
     def __post_init__(self) -> None:
-        sizes = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head")
-        for name in sizes[:5] if self.n_kv_head is None else sizes:
-            int_at_least(f"GPTConfig.{name}", getattr(self, name))
+        sizes = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head",
+                 "n_inner")
+        for name in sizes:
+            if getattr(self, name) is not None or name in sizes[:5]:
+                int_at_least(f"GPTConfig.{name}", getattr(self, name))
+        one_of("GPTConfig.positions", self.positions, ("learned", "rope"))
+        one_of("GPTConfig.norm", self.norm, ("layernorm", "rmsnorm"))
+        one_of("GPTConfig.mlp", self.mlp, ("gelu", "swiglu"))
+        check_flags(**{"GPTConfig.bias": self.bias})
+        theta = self.rope_theta
+        if type(theta) not in (int, float) or not 1 < theta < math.inf:
+            raise ValueError(f"GPTConfig.rope_theta must be a number > 1, not {theta!r}")
         eps = self.layer_norm_eps
         if type(eps) not in (int, float) or not 0 < eps < 1:
             raise ValueError(f"GPTConfig.layer_norm_eps must be a number in (0, 1), not {eps}")
         if self.n_embd % self.n_head or self.n_head % self.kv_heads:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}), "
                              f"n_head by n_kv_head: pick an n_head that divides it")
+        if self.positions == "rope" and self.head_dim % 2:  # RoPE turns pairs of numbers
+            raise ValueError(f"RoPE needs an even head_dim, not {self.head_dim}: change n_head")
 
     @property
     def head_dim(self) -> int:
@@ -43,11 +62,15 @@ class GPTConfig:
         return cls(**{**PRESETS[one_of("preset", name, tuple(PRESETS))], **overrides})
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        if d["n_kv_head"] is None:  # GPT-2's own config has no such key
-            del d["n_kv_head"]
-        return d
+        """The fields, less those a GPT-2 config does not have and this one leaves as GPT-2's
+        (so a GPT-2 checkpoint's config.json stays as it was)."""
+        gpt2 = GPTConfig()
+        return {k: v for k, v in asdict(self).items()
+                if k in GPT2_FIELDS or v != getattr(gpt2, k)}
 
+
+GPT2_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "layer_norm_eps")
+LLAMA = dict(positions="rope", norm="rmsnorm", mlp="swiglu", bias=False)  # the block's choices
 
 PRESETS: dict[str, dict] = {
     # GPT-2 small, 124M parameters: the shapes of the course's cache arithmetic.

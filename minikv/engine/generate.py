@@ -8,10 +8,10 @@ from contextlib import nullcontext
 
 import torch
 
-from .cache import KVCache
+from .cache import KVCache, check_cache
 from .records import GenerationOutput, KVCounter, Stats, TraceEvent
 from .sampling import SamplingParams
-from .validate import check_room, one_of, prompt_of_call
+from .validate import check_flags, check_room, one_of, prompt_of_call
 
 
 def generate(model, ids, max_new_tokens: int, mode: str = "cached", temperature: float = 0.0,
@@ -23,18 +23,17 @@ def generate(model, ids, max_new_tokens: int, mode: str = "cached", temperature:
     keep it). `position_offset_bug`: the classic mistake, positions restart at 0."""
     sp = SamplingParams(temperature, top_k, seed, eos_id)
     prompt = prompt_of_call(model, ids, max_new_tokens, sp)
-    past = 0 if cache is None else cache.get_seq_length()
-    needed = past + len(prompt) + max_new_tokens - 1  # the last new token is never fed back
-    _check_call(model, prompt, max_new_tokens, needed, mode, sp, cache, position_offset_bug)
+    check_flags(trace=trace, return_logits=return_logits, position_offset_bug=position_offset_bug)
+    needed = _check_call(model, prompt, max_new_tokens, mode, cache, position_offset_bug)
     if mode == "cached" and cache is None and max_new_tokens > 0:
         cache = KVCache.for_model(model, max_len=needed)
     device = model.device
     generator = torch.Generator(device=device).manual_seed(sp.seed)
     out = GenerationOutput(prompt, [], Stats(prompt_len=len(prompt)), [] if trace else None,
                            [] if return_logits else None)  # logits: a list until the end
-    # A failure or Ctrl-C mid-way crops a caller's cache back: no token is fed twice.
-    with (torch.inference_mode(), KVCounter(model) as counter,
-          cache.restored_on_error() if cache is not None else nullcontext()):
+    # A failure or Ctrl-C before the return crops the cache back; no other thread may use it.
+    with (cache.restored_on_error() if cache is not None else nullcontext(),
+          torch.inference_mode(), KVCounter(model) as counter):
         for step in range(max_new_tokens):
             # 1. What to feed: naive feeds everything again; cached, the prompt once
             #    (prefill) then only the newest token (decode).
@@ -57,7 +56,7 @@ def generate(model, ids, max_new_tokens: int, mode: str = "cached", temperature:
                     token, logits)
             if token == sp.eos_id:
                 break
-    return _finish(out, counter.count)
+        return _finish(out, counter.count)
 
 
 def _record(out: GenerationOutput, mode, step, inputs, positions, past, cache, kv_computed,
@@ -82,13 +81,19 @@ def _finish(out: GenerationOutput, kv_computed: int) -> GenerationOutput:
     return out
 
 
-def _check_call(model, prompt, max_new_tokens, needed, mode, sp, cache,
-                position_offset_bug) -> None:
+def _check_call(model, prompt, max_new_tokens, mode, cache, position_offset_bug) -> int:
+    """The positions the call needs: cached, prompt and new (the last new token is never
+    fed back)."""
     one_of("mode", mode, ("naive", "cached"))
+    check_cache(cache)
     if mode == "naive" and (cache is not None or position_offset_bug):
         raise ValueError("cache= and position_offset_bug= only apply to mode='cached'")
-    past = needed + 1 - len(prompt) - max_new_tokens
+    past = 0 if cache is None else cache.get_seq_length()
+    needed = past + len(prompt) + max_new_tokens - 1
     check_room(needed, model.config.block_size, f"{past} cached + {len(prompt)} prompt + "
                f"{max_new_tokens} new tokens", "max_new_tokens or shorten the prompt")
+    if cache is not None:  # this model's, one row: refused now even if no pass would run
+        cache.check_fits(model.config, 1, 0, model.device, model.dtype)
     if cache is not None and cache.max_len is not None and needed > cache.max_len:
         raise ValueError(f"needs {needed} positions, the cache {cache.max_len}: use a larger cache")
+    return needed

@@ -1,10 +1,12 @@
 """A GPT-2 from scratch, in GPT-2's parameter layout. Without a cache it is the plain
 GPT-2 forward pass; the cache adds three lines marked `# KV-CACHE`: append this step's
 keys and values, attend over everything cached, and start the position embeddings where
-the cache ends."""
+the cache ends. The same model with a Llama-style block (config.LLAMA: rotary positions,
+RMSNorm, a SwiGLU MLP, no biases) is a config choice, not a second model."""
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from typing import Mapping
 
 import torch
@@ -12,9 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .attention import Attention, sdpa
-from .cache import Cache
-from .config import GPTConfig
-from .validate import is_int_tensor
+from .cache import Cache, check_cache
+from .config import LLAMA, GPTConfig
+from .validate import check_flags, is_int_tensor
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -36,16 +38,21 @@ class CausalSelfAttention(nn.Module):
         self.n_kv_head = cfg.kv_heads
         self.head_dim = cfg.head_dim
         kv = cfg.kv_heads * cfg.head_dim  # = n_embd in GPT-2; less with grouped-query attention
-        self.c_attn = nn.Linear(cfg.n_embd, cfg.n_embd + 2 * kv)  # Q, K and V, every head at once
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        # Q, K and V, every head at once
+        self.c_attn = nn.Linear(cfg.n_embd, cfg.n_embd + 2 * kv, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor, cache: Cache | None, layer_idx: int,
-                attention: Attention) -> torch.Tensor:
+                attention: Attention, rope: tuple | None = None) -> torch.Tensor:
         B, T, C = x.shape
         hs, kv = self.head_dim, self.n_kv_head * self.head_dim
         q, k, v = self.c_attn(x).split([C, kv, kv], dim=2)  # (B, T, C), 2 x (B, T, kv)
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k, v = (t.view(B, T, self.n_kv_head, hs).transpose(1, 2) for t in (k, v))  # (B, nkv, T, hs)
+        if rope is not None:
+            # RoPE: turn q and k by their positions. K is cached turned: a key's turn depends
+            # on its own position only, so it is done once, when the key is made.
+            q, k = rotate(q, *rope), rotate(k, *rope)
         if cache is not None:
             # KV-CACHE: (B, nkv, past + T, hs); the old K/V are read back, not recomputed
             k, v = cache.update(k, v, layer_idx)
@@ -56,37 +63,72 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        hidden = cfg.n_inner or 4 * cfg.n_embd
+        self.swiglu = cfg.mlp == "swiglu"
+        width = 2 * hidden if self.swiglu else hidden  # SwiGLU: gate and up side by side
+        self.c_fc = nn.Linear(cfg.n_embd, width, bias=cfg.bias)
+        self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # GPT-2 uses the tanh GELU
+        h = self.c_fc(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            return self.c_proj(F.silu(gate) * up)  # Llama: the gate decides what passes
+        return self.c_proj(F.gelu(h, approximate="tanh"))  # GPT-2 uses the tanh GELU
+
+
+def norm(cfg: GPTConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":  # x / rms(x) * weight: no mean taken, no bias
+        return nn.RMSNorm(cfg.n_embd, eps=cfg.layer_norm_eps)
+    return nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps, bias=cfg.bias)
+
+
+def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple:
+    """cos and sin of each position's turn, (T, hs) or (B, 1, T, hs) for (B, T) positions.
+    Pair (i, i + hs/2) turns by position * theta^(-2i/hs): fast pairs see nearby tokens,
+    slow ones far (Llama's layout, as in Hugging Face)."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device) / head_dim)
+    angles = positions[..., None].float() * inv_freq  # (..., T, hs/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (..., T, hs)
+    if angles.dim() == 3:
+        angles = angles[:, None]  # a row of positions per sequence: (B, 1, T, hs)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, heads, T, hs) with each pair (x_i, x_{i + hs/2}) turned by its angle."""
+    half = x.shape[-1] // 2
+    turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # each pair, a quarter turn
+    return (x * cos + turned * sin).to(x.dtype)
 
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps)
+        self.ln_1 = norm(cfg)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps)
+        self.ln_2 = norm(cfg)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cache: Cache | None, layer_idx: int,
-                attention: Attention) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer_idx, attention)  # pre-LayerNorm residuals
+                attention: Attention, rope: tuple | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer_idx, attention, rope)  # pre-norm residuals
         return x + self.mlp(self.ln_2(x))
 
 
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"config must be a GPTConfig (GPTConfig.preset('tiny')), not "
+                            f"{type(config).__name__}")
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),  # token embeddings
-            wpe=nn.Embedding(config.block_size, config.n_embd),  # learned position embeddings
-            h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
-            ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps),
-        ))
+        layers = dict(wte=nn.Embedding(config.vocab_size, config.n_embd))  # token embeddings
+        if config.positions == "learned":  # one learned vector per position (RoPE has none)
+            layers["wpe"] = nn.Embedding(config.block_size, config.n_embd)
+        layers["h"] = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        layers["ln_f"] = norm(config)
+        self.transformer = nn.ModuleDict(layers)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
         self.apply(self._init_weights)
@@ -120,18 +162,24 @@ class GPT(nn.Module):
         every cached position. `positions` ((T,) or (B, T)) overrides the position ids
         (`torch.arange(T)` with a cache is the classic bug); `attention` swaps the kernel
         (the batched server's split-KV decode does)."""
-        _check_inputs(self, idx, cache, positions)
-        T = idx.shape[1]
-        if positions is None:
-            past = 0 if cache is None else cache.get_seq_length()  # an int, or (B, 1) per row
-            positions = past + torch.arange(T, device=idx.device)  # KV-CACHE: continue from past
-        x = self.transformer.wte(idx) + self.transformer.wpe(positions)  # (B, T, C)
-        for layer_idx, block in enumerate(self.transformer.h):
-            x = block(x, cache, layer_idx, attention)
-        x = self.transformer.ln_f(x)
-        if last_only:
-            x = x[:, -1:]
-        return self.lm_head(x)  # (B, T, vocab)
+        _check_inputs(self, idx, cache, positions, last_only)
+        # One thread at a time in a cache: another's pass would interleave its positions.
+        with cache.in_use() if cache is not None else nullcontext():
+            T = idx.shape[1]
+            if positions is None:
+                past = 0 if cache is None else cache.get_seq_length()  # an int, or (B, 1) per row
+                positions = past + torch.arange(T, device=idx.device)  # KV-CACHE: go on from past
+            x, rope = self.transformer.wte(idx), None  # (B, T, C)
+            if self.config.positions == "learned":
+                x = x + self.transformer.wpe(positions)
+            else:  # RoPE: the positions turn q and k inside attention instead
+                rope = rope_angles(positions, self.config.head_dim, self.config.rope_theta)
+            for layer_idx, block in enumerate(self.transformer.h):
+                x = block(x, cache, layer_idx, attention, rope)
+            x = self.transformer.ln_f(x)
+            if last_only:
+                x = x[:, -1:]
+            return self.lm_head(x)  # (B, T, vocab)
 
     @classmethod
     def from_gpt2_state_dict(cls, state_dict: Mapping[str, torch.Tensor],
@@ -155,10 +203,40 @@ class GPT(nn.Module):
         model.transformer.load_state_dict(sd)  # strict: names a missing, extra or misshapen tensor
         return model
 
+    @classmethod
+    def from_llama_state_dict(cls, state_dict: Mapping[str, torch.Tensor],
+                              config: GPTConfig) -> GPT:
+        """Load weights in Hugging Face Llama layout (`model.layers.0.self_attn.q_proj.weight`,
+        ...) into a model of `config` (a Llama-style block: config.LLAMA's choices). q, k and
+        v are stacked into c_attn, gate and up into c_fc; the head must be tied to the
+        token embeddings, as in the small Llamas and Qwens."""
+        if (config.positions, config.norm, config.mlp, config.bias) != tuple(LLAMA.values()):
+            raise ValueError(f"a Llama needs GPTConfig(**LLAMA choices) {LLAMA}, not {config}")
+        sd = {k.removeprefix("model."): v for k, v in state_dict.items()}
+        wte = _take(sd, "embed_tokens.weight")
+        if not torch.equal(sd.pop("lm_head.weight", wte), wte):
+            raise ValueError("lm_head.weight is not tied to embed_tokens.weight: not supported")
+        ours = {"wte.weight": wte, "ln_f.weight": _take(sd, "norm.weight")}
+        for i in range(config.n_layer):
+            def take(*names: str) -> torch.Tensor:  # layer i's tensors, stacked by rows
+                return torch.cat([_take(sd, f"layers.{i}.{name}.weight") for name in names])
+            ours |= {f"h.{i}.ln_1.weight": take("input_layernorm"),
+                     f"h.{i}.attn.c_attn.weight": take(*(f"self_attn.{x}_proj" for x in "qkv")),
+                     f"h.{i}.attn.c_proj.weight": take("self_attn.o_proj"),
+                     f"h.{i}.ln_2.weight": take("post_attention_layernorm"),
+                     f"h.{i}.mlp.c_fc.weight": take("mlp.gate_proj", "mlp.up_proj"),
+                     f"h.{i}.mlp.c_proj.weight": take("mlp.down_proj")}
+        if sd:
+            raise ValueError(f"tensors this model has no place for: {sorted(sd)[:4]}")
+        model = cls(config)
+        model.transformer.load_state_dict(ours)  # strict: names a misshapen tensor
+        return model
+
 
 # --- checks: bad input raises before any cache slot is written -------------------------
-def _check_inputs(model: GPT, idx, cache, positions) -> None:
+def _check_inputs(model: GPT, idx, cache, positions, last_only) -> None:
     cfg = model.config
+    check_flags(last_only=last_only)
     if not is_int_tensor(idx):
         raise TypeError(f"idx must be an integer tensor (torch.tensor([ids])), not {idx!r:.30}")
     if idx.dim() != 2 or idx.shape[1] == 0 or idx.device != model.device:
@@ -168,8 +246,7 @@ def _check_inputs(model: GPT, idx, cache, positions) -> None:
         raise ValueError(f"token id {int(outside[0])} is outside the vocabulary "
                          f"[0, {cfg.vocab_size}); encode with the model's own tokenizer")
     B, T = idx.shape
-    if not isinstance(cache, (Cache, type(None))):
-        raise TypeError(f"cache must be a minikv.KVCache (or a Cache), not {type(cache)}")
+    check_cache(cache)
     if cache is not None:
         cache.check_fits(cfg, B, T, model.device, model.dtype)
     if positions is None:
@@ -181,6 +258,12 @@ def _check_inputs(model: GPT, idx, cache, positions) -> None:
     elif not (is_int_tensor(positions) and positions.shape in ((T,), (B, T))
               and 0 <= positions.min() and positions.max() < cfg.block_size):
         raise ValueError("positions must be an integer (T,) or (B, T) tensor in [0, block_size)")
+
+
+def _take(sd: dict, name: str) -> torch.Tensor:
+    if name not in sd:
+        raise ValueError(f"the state dict has no {name}: is it a Llama for this config?")
+    return sd.pop(name)
 
 
 def _check_gpt2_state_dict(sd: dict) -> None:

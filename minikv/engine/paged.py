@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import Cache
+from .cache import Cache, zeros
 from .validate import int_at_least
 
 
@@ -53,13 +53,13 @@ class BlockPool:
 
     def __init__(self, cfg, num_blocks: int, page_size: int, *, device="cpu",
                  dtype=torch.float32):
+        if not hasattr(cfg, "kv_heads"):
+            raise TypeError(f"BlockPool takes a GPTConfig (model.config), not {cfg!r:.30}")
         int_at_least("num_blocks", num_blocks, hint=" (blocks in the pool)")
         int_at_least("page_size", page_size, hint=" (positions per block)")
         shape = (num_blocks, cfg.kv_heads, page_size, cfg.head_dim)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype)
-                     for _ in range(cfg.n_layer)]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype)
-                       for _ in range(cfg.n_layer)]
+        self.keys = zeros(cfg.n_layer, shape, device, dtype)
+        self.values = zeros(cfg.n_layer, shape, device, dtype)
         self.page_size = page_size
         self.num_blocks = num_blocks
         self.ref = [0] * num_blocks
@@ -114,7 +114,12 @@ class BlockPool:
         """Blocks for n_new more positions in `table`; a shared, partly filled last block
         is copied first (copy-on-write), so the tables that share it keep their K/V."""
         last = table.length // self.page_size
-        if table.length % self.page_size and self.ref[table.blocks[last]] > 1:
+        shared = table.length % self.page_size and self.ref[table.blocks[last]] > 1
+        needed = self.blocks_needed(table, n_new) + bool(shared)
+        if needed > len(self.free):  # before any block moves: all of them or none
+            raise MemoryError(f"the block pool is full: {needed} blocks needed, "
+                              f"{len(self.free)} free")
+        if shared:
             table.blocks[last] = self.copy_on_write(table.blocks[last], table.owner)
         while len(table.blocks) * self.page_size < table.length + n_new:
             table.blocks.append(self.allocate(table.owner))
@@ -183,6 +188,7 @@ class PagedCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0):
         """An int for one sequence; (B, 1) lengths for a batch, each row its own."""
+        int_at_least("layer_idx", layer_idx, 0, below=len(self.pool.keys))
         if len(self.tables) == 1:
             return self.tables[0].length
         return torch.tensor([[t.length] for t in self.tables],
@@ -190,6 +196,7 @@ class PagedCache(Cache):
 
     def reserve(self, n_new: int) -> None:
         """Blocks for n_new more positions in every row (BlockPool.reserve per table)."""
+        int_at_least("n_new", n_new, 0, " (positions to make room for)")
         for t in self.tables:
             self.pool.reserve(t, n_new)
 

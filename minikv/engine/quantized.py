@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .cache import KVCache, check_kv
+from .cache import KVCache, check_kv, zeros
 from .validate import one_of
 
 
@@ -54,12 +54,10 @@ class QuantizedKVCache(KVCache):
         width = self.head_dim if self.bits == 8 else -(-self.head_dim // 2)  # 2 codes a byte
         codes = (batch_size, n_head, max_len, width)
         scales = (batch_size, n_head, max_len, 1)
-        self.keys = [torch.zeros(codes, device=device, dtype=torch.uint8)
-                     for _ in range(n_layer)]
-        self.values = [torch.zeros_like(k) for k in self.keys]
-        self.key_scales = [torch.zeros(scales, device=device, dtype=self.dtype)
-                           for _ in range(n_layer)]
-        self.value_scales = [torch.zeros_like(s) for s in self.key_scales]
+        self.keys = zeros(n_layer, codes, device, torch.uint8)
+        self.values = zeros(n_layer, codes, device, torch.uint8)
+        self.key_scales = zeros(n_layer, scales, device, self.dtype)
+        self.value_scales = zeros(n_layer, scales, device, self.dtype)
 
     def _buffers(self) -> list[torch.Tensor]:
         return self.keys + self.values + self.key_scales + self.value_scales

@@ -4,6 +4,7 @@ counter of the K/V vectors the model really computes. The pictures and widgets
 from __future__ import annotations
 
 import threading
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -114,16 +115,17 @@ class ServeStats(VerifyStats):
 
 
 # --- counting K/V work -----------------------------------------------------------------
-class KVCounter:
+class KVCounter(ExitStack):
     """Counts the K/V vectors the model computes, per layer: every row out of a layer's
     `c_attn` is one position's new query, key and value. Hooks count only the passes of
     the thread that opened the counter, so threads sharing a model each get their own
-    count."""
+    count. It is an ExitStack of its hooks: leaving it takes every hook off, even when
+    taking one off is interrupted (a hook left on would count into every later pass)."""
 
     def __init__(self, model: torch.nn.Module):
+        super().__init__()
         self._blocks = list(model.transformer.h)
         self.per_layer = [0] * len(self._blocks)
-        self._handles: list = []
         self._thread = threading.get_ident()
 
     def _hook(self, layer_idx: int):
@@ -133,13 +135,13 @@ class KVCounter:
         return count
 
     def __enter__(self) -> KVCounter:
-        self._handles = [b.attn.c_attn.register_forward_hook(self._hook(i))
-                         for i, b in enumerate(self._blocks)]
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
+        try:  # one at a time: a Ctrl-C halfway takes off those already on
+            for i, b in enumerate(self._blocks):
+                self.enter_context(b.attn.c_attn.register_forward_hook(self._hook(i)))
+            return self
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def count(self) -> int:

@@ -39,7 +39,7 @@ from .paged import BlockPool, PagedCache
 from .records import PoolStep, ServeStats, TraceEvent
 from .sampling import SamplingParams
 from .scheduler import FirstComeFirstServed, Scheduler, Sequence
-from .validate import check_room, int_at_least, prompt_of_call
+from .validate import check_flags, check_room, int_at_least, prompt_of_call
 from .verify import accept_matching, round_events, verify_and_commit
 
 
@@ -63,6 +63,7 @@ class Request:
         prompt = prompt_of_call(model, self.prompt, self.max_new_tokens, self.sampling, 1,
                                 f"request {i}: max_new_tokens")
         int_at_least(f"request {i}: arrival", self.arrival, 0, hint=" (an engine step)")
+        check_flags(**{f"request {i}: deterministic": self.deterministic})
         n = self.max_new_tokens
         check_room(len(prompt) + n + window, model.config.block_size,
                    f"request {i} ({len(prompt)} + {n} new + {window})", "max_new_tokens or window")
@@ -109,7 +110,11 @@ def serve(model, requests, window: int = 4, verify: bool = True, trace: bool = F
         warnings.warn("serve(block_size=) is deprecated: use page_size= (positions per "
                       "pool block)", DeprecationWarning, stacklevel=2)
         page_size = block_size
+    if not hasattr(requests, "__iter__"):
+        raise TypeError(f"requests must be a list of minikv.Request, not {requests!r:.30}")
     requests = list(requests)
+    check_flags(verify=verify, trace=trace, record_logits=record_logits,
+                prefix_caching=prefix_caching)
     prompts = _checked_prompts(model, requests, window, page_size, max_running, policy)
     num_blocks = _pool_size(requests, prompts, window, page_size, num_blocks)
     pool = BlockPool(model.config, num_blocks, page_size, device=model.device,
@@ -276,4 +281,7 @@ def _checked_prompts(model, requests: list[Request], window, page_size, max_runn
         raise TypeError(f"policy must be a scheduling policy (TokenBudget(256)), not {policy}")
     if not requests:
         raise ValueError("no requests to serve")
+    for i, r in enumerate(requests):
+        if not isinstance(r, Request):
+            raise TypeError(f"request {i} must be a minikv.Request, not {type(r).__name__}")
     return [r.checked_prompt(model, window, i) for i, r in enumerate(requests)]

@@ -16,7 +16,7 @@ import torch
 from .cache import KVCache
 from .records import GenerationOutput, SpeculativeStats, TraceEvent
 from .sampling import SamplingParams
-from .validate import check_room, int_at_least, prompt_of_call
+from .validate import check_flags, check_model, check_room, int_at_least, prompt_of_call
 from .verify import accept_by_rejection_sampling, accept_matching, round_events, verify_and_commit
 
 
@@ -47,6 +47,7 @@ def speculate(target, ids, max_new_tokens: int, sampling: SamplingParams,
     `target` verifying them in ONE pass. With `max_gamma`, γ adapts in [1, max_gamma].
     Pass the proposer's `generator` so that both draw from one seeded stream."""
     prompt = prompt_of_call(target, ids, max_new_tokens, sampling)
+    check_flags(trace=trace)
     needed = _check_call(target, prompt, max_new_tokens, sampling, gamma, max_gamma,
                          other_caches)
     if generator is None:
@@ -192,6 +193,10 @@ def speculative_generate(target, draft, ids, max_new_tokens: int, gamma: int = 4
     them. `adaptive_gamma` grows γ by one after a fully accepted round, shrinks it by one
     after a rejection (between 1 and `max_gamma`)."""
     sp = SamplingParams(temperature, top_k, seed, eos_id)
+    check_model("target", target)
+    check_model("draft", draft)
+    check_flags(adaptive_gamma=adaptive_gamma)
+    int_at_least("max_gamma", max_gamma)  # checked even when unused: a typo is not ignored
     vocab = target.config.vocab_size
     if (draft.config.vocab_size, draft.device) != (vocab, target.device):
         raise ValueError("the draft must use the target's tokenizer (vocab_size) and device")

@@ -29,10 +29,24 @@ def is_int_tensor(x) -> bool:
         x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool)
 
 
+def check_flags(**flags) -> None:
+    """Flags are bools: truthiness would turn "no" or 1 into a choice the caller did not make."""
+    for name, value in flags.items():
+        if type(value) is not bool:
+            raise TypeError(f"{name} must be True or False, got {value!r:.40}")
+
+
+def check_model(name: str, model) -> None:
+    if not (isinstance(model, torch.nn.Module) and hasattr(model, "config")):
+        raise TypeError(f"{name} must be a minikv.GPT, not {type(model).__name__}")
+
+
 def token_ids(ids, vocab_size: int) -> list[int]:
-    """A prompt given as a list of ints, a 1-D or a (1, T) tensor, as a list of ids."""
-    if isinstance(ids, str):
-        raise TypeError("got text, not token ids: encode it first (tokenizer.encode)")
+    """`ids` (a list or tuple of ints, or a 1-D or (1, T) int tensor) as a list of ints."""
+    if not isinstance(ids, (list, tuple, torch.Tensor)):  # bytes, sets, dicts iterate to ints too
+        how = "encode it first with" if isinstance(ids, str) else "e.g. [464, 3124] or"
+        raise TypeError(f"token ids must be a list, a tuple or an int tensor, not "
+                        f"{type(ids).__name__}: {how} tokenizer.encode(text)")
     if isinstance(ids, torch.Tensor):
         if not is_int_tensor(ids):
             raise TypeError(f"token ids must be ints, not {ids.dtype}: use dtype=torch.long")
@@ -40,6 +54,8 @@ def token_ids(ids, vocab_size: int) -> list[int]:
         if ids.dim() != 1:
             raise ValueError(f"one sequence at a time: a prompt is (T,) or (1, T), not {ids.shape}")
         ids = ids.tolist()
+    if any(type(t) is bool for t in ids):  # operator.index would take True as token 1
+        raise TypeError(f"token ids must be ints, not True/False: got {ids!r:.60}")
     try:
         tokens = [operator.index(t) for t in ids]  # ints and numpy ints pass; floats do not
     except TypeError as e:
@@ -54,6 +70,7 @@ def token_ids(ids, vocab_size: int) -> list[int]:
 def prompt_of_call(model, ids, max_new_tokens, sampling, least: int = 0,
                    name: str = "max_new_tokens") -> list[int]:
     """The prompt as token ids, once what every decoder's call holds is checked."""
+    check_model("model", model)
     int_at_least(name, max_new_tokens, least)
     sampling.check_vocab(model.config.vocab_size)
     return token_ids(ids, model.config.vocab_size)

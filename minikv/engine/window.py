@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .cache import Cache, check_kv, check_matches
+from .cache import Cache, check_kv, check_matches, zeros
 from .validate import int_at_least
 
 
@@ -33,9 +33,11 @@ class SinkWindowCache(Cache):
     def __init__(self, n_layer: int, n_head: int, head_dim: int, sinks: int, window: int, *,
                  block_size: int, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32):
+        for name, size in dict(n_layer=n_layer, n_head=n_head, head_dim=head_dim,
+                               window=window, block_size=block_size).items():
+            int_at_least(name, size)
         int_at_least("sinks", sinks, 0)
-        int_at_least("window", window)
-        empty = torch.zeros(1, n_head, 0, head_dim, device=device, dtype=dtype)
+        empty = zeros(1, (1, n_head, 0, head_dim), device, dtype)[0]
         self.keys = [empty] * n_layer
         self.values = [empty] * n_layer
         self.sinks = sinks
@@ -59,6 +61,7 @@ class SinkWindowCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens seen so far: where the next token's position starts (not slots held).
         """
+        int_at_least("layer_idx", layer_idx, 0, below=self.n_layer)
         return self._seen
 
     def check_fits(self, cfg, batch_size: int, n_new: int, device, dtype) -> None:
@@ -99,11 +102,14 @@ class SinkWindowCache(Cache):
     @contextmanager
     def restored_on_error(self):
         """It cannot crop: a failed block puts back the state it started from."""
-        saved = self.fork()
+        saved = None
         try:
-            yield
+            with self.in_use():  # as Cache.restored_on_error: saved while no one else moves it
+                saved = self.fork()
+                yield
         except BaseException:
-            self.__dict__.update(saved.__dict__)
+            if saved is not None:
+                self.__dict__.update(saved.__dict__)
             raise
 
     @property
