@@ -191,7 +191,8 @@ def load_corpora(tok, docs: dict[str, int], split: str = "train",
 def documents(tokens: torch.Tensor, eot: int) -> torch.Tensor:
     """(n_docs, 2): each document's start and end offsets in `tokens` (its EOT included)."""
     ends = (tokens == eot).nonzero().flatten() + 1
-    return torch.stack([torch.cat([torch.zeros(1, dtype=torch.long), ends[:-1]]), ends], dim=1)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])  # on the tokens' device (CUDA too)
+    return torch.stack([starts, ends], dim=1)
 
 
 def get_batch(data, docs, mix, batch_size, block_size, gen):
