@@ -26,6 +26,22 @@ def stub(*args, **kwargs):
     raise NotImplementedError("your turn: replace this line with your code")
 
 
+def cli_exit(*args: str) -> tuple[int, str]:
+    """(exit code, stderr) of `python -m minikv ...`, run in this process; argparse's own
+    refusals (SystemExit) count as exit codes."""
+    import contextlib
+    import io
+
+    from minikv import __main__ as cli
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = cli.main(list(args))
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue()
+
+
 @pytest.fixture
 def tiny():
     return varied_model()

@@ -27,12 +27,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minikv
-from minikv import __main__ as cli
 from minikv.course.checkpoint import load_checkpoint, save_checkpoint
 from minikv.engine.config import LLAMA
 from minikv.engine.paged import BlockPool, BlockTable, PagedCache
 
-from conftest import varied_model
+from conftest import cli_exit, varied_model
 
 MODEL = varied_model()                                   # tiny: vocab 512, block_size 256
 DRAFT = varied_model(seed=1, n_layer=1)
@@ -494,13 +493,6 @@ def test_the_command_line_answers_or_exits_2_with_a_message(options):
     argv = ["generate", "--prompt", "The color", "--preset", "tiny"]
     for k, v in options.items():
         argv += [k, v]
-    import contextlib
-    import io
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code = cli.main(argv)
-        except SystemExit as e:  # argparse's own refusals
-            code = e.code
+    code, err = cli_exit(*argv)
     assert code in (0, 2), (argv, code)
-    assert code == 0 or err.getvalue().strip(), argv
+    assert code == 0 or err.strip(), argv

@@ -17,7 +17,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import minikv
-from minikv import __main__ as cli
 from minikv.bench.parallel import column_parallel
 from minikv.course import checkpoint, tokenizer
 from minikv.course.checkpoint import (
@@ -28,7 +27,7 @@ from minikv.course.checkpoint import (
     save_checkpoint,
 )
 
-from conftest import varied_model
+from conftest import cli_exit, varied_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -112,18 +111,12 @@ def set_(config, key, value):
 
 
 def run_cli(*args):
-    """(exit code, stderr) of `python -m minikv ...`, in process."""
-    import contextlib
-    import io
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code = cli.main(list(args))
-        except SystemExit as e:  # argparse's errors
-            code = e.code
+    """Exit 2 expected: its stderr raised as a ValueError, so the table matches the message
+    like any other row."""
+    code, err = cli_exit(*args)
     if code not in (2,):
-        raise AssertionError(f"exit code {code}, expected 2; stderr: {err.getvalue()}")
-    raise ValueError(err.getvalue())  # so the table matches the message like any other row
+        raise AssertionError(f"exit code {code}, expected 2; stderr: {err}")
+    raise ValueError(err)
 
 
 E = Env

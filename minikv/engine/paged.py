@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import Cache, zeros
+from .config import GPTConfig
 from .validate import int_at_least
 
 
@@ -53,7 +54,7 @@ class BlockPool:
 
     def __init__(self, cfg, num_blocks: int, page_size: int, *, device="cpu",
                  dtype=torch.float32):
-        if not hasattr(cfg, "kv_heads"):
+        if not isinstance(cfg, GPTConfig):
             raise TypeError(f"BlockPool takes a GPTConfig (model.config), not {cfg!r:.30}")
         int_at_least("num_blocks", num_blocks, hint=" (blocks in the pool)")
         int_at_least("page_size", page_size, hint=" (positions per block)")
