@@ -10,6 +10,7 @@
     grade      grade exercise notebooks by what they compute: ✓/✗ per exercise, then the score
     run        execute notebooks in place, saving their outputs
     mutants    the checkers' mutation score: mutate each solution, count the checks that catch it
+    export     write a course model as a Hugging Face checkpoint (transformers, vLLM, SGLang)
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ COMMANDS = {
     "grade": ("minikv.course.grade", False),
     "run": ("minikv.course.notebooks", True),
     "mutants": ("minikv.course.mutants", False),
+    "export": ("minikv.course.export", False),
 }
 
 

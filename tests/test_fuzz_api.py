@@ -335,7 +335,8 @@ ENTRIES = {
              window=count(1, 8), block_size=count(1, 64), device=DEVICE, dtype=DTYPE)),
     "SinkWindowCache.for_model": Entry(
         lambda **kw: minikv.SinkWindowCache.for_model(MODEL, **kw),
-        dict(sinks=count(0, 4), window=count(1, 8))),
+        dict(sinks=count(0, 4), window=count(1, 8),
+             rope=choice(["true"], ["reindex", "rerotate", "slots", None, True]))),
     "KVCache.crop": Entry(
         crop, dict(cache=Arg(st.just(Make("filled()", filled)), None),
                    max_length=count(0, 3, too_big=[4, 10**6], says=("crop",)))),

@@ -26,6 +26,7 @@ from minikv.course.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from minikv.engine.attention import window_attention
 
 from conftest import cli_exit, varied_model
 
@@ -355,6 +356,14 @@ ROWS = [
      MemoryError, "lower batch_size"),
     ("sink cache n_layer 0", lambda e: minikv.SinkWindowCache(0, 4, 16, 2, 4, block_size=8), V,
      "n_layer"),
+    # issue 32: a window cache's numbering of positions, and its one-pass mask
+    ("sink cache renumbers GPT-2", lambda e: minikv.SinkWindowCache.for_model(e.model,
+                                                                            rope="reindex"),
+     V, "learned-position model has rope='true'"),
+    ("sink cache numbering", lambda e: minikv.SinkWindowCache.for_model(e.model, rope="slots"), V,
+     "rope must be one of"),
+    ("window mask theta str", lambda e: window_attention(4, 16, reindex_theta="1e4"), V,
+     "reindex_theta must be a number > 1 .the model's rope_theta."),
     # 2. a prompt of the wrong Python type that iterates over ints
     ("gen bytes prompt", lambda e: e.gen(b"\x05\x06"), T, "not bytes"),
     ("gen set prompt", lambda e: e.gen({5, 6}), T, "not set"),

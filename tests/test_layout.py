@@ -17,6 +17,7 @@ ENGINE_STATEMENT_BUDGET = sum({
     "issue 31: one thread per cache (Cache.in_use), KVCounter's hooks off after Ctrl-C": 21,
     "issue 31: types at the boundary (flags, models, token containers, allocation)": 26,
     "issue 32: the Llama-style block (RoPE, RMSNorm, SwiGLU, no biases), its loader": 72,
+    "issue 32: a window cache's three numberings under RoPE, and their one-pass mask": 38,
 }.values())
 # The shape of readable code, measured as code-review-2026-11-25.md measured it (section 2).
 LONGEST_FUNCTION = 45       # lines, signature and docstring included (nano-vllm's engine: 49)

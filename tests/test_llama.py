@@ -6,7 +6,7 @@ import torch
 
 import minikv
 from minikv.engine.config import LLAMA
-from minikv.engine.model import rope_angles, rotate
+from minikv.engine.rope import rope_angles, rotate
 
 from conftest import varied_model
 

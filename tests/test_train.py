@@ -179,3 +179,56 @@ def test_trains_on_cuda(tok):
     tc = T.TrainConfig(steps=3, batch_size=2, warmup=1, docs=SMALL_DOCS)
     model, meta = T.train("tiny", tc, device="cuda", progress=False)
     assert model.device.type == "cuda" and "cuda" in meta["device"]
+
+
+def test_a_stopped_run_goes_on_as_if_never_stopped(tmp_path):
+    tc = T.TrainConfig(steps=6, batch_size=2, warmup=1, docs=SMALL_DOCS, seed=3)
+    straight, _ = T.train("tiny", tc, device="cpu", progress=False)
+    state = tmp_path / "tiny.state"
+
+    def stop(step, model):
+        if step == 3:  # the state was saved after step index 2 (3 steps done)
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        T.train("tiny", tc, "cpu", progress=False, callback=stop, state=state, save_every=3)
+    assert state.exists()
+    seen = []
+    resumed, meta = T.train("tiny", tc, "cpu", progress=False, state=state, save_every=3,
+                            callback=lambda step, model: seen.append(step))
+    assert seen == [3, 4, 5] and not state.exists() and meta["tokens_seen"] == 6 * 2 * 256
+    assert all(torch.equal(p, q) for p, q in zip(straight.parameters(), resumed.parameters()))
+    T.save_state(state, {"preset": "tiny"}, 3, 1.0, 1.0, resumed, torch.optim.SGD(
+        resumed.parameters(), lr=0.1), torch.Generator())
+    with pytest.raises(ValueError, match="another run's state"):
+        T.train("tiny", tc, "cpu", progress=False, state=state)
+
+
+def test_float16_storage_halves_the_file_and_loads_as_float32(tmp_path, tok):
+    torch.manual_seed(0)
+    model = minikv.GPT(minikv.GPTConfig.preset("tiny", vocab_size=tok.n_vocab))
+    T.save_checkpoint(model, tmp_path / "32")
+    T.save_checkpoint(model, tmp_path / "16", dtype=torch.float16)
+    size = {d: (tmp_path / d / "model.safetensors").stat().st_size for d in ("32", "16")}
+    assert size["16"] < 0.51 * size["32"]
+    loaded = load_checkpoint(tmp_path / "16", device="cpu")
+    assert loaded.dtype == torch.float32
+    for p, q in zip(model.parameters(), loaded.parameters()):
+        assert torch.equal(q, p.half().float())
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        T.save_checkpoint(model, tmp_path / "b", dtype=torch.bfloat16)
+
+
+def test_a_second_phase_goes_on_from_a_first_phase_saved_anywhere(tmp_path, monkeypatch):
+    monkeypatch.setitem(T.TRAINING, "tiny", T.TrainConfig(steps=2, batch_size=2, warmup=1,
+                                                          docs=SMALL_DOCS))
+    monkeypatch.setitem(T.FINISHING, "tiny", T.TrainConfig(steps=2, batch_size=2, warmup=1,
+                                                           docs=SMALL_DOCS, seed=5))
+    assert T.main(["--preset", "tiny", "--phase", "1", "--device", "cpu",
+                   "--out", str(tmp_path / "first")]) == 0
+    assert T.main(["--preset", "tiny", "--phase", "2", "--init", str(tmp_path / "first"),
+                   "--device", "cpu", "--out", str(tmp_path / "second")]) == 0
+    assert [p["train"]["seed"] for p in read_metadata(tmp_path / "second")["phases"]] == [0, 5]
+    for bad in (["--init", str(tmp_path / "first")],  # a start for a second phase only
+                ["--phase", "2", "--init", str(tmp_path / "nothing")]):
+        with pytest.raises(SystemExit):
+            T.main(["--preset", "tiny", "--out", str(tmp_path / "x"), *bad])

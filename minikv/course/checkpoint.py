@@ -3,7 +3,8 @@
 A checkpoint is a directory of three files:
 
     config.json        GPTConfig.to_dict(): the shapes
-    model.safetensors  every weight once, float32 (lm_head is tied to wte, so only wte is stored)
+    model.safetensors  every weight once (lm_head is tied to wte, so only wte is stored), all
+                       float32, or all float16 to halve the file (loaded as float32)
     training.json      how it was made: preset, seed, steps, tokens seen, losses, wall time, ...
 
 The safetensors header holds a SHA-256 over the exact bytes of config.json and training.json and
@@ -28,6 +29,7 @@ import os
 import shutil
 import signal
 import threading
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
@@ -52,17 +54,22 @@ COURSE_MODELS = ("target", "draft", "target-gqa2", "target-mqa")
 # refused before it is read (parsing a JSON file takes several times its size in memory)
 MAX_JSON_BYTES = 1 << 20
 TIED = "lm_head.weight"  # the same tensor as transformer.wte.weight
+STORED_DTYPES = (torch.float32, torch.float16)  # a file holds one of them for every tensor
 
 
 # --- saving --------------------------------------------------------------------------------------
 
-def save_checkpoint(model: GPT, directory: str | Path, metadata: dict | None = None) -> Path:
+def save_checkpoint(model: GPT, directory: str | Path, metadata: dict | None = None,
+                    dtype: torch.dtype = torch.float32) -> Path:
     """Write config.json, model.safetensors and training.json as `directory`, replacing what was
-    there in one step. Refuses a model that load_checkpoint would refuse."""
+    there in one step; the weights as `dtype` (float32, or float16: half the bytes, each weight
+    rounded to 11 significant bits). Refuses a model that load_checkpoint would refuse."""
     directory = Path(directory)
     if not isinstance(model, GPT):
         raise TypeError(f"save_checkpoint saves a minikv.GPT, got {type(model).__name__}")
-    tensors = {name: t.detach().to("cpu", torch.float32).contiguous()
+    if dtype not in STORED_DTYPES:
+        raise ValueError(f"dtype must be one of {STORED_DTYPES}, got {dtype!r}")
+    tensors = {name: t.detach().to("cpu", dtype).contiguous()
                for name, t in model.state_dict().items() if name != TIED}
     _check_tensors(tensors, model.config, directory / WEIGHTS_FILE,
                    "save the model it was made from: a column_parallel copy is for inference only")
@@ -244,6 +251,8 @@ def _check_tensors(declared: dict, config: GPTConfig, path: Path, fix: str) -> N
                          + (f"; unexpected tensors {extra[:4]}" if extra else "")
                          + f"; {fix}")
     want = expected_shapes(config)
+    dtypes = Counter(shape_dtype(v)[1] for v in declared.values()).most_common()
+    stored = dtypes[0][0] if dtypes and dtypes[0][0] in STORED_DTYPES else torch.float32
     missing, unexpected = sorted(set(want) - set(declared)), sorted(set(declared) - set(want))
     if missing or unexpected:
         raise ValueError(f"{path} does not match {CONFIG_FILE} ({config}): "
@@ -254,8 +263,9 @@ def _check_tensors(declared: dict, config: GPTConfig, path: Path, fix: str) -> N
         if got_shape != shape:
             raise ValueError(f"{path}: tensor {name} has shape {got_shape} but {CONFIG_FILE} "
                              f"needs {shape}; {fix}")
-        if dtype != torch.float32:
-            raise ValueError(f"{path}: tensor {name} is {dtype}, expected torch.float32; {fix}")
+        if dtype != stored:
+            raise ValueError(f"{path}: tensor {name} is {dtype}, expected {stored} (as most "
+                             f"tensors are: a file holds float32 or float16 only); {fix}")
     for name, value in declared.items():
         if isinstance(value, torch.Tensor) and not torch.isfinite(value).all():
             raise ValueError(f"{path}: tensor {name} holds NaN or infinite values; {fix}")

@@ -37,12 +37,14 @@ AGREEMENT_PROMPTS = ("Once upon a time", "The color of dog", "A coin's state is 
 @torch.no_grad()
 def coin_flip_accuracy(model, tok, n_per_count: int = 200, seed: int = 0, split: str = "test",
                        cot: bool = False, cache=None, attention=None,
-                       questions: list[corpus.CoinFlip] | None = None) -> dict[int, float]:
+                       questions: list[corpus.CoinFlip] | None = None,
+                       prefix: list[int] = ()) -> dict[int, float]:
     """Fraction answered correctly (greedy token after "A:") for each number of people 1..8.
     `cot`: the questions state the coin after every person (seed 000's intermediate answers).
     `cache(model, batch_size)`, if given, makes the cache each batch is answered through (a
     quantized one, say); `attention` swaps the attention kernel (a window's mask, say).
-    `questions`, if given, replaces the held-out questions (corpus.unseen_coin_flips, say)."""
+    `questions`, if given, replaces the held-out questions (corpus.unseen_coin_flips, say).
+    `prefix`: token ids read before every question (other documents, to start it later)."""
     if questions is None:
         questions = corpus.coin_flip_eval(n_per_count, seed=seed, split=split)
     by_length = defaultdict(list)  # same-length prompts go through the model as one batch
@@ -51,7 +53,8 @@ def coin_flip_accuracy(model, tok, n_per_count: int = 200, seed: int = 0, split:
     correct, total = defaultdict(int), defaultdict(int)
     kwargs = {} if attention is None else {"attention": attention}
     for length, qs in by_length.items():
-        ids = torch.tensor([tok.encode(q.prompt(cot)) for q in qs], device=model.device)
+        ids = torch.tensor([[*prefix, *tok.encode(q.prompt(cot))] for q in qs],
+                           device=model.device)
         if cache is not None:
             kwargs["cache"] = cache(model, len(qs))
         guesses = model(ids, last_only=True, **kwargs)[:, -1].argmax(-1).tolist()
@@ -203,7 +206,7 @@ def report(device=None) -> str:
         "## Models",
         "",
         "| model | layers | heads (K/V) | width | block | parameters | K/V bytes per token "
-        "(fp32) | file size | training wall time | training device |",
+        "(fp32) | file size (stored as) | training wall time | training device |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in models.items():
@@ -215,7 +218,8 @@ def report(device=None) -> str:
         steps = " + ".join(str(p.get("train", {}).get("steps", "?")) for p in phases)
         lines.append(f"| {name} | {c.n_layer} | {c.n_head} ({c.kv_heads}) | {c.n_embd} | "
                      f"{c.block_size} | {m.num_params():,} | "
-                     f"{kv_cache_bytes(c, 1, dtype=torch.float32):,} | {size / 1e6:.2f} MB | "
+                     f"{kv_cache_bytes(c, 1, dtype=torch.float32):,} | {size / 1e6:.2f} MB "
+                     f"({md.get('stored_dtype', 'float32')}) | "
                      f"{how}{minutes} min ({steps} steps) | {md.get('device', '?')}, "
                      f"{md.get('cpu_threads', '?')} threads |")
     lines += [
@@ -228,6 +232,9 @@ def report(device=None) -> str:
         "minikv/course/train.py: the target on more of the longest questions, the draft distilled "
         "from",
         "the target). \"pooled only\" rows below measure the pooled model before any uptraining.",
+        "Weights stored as float16 are rounded from the trained float32 ones (to keep every",
+        "shipped file within 64 MB together) and computed in float32 once loaded; every table",
+        "below measures the shipped files.",
         "",
         f"## Held-out coin flips, training names: accuracy by number of people ({n_q} questions "
         "each)",

@@ -15,7 +15,9 @@ grouped-query variants are uptrained from the target (UPTRAINING).
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
@@ -117,6 +119,8 @@ TRAINING: dict[str, TrainConfig] = {
     "draft": TrainConfig(steps=3000, batch_size=16, lr=2e-3, min_lr=1e-4, warmup=100, init_std=0.1,
                          mix={"coinflip": 0.5, "facts": 0.2, "stories": 0.3}, docs=MANY_DOCS),
 }
+# chapter 08's RoPE model: the target's recipe, step for step, so that the block is what differs
+TRAINING["target-rope"] = TRAINING["target"]
 
 
 # Each course model's second phase, run on from the first's weights (`train --phase 2` runs it
@@ -133,6 +137,11 @@ FINISHING: dict[str, TrainConfig] = {
     "draft": replace(TRAINING["draft"], steps=400, lr=1e-3, min_lr=1e-4, warmup=20, distill=True,
                      seed=2),
 }
+FINISHING["target-rope"] = FINISHING["target"]
+# Stored as float16 (computed in float32 once loaded), to keep every shipped weight file within
+# 64 MB together: a float16 weight is within 1/2048 of the float32 one, and on the 8-person
+# question of chapter 07 it moves the variants' logits by under 0.01, no greedy token.
+STORED_FLOAT16 = ("target-gqa2", "target-mqa", "target-rope")
 # what a model's metadata keeps of each phase
 PHASE_KEYS = ("train", "wall_time_s", "tokens_seen", "final_train_loss", "device", "cpu_threads",
               "date")
@@ -269,12 +278,14 @@ def corpus_loss(model: GPT, tokens: torch.Tensor, eot: int, max_rows: int = 64, 
 
 
 def train(preset: str, tc: TrainConfig | None = None, device=None, progress: bool = True,
-          callback=None, init: GPT | None = None, teacher: GPT | None = None
-          ) -> tuple[GPT, dict]:
+          callback=None, init: GPT | None = None, teacher: GPT | None = None,
+          state: Path | None = None, save_every: int = 100) -> tuple[GPT, dict]:
     """Train a model of shape `preset` (its vocabulary set to the course tokenizer's), or go on
     training `init` (uptraining: its shape and weights are the start); return the model and its
     metadata. `callback(step, model)`, if given, runs after every step (e.g. to watch an
-    experiment). `teacher`: the model whose probabilities a `distill` config learns."""
+    experiment). `teacher`: the model whose probabilities a `distill` config learns. `state`: a
+    file where the run is saved every `save_every` steps and, if it holds this run, goes on
+    from (weights, optimiser, data order, step), as if never stopped; removed at the end."""
     tc = tc or TRAINING.get(preset, TrainConfig())
     if tc.distill != (teacher is not None):
         raise ValueError("a distill config needs a teacher model, and only it takes one")
@@ -305,8 +316,11 @@ def train(preset: str, tc: TrainConfig | None = None, device=None, progress: boo
                             lr=tc.lr, betas=(0.9, 0.95))
     amp = autocast_dtype(device, tc.bf16)
     model.train()
-    start, smooth = time.perf_counter(), None
-    bar = tqdm(range(tc.steps), desc=f"train {preset}", disable=not progress)
+    run = dict(preset=preset, train=asdict(tc), config=config.to_dict())
+    first, smooth, before = resume(state, run, model, opt, gen)
+    start = time.perf_counter() - before
+    bar = tqdm(range(first, tc.steps), desc=f"train {preset}", disable=not progress,
+               initial=first, total=tc.steps)
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, tc)
@@ -329,9 +343,13 @@ def train(preset: str, tc: TrainConfig | None = None, device=None, progress: boo
         opt.step()
         smooth = loss.item() if smooth is None else 0.95 * smooth + 0.05 * loss.item()
         bar.set_postfix(loss=f"{smooth:.3f}", lr=f"{lr_at(step, tc):.1e}")
+        if state is not None and (step + 1) % save_every == 0 and step + 1 < tc.steps:
+            save_state(state, run, step + 1, smooth, time.perf_counter() - start, model, opt, gen)
         if callback is not None:
             callback(step, model)
     wall = time.perf_counter() - start
+    if state is not None:
+        Path(state).unlink(missing_ok=True)
     val = load_corpora(tok, {name: 200 for name in tc.docs}, split="val")
     metadata = dict(
         preset=preset, config=config.to_dict(), train=asdict(tc),
@@ -344,6 +362,34 @@ def train(preset: str, tc: TrainConfig | None = None, device=None, progress: boo
         date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
     )
     return model.eval(), metadata
+
+
+def save_state(path: Path, run: dict, step: int, smooth: float, wall: float, model: GPT,
+               opt: torch.optim.Optimizer, gen: torch.Generator) -> None:
+    """Everything a run needs to go on from `step`, written atomically (a Ctrl-C mid-write
+    leaves the last state whole)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    torch.save(dict(run=json.dumps(run, sort_keys=True), step=step, smooth=smooth, wall=wall,
+                    model=model.state_dict(), opt=opt.state_dict(), gen=gen.get_state()), tmp)
+    os.replace(tmp, path)
+
+
+def resume(path: Path | None, run: dict, model: GPT, opt: torch.optim.Optimizer,
+           gen: torch.Generator) -> tuple[int, float | None, float]:
+    """The step, smoothed loss and seconds a saved run had reached, with model, optimiser and
+    data order restored; (0, None, 0.0) when there is nothing to go on from. A state of another
+    run (preset, config, TrainConfig) is refused rather than mixed in."""
+    if path is None or not Path(path).exists():
+        return 0, None, 0.0
+    saved = torch.load(path, map_location=model.device, weights_only=True)  # no code unpickled
+    if saved.get("run") != json.dumps(run, sort_keys=True):
+        raise ValueError(f"{path} holds another run's state (preset, config or TrainConfig "
+                         f"differ): remove it, or train with the settings it was saved with")
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    gen.set_state(saved["gen"].cpu())
+    return saved["step"], saved["smooth"], saved["wall"]
 
 
 def _positive(text: str) -> int:
@@ -405,7 +451,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phase", type=int, choices=[1, 2], default=None,
                         help="run one phase only: 1 = the first, from scratch; 2 = the second "
                              "(FINISHING), on from the shipped model (default: every phase)")
+    parser.add_argument("--resumable", action="store_true",
+                        help="save each phase every 100 steps (runs/<preset>.phase<N>.state); "
+                             "run the same command again to go on from there after a stop")
+    parser.add_argument("--init", default=None, metavar="DIR",
+                        help="with --phase 2: go on from this checkpoint instead of the shipped "
+                             "model (a first phase saved with --phase 1 --out DIR)")
     args = parser.parse_args(argv)
+    if args.init and args.phase != 2:
+        parser.error("--init is the start of a second phase: give --phase 2 too")
     # the target first: the draft's second phase learns from it, the variants start from it
     presets = ["target", "draft", *VARIANTS] if args.preset == "all" else [args.preset]
     if args.out and len(presets) > 1:
@@ -427,13 +481,20 @@ def main(argv: list[str] | None = None) -> int:
             if preset not in FINISHING:
                 parser.error(f"{preset} has one phase of training: --phase 2 is for "
                              f"{sorted(FINISHING)}")
-            model = load_checkpoint(MODELS_DIR / preset, device)
-            shipped = read_metadata(MODELS_DIR / preset)
+            start_dir = Path(args.init) if args.init else MODELS_DIR / preset
+            try:
+                model = load_checkpoint(start_dir, device)
+            except ValueError as e:
+                parser.error(str(e))
+            shipped = read_metadata(start_dir)
             history = shipped.get("phases", [{key: shipped.get(key) for key in PHASE_KEYS}])[:1]
             phases = phases[1:]
         elif args.phase == 1:
             phases = phases[:1]
         for tc in phases:
+            number = len(history) + 1  # 1 or 2: the phase this is
+            state = (Path("runs") / f"{preset}.phase{number}.state" if args.resumable
+                     else None)  # never beside a shipped model
             if args.steps is not None:
                 tc = replace(tc, steps=args.steps, warmup=min(tc.warmup, max(1, args.steps // 10)))
             if args.seed is not None:
@@ -441,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
             teacher = None
             if tc.distill:  # the target trained just now, or the shipped one
                 teacher = trained.get("target") or load_checkpoint(MODELS_DIR / "target", device)
-            model, metadata = train(preset, tc, device, init=model, teacher=teacher)
+            model, metadata = train(preset, tc, device, init=model, teacher=teacher, state=state)
             history.append({key: metadata[key] for key in PHASE_KEYS})
         if preset in VARIANTS:
             metadata["uptrained_from"] = "the target, K/V heads mean-pooled"
@@ -449,7 +510,9 @@ def main(argv: list[str] | None = None) -> int:
                         wall_time_s=round(sum(h["wall_time_s"] for h in history), 1),
                         tokens_seen=sum(h["tokens_seen"] for h in history))
         trained[preset] = model
-        save_checkpoint(model, dirs[preset], metadata)
+        stored = torch.float16 if preset in STORED_FLOAT16 else torch.float32
+        metadata["stored_dtype"] = str(stored).removeprefix("torch.")
+        save_checkpoint(model, dirs[preset], metadata, dtype=stored)
         print(f"{preset}: {metadata['num_params']:,} parameters, "
               f"{metadata['wall_time_s']:.0f} s on {metadata['device']}, "
               f"train loss {metadata['final_train_loss']}, "

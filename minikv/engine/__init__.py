@@ -1,5 +1,5 @@
 """The engine: a GPT-2 and the ways it decodes with a KV cache. Read config, model,
-cache, sampling, generate, records, verify, speculative, lookup, attention, batch, paged,
+rope, cache, sampling, generate, records, verify, speculative, lookup, attention, batch, paged,
 scheduler, serving, then the caches that hold less (quantized, window), then validate; it
 imports no tooling."""
 from .batch import generate_batch

@@ -12,7 +12,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .validate import int_at_least
+from .rope import turn
+from .validate import int_at_least, number_in
 
 # (q, k, v) -> attention output: what GPT.forward calls in every layer
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -136,19 +137,34 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length
 
 
 # --- sinks and a sliding window, one full pass (window.py) -----------------------------
-def window_attention(sinks: int, window: int) -> Attention:
+def window_attention(sinks: int, window: int, reindex_theta: float | None = None) -> Attention:
     """Attention for one full pass, no cache, that gives every token what feeding the
     text one token per pass through a SinkWindowCache(sinks, window) gives it: query t
     sees key j iff j <= t and (j < sinks or j >= t - window). (The cache evicts after a
     pass, so the last `window` positions and the new token are there together.) Many
-    texts measured at once."""
+    texts measured at once. `reindex_theta`: a rotary model's cache that numbers its
+    positions by slot (rope="reindex" or "rerotate", theta its rope_theta); q and k
+    come turned by their true positions."""
     int_at_least("sinks", sinks, 0)
     int_at_least("window", window)
+    if reindex_theta is not None:  # None: true positions
+        number_in("reindex_theta", reindex_theta, 1, hint=" (the model's rope_theta)")
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if q.size(-2) != k.size(-2):
             raise ValueError("one full pass without a cache only: stream with a SinkWindowCache")
         t = torch.arange(q.size(-2), device=q.device)[:, None]  # queries
         j = torch.arange(k.size(-2), device=q.device)[None, :]  # keys
-        return sdpa(q, k, v, attn_mask=(j <= t) & ((j < sinks) | (j >= t - window)))
+        sees = (j <= t) & ((j < sinks) | (j >= t - window))
+        if reindex_theta is None:
+            return sdpa(q, k, v, attn_mask=sees)
+        # By slot, query t sits at slot min(t, sinks + window): a window key moved down as
+        # many slots as the query did, so their distance stands; a sink did not move, so
+        # the query sees it from its slot, t - slot positions nearer than it truly is.
+        k, v = (x.repeat_interleave(q.size(1) // x.size(1), dim=1) for x in (k, v))
+        slot = t[:, 0].clamp(max=sinks + window)
+        q_at_slot = turn(q, slot - t[:, 0], reindex_theta)  # turned back to its slot
+        scores = torch.where(j < sinks, q_at_slot @ k.transpose(-1, -2), q @ k.transpose(-1, -2))
+        scores = (scores / math.sqrt(q.size(-1))).masked_fill(~sees, float("-inf"))
+        return scores.softmax(-1).to(v.dtype) @ v
     return attention

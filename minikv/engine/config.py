@@ -1,10 +1,9 @@
 """Model shapes: one frozen dataclass and a few named presets."""
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
-from .validate import check_flags, int_at_least, one_of
+from .validate import check_flags, int_at_least, number_in, one_of
 
 
 @dataclass(frozen=True)
@@ -34,12 +33,8 @@ class GPTConfig:
         one_of("GPTConfig.norm", self.norm, ("layernorm", "rmsnorm"))
         one_of("GPTConfig.mlp", self.mlp, ("gelu", "swiglu"))
         check_flags(**{"GPTConfig.bias": self.bias})
-        theta = self.rope_theta
-        if type(theta) not in (int, float) or not 1 < theta < math.inf:
-            raise ValueError(f"GPTConfig.rope_theta must be a number > 1, not {theta!r}")
-        eps = self.layer_norm_eps
-        if type(eps) not in (int, float) or not 0 < eps < 1:
-            raise ValueError(f"GPTConfig.layer_norm_eps must be a number in (0, 1), not {eps}")
+        number_in("GPTConfig.rope_theta", self.rope_theta, 1)
+        number_in("GPTConfig.layer_norm_eps", self.layer_norm_eps, 0, 1)
         if self.n_embd % self.n_head or self.n_head % self.kv_heads:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}), "
                              f"n_head by n_kv_head: pick an n_head that divides it")
@@ -82,4 +77,8 @@ PRESETS: dict[str, dict] = {
     # speculative decoding (why these shapes: minikv/course/train.py).
     "target": dict(vocab_size=1024, block_size=256, n_layer=12, n_head=8, n_embd=192),
     "draft": dict(vocab_size=1024, block_size=256, n_layer=1, n_head=4, n_embd=128),
+    # Chapter 08's modern block at the target's shape, parameter for parameter: a SwiGLU MLP of
+    # width 512 holds 3 x 192 x 512 weights, as many as GPT-2's 2 x 192 x 768.
+    "target-rope": dict(vocab_size=1024, block_size=256, n_layer=12, n_head=8, n_embd=192,
+                        n_inner=512, **LLAMA),
 }

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from .attention import Attention, sdpa
 from .cache import Cache, check_cache
 from .config import LLAMA, GPTConfig
+from .rope import rope_angles, rotate
 from .validate import check_flags, is_int_tensor
 
 
@@ -51,7 +52,8 @@ class CausalSelfAttention(nn.Module):
         k, v = (t.view(B, T, self.n_kv_head, hs).transpose(1, 2) for t in (k, v))  # (B, nkv, T, hs)
         if rope is not None:
             # RoPE: turn q and k by their positions. K is cached turned: a key's turn depends
-            # on its own position only, so it is done once, when the key is made.
+            # on its own position only, so it is done once, when the key is made; cached
+            # unturned, every key would be turned again in every pass (window.py's "reindex").
             q, k = rotate(q, *rope), rotate(k, *rope)
         if cache is not None:
             # KV-CACHE: (B, nkv, past + T, hs); the old K/V are read back, not recomputed
@@ -81,25 +83,6 @@ def norm(cfg: GPTConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":  # x / rms(x) * weight: no mean taken, no bias
         return nn.RMSNorm(cfg.n_embd, eps=cfg.layer_norm_eps)
     return nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps, bias=cfg.bias)
-
-
-def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple:
-    """cos and sin of each position's turn, (T, hs) or (B, 1, T, hs) for (B, T) positions.
-    Pair (i, i + hs/2) turns by position * theta^(-2i/hs): fast pairs see nearby tokens,
-    slow ones far (Llama's layout, as in Hugging Face)."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device) / head_dim)
-    angles = positions[..., None].float() * inv_freq  # (..., T, hs/2)
-    angles = torch.cat([angles, angles], dim=-1)  # (..., T, hs)
-    if angles.dim() == 3:
-        angles = angles[:, None]  # a row of positions per sequence: (B, 1, T, hs)
-    return angles.cos(), angles.sin()
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, heads, T, hs) with each pair (x_i, x_{i + hs/2}) turned by its angle."""
-    half = x.shape[-1] // 2
-    turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # each pair, a quarter turn
-    return (x * cos + turned * sin).to(x.dtype)
 
 
 class Block(nn.Module):

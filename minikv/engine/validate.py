@@ -3,6 +3,7 @@ guard): bad input raises a ValueError or TypeError that says what to do, before 
 changes. Read it last: the rest reads as if inputs were always right."""
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -21,6 +22,14 @@ def one_of(name: str, value, choices: tuple):
     """`value` if it is one of `choices` (of the same type: 8.0 is not 8), else a ValueError."""
     if not any(type(value) is type(c) and value == c for c in choices):
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def number_in(name: str, value, low: float, high: float = math.inf, hint: str = "") -> float:
+    """`value` if it is an int or float (not a bool) in (low, high), else a ValueError."""
+    if type(value) not in (int, float) or not low < value < high:
+        wanted = f"> {low}" if high == math.inf else f"in ({low}, {high})"
+        raise ValueError(f"{name} must be a number {wanted}{hint}, not {value!r:.40}")
     return value
 
 

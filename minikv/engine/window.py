@@ -8,9 +8,17 @@ Positions: GPT-2 learns one embedding per absolute position and adds it to the i
 every cached key and value already carries its position; a new token must take its true
 position, the number of tokens seen so far, not its slot in the cache (`get_seq_length()`
 counts tokens seen). The text is therefore still limited to block_size positions. A
-rotary model instead rotates keys by position inside attention; StreamingLLM caches keys
-before rotating them and numbers the positions by cache slot, which lets such a model run
-past its trained length.
+rotary model (rope.py) has three choices, `rope=`:
+
+- "true": as GPT-2, keys keep the turn of their true position and a new token takes its
+  true position; run past the trained block_size (a config with a longer one), the model
+  meets distances it was never trained on.
+- "reindex" (StreamingLLM's): positions are numbered by slot in the cache, so no distance
+  exceeds sinks + window however long the text. The cache keeps keys unturned and turns
+  every held key by its slot in every pass.
+- "rerotate" (what Hugging Face's SinkCache did): the same numbering, keys kept turned;
+  when the window slides by d slots, the keys in it are turned back by d (rope.turn).
+  Equal to "reindex" up to rounding, with each key turned once per eviction, not per read.
 
 Within one pass, new tokens see each other and everything held: feed a long prompt one
 token per pass for the window to apply to every token (`feed`).
@@ -23,20 +31,29 @@ from contextlib import contextmanager
 import torch
 
 from .cache import Cache, check_kv, check_matches, zeros
-from .validate import int_at_least
+from .rope import turn
+from .validate import int_at_least, number_in, one_of
+
+NUMBERINGS = ("true", "reindex", "rerotate")  # a rotary model's positions, once some are evicted
 
 
 class SinkWindowCache(Cache):
     """Keys and values of the held positions, per layer (1, n_head, held, head_dim), and
-    the absolute position of each held slot (`positions`)."""
+    the absolute position of each held slot (`positions`). `rope` and `rope_theta`: how a
+    rotary model numbers positions (above); a learned-position model has "true" only."""
 
     def __init__(self, n_layer: int, n_head: int, head_dim: int, sinks: int, window: int, *,
                  block_size: int, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, rope: str = "true",
+                 rope_theta: float | None = None):
         for name, size in dict(n_layer=n_layer, n_head=n_head, head_dim=head_dim,
                                window=window, block_size=block_size).items():
             int_at_least(name, size)
         int_at_least("sinks", sinks, 0)
+        if one_of("rope", rope, NUMBERINGS) != "true":  # renumbered: the cache turns keys
+            number_in("rope_theta", rope_theta, 1, hint=f" for rope={rope!r}: a rotary model's "
+                      f"(SinkWindowCache.for_model); a learned-position model has rope='true'")
+        self.rope, self.rope_theta = rope, rope_theta
         empty = zeros(1, (1, n_head, 0, head_dim), device, dtype)[0]
         self.keys = [empty] * n_layer
         self.values = [empty] * n_layer
@@ -53,20 +70,27 @@ class SinkWindowCache(Cache):
         self._seen = 0
 
     @classmethod
-    def for_model(cls, model, sinks: int = 4, window: int = 64) -> SinkWindowCache:
+    def for_model(cls, model, sinks: int = 4, window: int = 64, rope: str = "true"
+                  ) -> SinkWindowCache:
         cfg = model.config
         return cls(cfg.n_layer, cfg.kv_heads, cfg.head_dim, sinks, window,
-                   block_size=cfg.block_size, device=model.device, dtype=model.dtype)
+                   block_size=cfg.block_size, device=model.device, dtype=model.dtype,
+                   rope=rope, rope_theta=cfg.rope_theta if cfg.positions == "rope" else None)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Tokens seen so far: where the next token's position starts (not slots held).
-        """
+        """Where the next token's position starts: tokens seen so far ("true"), or slots
+        held (a rotary model's "reindex" and "rerotate")."""
         int_at_least("layer_idx", layer_idx, 0, below=self.n_layer)
-        return self._seen
+        return self._seen if self.rope == "true" else len(self.positions)
 
     def check_fits(self, cfg, batch_size: int, n_new: int, device, dtype) -> None:
-        if self._seen + n_new > self.max_len:
-            raise ValueError("no position embedding past block_size: start a new cache")
+        if self.rope != "true" and (cfg.positions, cfg.rope_theta) != ("rope", self.rope_theta):
+            raise ValueError(f"this cache turns keys by rope_theta={self.rope_theta}: use it with "
+                             f"a rotary model of that theta (SinkWindowCache.for_model)")
+        if self.get_seq_length() + n_new > self.max_len:
+            raise ValueError("no position embedding past block_size: start a new cache"
+                             if cfg.positions == "learned" else "no position past the trained "
+                             "block_size: start a new cache, or number by slot (rope='reindex')")
         check_matches(self, cfg, batch_size, device, dtype)
 
     def update(self, key: torch.Tensor, value: torch.Tensor,
@@ -75,21 +99,34 @@ class SinkWindowCache(Cache):
         written, evict all but the first `sinks` and the last `window` positions, in
         every layer."""
         check_kv(self, key, value, layer_idx)
+        held, T = len(self.positions), key.shape[2]
+        slots = torch.arange(held, held + T, device=key.device)
+        if self.rope == "reindex":  # the model turned it for its slot: kept as made instead
+            key = turn(key, -slots, self.rope_theta)
         self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key.detach()], dim=2)
         self.values[layer_idx] = torch.cat([self.values[layer_idx], value.detach()], dim=2)
         k, v = self.keys[layer_idx], self.values[layer_idx]
+        if self.rope == "reindex":  # every held key turned by its slot, in every pass
+            k = turn(k, torch.arange(held + T, device=key.device), self.rope_theta)
         if layer_idx == self.n_layer - 1:
-            T = key.shape[2]
             self.positions += range(self._seen, self._seen + T)
             self._seen += T
             if len(self.positions) > self.sinks + self.window:
-                keep = list(range(self.sinks)) + list(range(len(self.positions) - self.window,
-                                                            len(self.positions)))
-                index = torch.tensor(keep, device=key.device)
-                self.keys = [t.index_select(2, index) for t in self.keys]
-                self.values = [t.index_select(2, index) for t in self.values]
-                self.positions = [self.positions[i] for i in keep]
+                self._evict(key.device)
         return k, v
+
+    def _evict(self, device: torch.device) -> None:
+        """Keep the first `sinks` and the last `window` slots, in every layer."""
+        moved = len(self.positions) - self.sinks - self.window  # slots the window slides down
+        keep = torch.tensor(list(range(self.sinks)) + list(range(self.sinks + moved,
+                                                                 len(self.positions))),
+                            device=device)
+        self.keys = [t.index_select(2, keep) for t in self.keys]
+        self.values = [t.index_select(2, keep) for t in self.values]
+        self.positions = [self.positions[i] for i in keep.tolist()]
+        if self.rope == "rerotate":  # the window's keys turned back as far as they moved
+            back = torch.tensor([0] * self.sinks + [-moved] * self.window, device=device)
+            self.keys = [turn(t, back, self.rope_theta) for t in self.keys]
 
     def fork(self) -> SinkWindowCache:
         """An independent copy (cheap: passes replace tensors, never write into them)."""

@@ -1,0 +1,217 @@
+"""Checkers for chapter 08 (a modern model: what rotary positions change for the cache), each
+against the engine's RoPE (minikv/engine/rope.py), in a CPU second, from data (the recipe in
+__init__.py): rope_key (turn a key by hand), move_key (move a turned key to another position
+without its input) and decode_one_head (debug: a cache that holds keys before their turn).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...engine.rope import rope_angles, rotate, turn
+from . import Exercise, tensor
+
+THETA = 10000.0
+
+
+def _vector(seed: int, hs: int) -> torch.Tensor:
+    return torch.randn(hs, generator=torch.Generator().manual_seed(seed))
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    # angles of a few hundred radians carry float32 rounding of ~1e-5: far below any mistake's
+    return torch.allclose(got.double(), want.double(), atol=1e-3, rtol=1e-3)
+
+
+# --- exercise 1: turn a key by its position, by hand ------------------------------------------
+
+def rope_key_by_hand(k: torch.Tensor, position: int, theta: float) -> torch.Tensor:
+    """The solution, as a student writes it: pair i is (k[i], k[i + hs/2])."""
+    half = k.shape[-1] // 2
+    angle = position * theta ** (-2 * torch.arange(half) / k.shape[-1])
+    x, y = k[:half], k[half:]
+    return torch.cat([x * angle.cos() - y * angle.sin(), x * angle.sin() + y * angle.cos()])
+
+
+def _rope_reference(k: torch.Tensor, position: int, theta: float) -> torch.Tensor:
+    cos, sin = rope_angles(torch.tensor([position]), k.shape[-1], theta)
+    return rotate(k.view(1, 1, 1, -1), cos, sin).view(-1)
+
+
+def _adjacent_pairs(k, position, theta):
+    angle = position * theta ** (-2 * torch.arange(k.shape[-1] // 2) / k.shape[-1])
+    x, y = k[0::2], k[1::2]
+    out = torch.empty_like(k)
+    out[0::2], out[1::2] = x * angle.cos() - y * angle.sin(), x * angle.sin() + y * angle.cos()
+    return out
+
+
+ROPE_KEY = Exercise(
+    "rope_key",
+    cases=[(_vector(1, 8), 1, THETA), (_vector(2, 16), 5, THETA), (_vector(3, 24), 37, THETA),
+           (_vector(4, 16), 0, THETA), (_vector(5, 32), 250, 500.0), (_vector(6, 8), 3, 100.0)],
+    describe=lambda k, position, theta: (f"a key of {k.shape[-1]} numbers at position "
+                                         f"{position}, theta={theta:g}"),
+    reference=_rope_reference,
+    returns=tensor("return the turned key: a tensor of the key's shape",
+                   shape=lambda k, position, theta: tuple(k.shape)),
+    same=_close,
+    mistakes={
+        "you paired neighbours (k[2i], k[2i+1]), GPT-J's layout; Llama's, the engine's and "
+        "Hugging Face's pairs number i with number i + hs/2 (the first half with the second)":
+            _adjacent_pairs,
+        "pair i turns by position × theta^(-2i/hs): the exponent has a 2 (the pairs are "
+        "numbered 0 .. hs/2 - 1 and the exponent runs over the even numbers 0 .. hs - 2)":
+            lambda k, position, theta: rope_key_by_hand(k, position, theta ** 0.5),
+        "you turned the wrong way (a minus on the other sine): the first half is "
+        "x cos - y sin and the second x sin + y cos":
+            lambda k, position, theta: rope_key_by_hand(k, -position, theta),
+        "you turned by position + 1: the first token is position 0, and is not turned at all":
+            lambda k, position, theta: rope_key_by_hand(k, position + 1, theta),
+    },
+    otherwise="for each pair i < hs/2, angle = position × theta^(-2i/hs); then "
+              "(x, y) = (k[i], k[i + hs/2]) becomes (x cos - y sin, x sin + y cos)",
+    forbid=(rope_angles, rotate, turn),
+    unchanged="turn a copy (torch.cat makes a new tensor): the key you were given is the "
+              "cache's own, and others read it",
+    solution=rope_key_by_hand,
+)
+check_rope_key = ROPE_KEY.check
+
+
+# --- exercise 2: move a turned key to another position -----------------------------------------
+
+def move_key_by_hand(k_turned: torch.Tensor, old: int, new: int, theta: float) -> torch.Tensor:
+    """The solution: a turn by d after a turn by old is a turn by old + d."""
+    return rope_key_by_hand(k_turned, new - old, theta)
+
+
+def _move_case(seed: int, hs: int, old: int, new: int, theta: float = THETA) -> tuple:
+    raw = _vector(seed, hs)
+    return _rope_reference(raw, old, theta), old, new, theta
+
+
+MOVE_CASES = [_move_case(1, 16, 40, 8), _move_case(2, 8, 5, 9), _move_case(3, 24, 100, 20),
+              _move_case(4, 16, 7, 7), _move_case(5, 32, 30, 0, 500.0)]
+
+
+def _moved_reference(k_turned, old, new, theta):
+    return _rope_reference(k_turned, new - old, theta)
+
+
+MOVE_KEY = Exercise(
+    "move_key",
+    cases=MOVE_CASES,
+    describe=lambda k, old, new, theta: (f"a key of {k.shape[-1]} numbers turned for position "
+                                         f"{old}, moved to {new}, theta={theta:g}"),
+    reference=_moved_reference,
+    returns=tensor("return the moved key: a tensor of the key's shape",
+                   shape=lambda k, old, new, theta: tuple(k.shape)),
+    same=_close,
+    mistakes={
+        "you turned it by the new position, but the key is already turned by the old one and "
+        "turns add up: turn it by new - old":
+            lambda k, old, new, theta: rope_key_by_hand(k, new, theta),
+        "you turned it by old - new, the wrong way: to move a key from old to new, turn it by "
+        "new - old (negative when it moves to an earlier position)":
+            lambda k, old, new, theta: rope_key_by_hand(k, old - new, theta),
+        "you turned it back to position 0 (by -old) and stopped: then turn it on to the new "
+        "position, or do both at once with new - old":
+            lambda k, old, new, theta: rope_key_by_hand(k, -old, theta),
+    },
+    otherwise="a turn by d after a turn by old is a turn by old + d: turn the key by new - old",
+    forbid=(rope_angles, rotate, turn),
+    unchanged="turn a copy: the key you were given is the cache's own",
+    solution=move_key_by_hand,
+)
+check_move_key = MOVE_KEY.check
+
+
+# --- exercise 3 (debug): one head decoding through a cache of unturned keys --------------------
+
+def decode_buggy(q_raw, k_raw, v, theta):
+    """The notebook's broken decoder, verbatim in substance: it caches each key as made and turns
+    every cached key by the newest token's position."""
+    keys, values, out = [], [], []
+    for t in range(q_raw.shape[0]):
+        keys.append(k_raw[t])
+        values.append(v[t])
+        K = _turned_by(torch.stack(keys), t, theta)
+        q = _turned_by(q_raw[t], t, theta)
+        w = (K @ q / math.sqrt(q.shape[-1])).softmax(-1)
+        out.append(w @ torch.stack(values))
+    return torch.stack(out)
+
+
+def decode_fixed(q_raw, k_raw, v, theta):
+    """The fix: each key is turned once, by its own position, when it is cached."""
+    keys, values, out = [], [], []
+    for t in range(q_raw.shape[0]):
+        keys.append(_turned_by(k_raw[t], t, theta))
+        values.append(v[t])
+        q = _turned_by(q_raw[t], t, theta)
+        w = (torch.stack(keys) @ q / math.sqrt(q.shape[-1])).softmax(-1)
+        out.append(w @ torch.stack(values))
+    return torch.stack(out)
+
+
+def _turned_by(x, position, theta):
+    rows = x if x.dim() == 2 else x[None]
+    by = torch.full((rows.shape[0],), position)
+    return turn(rows[None, None], by, theta)[0, 0].reshape(x.shape)
+
+
+def _attention_reference(q_raw, k_raw, v, theta):
+    """One full causal pass with q and k turned by their positions (the engine's model)."""
+    at = torch.arange(q_raw.shape[0])
+    q, k = (turn(x[None, None], at, theta) for x in (q_raw, k_raw))
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v[None, None],
+                                                            is_causal=True)[0, 0]
+
+
+def _turned_twice(q_raw, k_raw, v, theta):
+    keys, values, out = [], [], []
+    for t in range(q_raw.shape[0]):
+        keys.append(_turned_by(k_raw[t], t, theta))
+        values.append(v[t])
+        K = _turned_by(torch.stack(keys), t, theta)
+        q = _turned_by(q_raw[t], t, theta)
+        out.append((K @ q / math.sqrt(q.shape[-1])).softmax(-1) @ torch.stack(values))
+    return torch.stack(out)
+
+
+def _head_case(seed: int, T: int, hs: int, theta: float = THETA) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(T, hs, generator=g) * 2, torch.randn(T, hs, generator=g) * 2,
+            torch.randn(T, hs, generator=g), theta)
+
+
+DECODE = Exercise(
+    "decode_one_head",
+    cases=[_head_case(1, 6, 8), _head_case(2, 12, 16), _head_case(3, 9, 24, 500.0)],
+    describe=lambda q, k, v, theta: (f"{q.shape[0]} tokens of one head, head_dim "
+                                     f"{q.shape[1]}, theta={theta:g}"),
+    reference=_attention_reference,
+    returns=tensor("return the outputs, a (T, head_dim) tensor",
+                   shape=lambda q, k, v, theta: tuple(v.shape)),
+    same=_close,
+    mistakes={
+        "this is the bug: every cached key is turned by the newest token's position, so each "
+        "looks 0 positions away from the query and the scores forget where each word was; turn "
+        "a key once, by its own position, when it goes into the cache":
+            decode_buggy,
+        "the scores depend on each key's own position, not on its distance to the query: "
+        "either a cached key is turned twice (by its position, then by the newest token's), or "
+        "the query is not turned (the two give the same scores); a cached key already holds its "
+        "turn, so read it as it is, and turn the query by its own position":
+            _turned_twice,
+    },
+    otherwise="turn each key by its own position once, when it is cached; turn the query by "
+              "its position; then softmax(K q / sqrt(head_dim)) over every cached key",
+    unchanged="leave q_raw, k_raw and v as given: build the cache in lists of your own",
+    solution=decode_fixed,
+)
+check_decode_one_head = DECODE.check
+
+EXERCISES = (ROPE_KEY, MOVE_KEY, DECODE)

@@ -1,0 +1,174 @@
+"""The way out: a course model written as a Hugging Face checkpoint, for the engines that serve on
+many GPUs (transformers, vLLM, SGLang read this layout).
+
+    python -m minikv export --model target                 # runs/export/target-hf
+    python -m minikv export --model target-rope --out DIR  # a Llama, once that model ships
+    python -m minikv export --checkpoint runs/mine --out DIR
+
+A GPT-2-block model becomes a `GPT2LMHeadModel` (GPT-2's linears are Conv1D, (in, out): ours are
+transposed back), a Llama-style one (config.LLAMA) a `LlamaForCausalLM` (c_attn split into q, k
+and v, c_fc into gate and up); the course tokenizer becomes a `tokenizer.json` (transformers'
+converter of tiktoken files) with <|endoftext|> as its end-of-text token. Other block mixes (a
+GPT-2 block with fewer K/V heads, say) have no Hugging Face architecture and are refused. The
+directory is written whole, in a temporary directory renamed into place; an existing one is
+replaced only with --force, and never one in the package.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ..engine import GPT
+from ..engine.config import LLAMA
+from .checkpoint import COURSE_MODELS, load_checkpoint, load_course_model
+from .files import check_writable
+from .tokenizer import RANKS_PATH, load_tokenizer
+
+PACKAGE = Path(__file__).resolve().parent.parent
+GPT2_BLOCK = dict(positions="learned", norm="layernorm", mlp="gelu", bias=True)
+
+
+def architecture(model: GPT) -> str:
+    """"gpt2" or "llama": the Hugging Face family whose layout this model's block is."""
+    cfg = model.config
+    block = dict(positions=cfg.positions, norm=cfg.norm, mlp=cfg.mlp, bias=cfg.bias)
+    if block == GPT2_BLOCK and cfg.kv_heads == cfg.n_head:
+        return "gpt2"
+    if block == LLAMA:
+        return "llama"
+    raise ValueError(f"no Hugging Face architecture has this block ({block}, {cfg.kv_heads} K/V "
+                     f"heads of {cfg.n_head}): export a GPT-2 block with every K/V head, or a "
+                     f"Llama-style one (GPTConfig(**LLAMA))")
+
+
+def gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """Our weights in GPT2LMHeadModel's names; the inverse of GPT.from_gpt2_state_dict."""
+    conv1d = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
+    return {name: t.t() if name.endswith(conv1d) else t
+            for name, t in model.state_dict().items() if name != "lm_head.weight"}
+
+
+def llama_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """Our weights in LlamaForCausalLM's names; the inverse of GPT.from_llama_state_dict."""
+    cfg, sd = model.config, model.state_dict()
+    kv = cfg.kv_heads * cfg.head_dim
+    out = {"model.embed_tokens.weight": sd["transformer.wte.weight"],
+           "model.norm.weight": sd["transformer.ln_f.weight"]}
+    for i in range(cfg.n_layer):
+        ours, theirs = f"transformer.h.{i}.", f"model.layers.{i}."
+        q, k, v = sd[ours + "attn.c_attn.weight"].split([cfg.n_embd, kv, kv])
+        gate, up = sd[ours + "mlp.c_fc.weight"].chunk(2)
+        out |= {theirs + "input_layernorm.weight": sd[ours + "ln_1.weight"],
+                theirs + "self_attn.q_proj.weight": q, theirs + "self_attn.k_proj.weight": k,
+                theirs + "self_attn.v_proj.weight": v,
+                theirs + "self_attn.o_proj.weight": sd[ours + "attn.c_proj.weight"],
+                theirs + "post_attention_layernorm.weight": sd[ours + "ln_2.weight"],
+                theirs + "mlp.gate_proj.weight": gate, theirs + "mlp.up_proj.weight": up,
+                theirs + "mlp.down_proj.weight": sd[ours + "mlp.c_proj.weight"]}
+    return out
+
+
+def hf_config(model: GPT, eot: int) -> dict:
+    """config.json for the model's family, as transformers' own config class writes it."""
+    import transformers
+
+    cfg = model.config
+    if architecture(model) == "gpt2":
+        hf = transformers.GPT2Config(
+            vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd,
+            n_layer=cfg.n_layer, n_head=cfg.n_head, n_inner=cfg.n_inner,
+            activation_function="gelu_new",  # GPT-2's tanh GELU, as model.MLP computes it
+            layer_norm_epsilon=cfg.layer_norm_eps, bos_token_id=eot, eos_token_id=eot,
+            architectures=["GPT2LMHeadModel"])
+    else:
+        hf = transformers.LlamaConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.n_inner
+            or 4 * cfg.n_embd, num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
+            num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+            max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.layer_norm_eps,
+            tie_word_embeddings=True, bos_token_id=eot, eos_token_id=eot,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+            architectures=["LlamaForCausalLM"])
+    return hf.to_dict()
+
+
+def write_tokenizer(directory: Path) -> None:
+    """tokenizer.json and tokenizer_config.json for the course tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    tok = load_tokenizer()  # checks the shipped ranks file's hash first
+    eot = tok.decode([tok.eot_token])
+    converted = TikTokenConverter(vocab_file=str(RANKS_PATH), pattern=tok._pat_str,
+                                  extra_special_tokens={eot: tok.eot_token}).converted()
+    fast = PreTrainedTokenizerFast(tokenizer_object=converted, bos_token=eot, eos_token=eot,
+                                   unk_token=eot, model_max_length=10**6)
+    fast.save_pretrained(str(directory))
+
+
+def export_hf(model: GPT, out: str | Path, force: bool = False) -> Path:
+    """Write `model` and the course tokenizer as a Hugging Face checkpoint directory `out`."""
+    out = Path(out)
+    family = architecture(model)  # refuses a block no Hugging Face class has, before any write
+    try:
+        inside = out.resolve() == PACKAGE or PACKAGE in out.resolve().parents
+    except (OSError, RuntimeError) as e:
+        raise ValueError(f"cannot resolve --out {out}: {e}") from None
+    if inside:
+        raise ValueError(f"{out} is inside the minikv package: export elsewhere (runs/export/...)")
+    if (out.is_file() or out.is_dir() and any(out.iterdir())) and not force:
+        raise ValueError(f"{out} exists: pass --force to replace it, or choose another --out")
+    check_writable(out)
+    eot = load_tokenizer().eot_token
+    tensors = gpt2_state_dict(model) if family == "gpt2" else llama_state_dict(model)
+    tensors = {name: t.detach().to("cpu", torch.float32).contiguous()
+               for name, t in tensors.items()}
+    tmp = out.with_name(f".{out.name}.exporting-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf_config(model, eot), indent=2) + "\n")
+        write_tokenizer(tmp)
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minikv export", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", choices=COURSE_MODELS, help="a shipped course model")
+    which.add_argument("--checkpoint", help="a minikv checkpoint directory (train --out)")
+    parser.add_argument("--format", choices=["hf"], default="hf",
+                        help="hf: a Hugging Face checkpoint (config.json, model.safetensors, "
+                             "tokenizer.json)")
+    parser.add_argument("--out", default=None,
+                        help="output directory (default: runs/export/<model>-hf)")
+    parser.add_argument("--force", action="store_true", help="replace an existing --out")
+    args = parser.parse_args(argv)
+    name = args.model or Path(args.checkpoint).name
+    out = Path(args.out) if args.out else Path("runs") / "export" / f"{name}-hf"
+    try:
+        model = (load_course_model(args.model, "cpu")[0] if args.model
+                 else load_checkpoint(args.checkpoint, "cpu"))
+        path = export_hf(model, out, force=args.force)
+    except ValueError as e:
+        parser.error(str(e))
+    print(f"{name}: a Hugging Face {architecture(model)} checkpoint in {path}; load it with "
+          f"transformers.AutoModelForCausalLM.from_pretrained({str(path)!r})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,79 @@
+"""The way out (issue 33): a course model exported as a Hugging Face checkpoint loads in
+transformers, which then tokenizes as the course tokenizer does and decodes the same greedy tokens
+as minikv, for the GPT-2 block (the shipped target) and the Llama-style block (grouped-query)."""
+import pytest
+import torch
+
+import minikv
+from minikv.course import export
+from minikv.course.checkpoint import save_checkpoint
+from minikv.engine.config import LLAMA
+
+from conftest import cli_exit, varied_model
+
+transformers = pytest.importorskip("transformers")
+TEXTS = ["A coin's state is heads. Alice flips, then Bob does not flip. What's the state? A:",
+         "Once upon a time, there was a little dog named Max.", "Ünïcode, 12345 and  spaces\n"]
+
+
+def greedy_equal(model, directory, prompt, n=40, eot=1023):
+    """Both greedy, both stopping after <|endoftext|> (transformers reads it from the config)."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                             pad_token_id=eot)[0, len(prompt):].tolist()
+    mine = minikv.generate(model, prompt, n, eos_id=eot).tokens
+    return mine == theirs and len(set(mine)) > 3, (mine, theirs)
+
+
+def test_the_target_loads_in_transformers_and_decodes_the_same(tmp_path):
+    model, tok = minikv.load_course_model("target", "cpu")
+    out = export.export_hf(model, tmp_path / "target-hf")
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    for text in TEXTS:
+        assert theirs(text)["input_ids"] == tok.encode(text), text
+    assert theirs.eos_token_id == tok.eot_token
+    equal, tokens = greedy_equal(model, out, tok.encode(TEXTS[1]))
+    assert equal, tokens
+
+
+def test_a_llama_style_model_loads_as_a_llama(tmp_path):
+    model = varied_model("tiny", seed=4, std=0.2, vocab_size=1024, n_kv_head=2, n_inner=176,
+                         **LLAMA)
+    out = export.export_hf(model, tmp_path / "llama-hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(hf).__name__ == "LlamaForCausalLM" and hf.config.num_key_value_heads == 2
+    idx = torch.randint(0, 1024, (2, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (hf(idx).logits - model(idx)).abs().max() < 1e-4
+    equal, tokens = greedy_equal(model, out, [5, 6, 7, 8])
+    assert equal, tokens
+
+
+def test_what_has_no_hugging_face_class_or_would_overwrite_is_refused(tmp_path):
+    gqa, _ = minikv.load_course_model("target-gqa2", "cpu")
+    with pytest.raises(ValueError, match="no Hugging Face architecture"):
+        export.export_hf(gqa, tmp_path / "gqa")
+    assert not (tmp_path / "gqa").exists()
+    target, _ = minikv.load_course_model("target", "cpu")
+    with pytest.raises(ValueError, match="inside the minikv package"):
+        export.export_hf(target, export.PACKAGE / "course" / "models" / "target")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="--force"):
+        export.export_hf(target, tmp_path / "taken")
+    assert (tmp_path / "taken" / "notes.txt").read_text() == "mine"
+
+
+def test_the_command_line_exports_a_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    save_checkpoint(minikv.GPT(minikv.GPTConfig.preset("tiny", vocab_size=1024)),
+                    tmp_path / "mine")
+    code, _ = cli_exit("export", "--checkpoint", str(tmp_path / "mine"),
+                       "--out", str(tmp_path / "mine-hf"))
+    assert code == 0 and (tmp_path / "mine-hf" / "tokenizer.json").is_file()
+    code, err = cli_exit("export", "--checkpoint", str(tmp_path / "mine"),
+                         "--out", str(tmp_path / "mine-hf"))
+    assert code == 2 and "--force" in err
+    code, err = cli_exit("export", "--checkpoint", str(tmp_path / "nothing"))
+    assert code == 2 and "does not exist" in err
