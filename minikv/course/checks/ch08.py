@@ -130,30 +130,29 @@ check_move_key = MOVE_KEY.check
 
 # --- exercise 3 (debug): one head decoding through a cache of unturned keys --------------------
 
-def decode_buggy(q_raw, k_raw, v, theta):
-    """The notebook's broken decoder, verbatim in substance: it caches each key as made and turns
-    every cached key by the newest token's position."""
+def _decode(q_raw, k_raw, v, theta, turn_when_cached: bool, turn_when_read: bool):
+    """One head decoded one token per step through a cache of lists; each key turned by its
+    own position when cached, and/or every cached key by the newest position when read."""
     keys, values, out = [], [], []
     for t in range(q_raw.shape[0]):
-        keys.append(k_raw[t])
+        keys.append(_turned_by(k_raw[t], t, theta) if turn_when_cached else k_raw[t])
         values.append(v[t])
-        K = _turned_by(torch.stack(keys), t, theta)
+        K = torch.stack(keys)
+        K = _turned_by(K, t, theta) if turn_when_read else K
         q = _turned_by(q_raw[t], t, theta)
-        w = (K @ q / math.sqrt(q.shape[-1])).softmax(-1)
-        out.append(w @ torch.stack(values))
+        out.append((K @ q / math.sqrt(q.shape[-1])).softmax(-1) @ torch.stack(values))
     return torch.stack(out)
+
+
+def decode_buggy(q_raw, k_raw, v, theta):
+    """The notebook's broken decoder: each key cached as made, every cached key turned by the
+    newest token's position."""
+    return _decode(q_raw, k_raw, v, theta, turn_when_cached=False, turn_when_read=True)
 
 
 def decode_fixed(q_raw, k_raw, v, theta):
     """The fix: each key is turned once, by its own position, when it is cached."""
-    keys, values, out = [], [], []
-    for t in range(q_raw.shape[0]):
-        keys.append(_turned_by(k_raw[t], t, theta))
-        values.append(v[t])
-        q = _turned_by(q_raw[t], t, theta)
-        w = (torch.stack(keys) @ q / math.sqrt(q.shape[-1])).softmax(-1)
-        out.append(w @ torch.stack(values))
-    return torch.stack(out)
+    return _decode(q_raw, k_raw, v, theta, turn_when_cached=True, turn_when_read=False)
 
 
 def _turned_by(x, position, theta):
@@ -171,14 +170,7 @@ def _attention_reference(q_raw, k_raw, v, theta):
 
 
 def _turned_twice(q_raw, k_raw, v, theta):
-    keys, values, out = [], [], []
-    for t in range(q_raw.shape[0]):
-        keys.append(_turned_by(k_raw[t], t, theta))
-        values.append(v[t])
-        K = _turned_by(torch.stack(keys), t, theta)
-        q = _turned_by(q_raw[t], t, theta)
-        out.append((K @ q / math.sqrt(q.shape[-1])).softmax(-1) @ torch.stack(values))
-    return torch.stack(out)
+    return _decode(q_raw, k_raw, v, theta, turn_when_cached=True, turn_when_read=True)
 
 
 def _head_case(seed: int, T: int, hs: int, theta: float = THETA) -> tuple:
