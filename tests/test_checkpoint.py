@@ -59,6 +59,8 @@ def test_files_are_safetensors_and_json_with_one_copy_of_the_tied_weights(saved)
     assert json.loads((directory / CONFIG_FILE).read_text()) == model.config.to_dict()
     names = set(load_file(str(directory / WEIGHTS_FILE)))
     assert "lm_head.weight" not in names and "transformer.wte.weight" in names
+    # readable as the umask allows, like the JSON files (safetensors alone writes 0600)
+    assert (directory / WEIGHTS_FILE).stat().st_mode == (directory / CONFIG_FILE).stat().st_mode
 
 
 def test_loading_leaves_the_global_rng_alone(saved):
@@ -192,7 +194,7 @@ def test_unknown_course_model():
         minikv.load_course_model("gpt2")
 
 
-@pytest.mark.parametrize("name", ["target", "draft"])
+@pytest.mark.parametrize("name", ["target", "draft", "target-rope"])
 def test_shipped_models_load_with_documented_shapes(name):
     model, tok = minikv.load_course_model(name, device="cpu")
     assert model.config == minikv.GPTConfig.preset(name)
@@ -233,8 +235,22 @@ def test_the_grouped_query_variants_are_the_target_with_fewer_kv_heads(name, kv_
     assert cache.keys[0].shape[1] == kv_heads
 
 
-def test_target_answers_held_out_coin_flips():
-    model, tok = minikv.load_course_model("target", device="cpu")
+def test_the_rope_model_is_the_targets_shape_and_recipe_with_a_llama_block():
+    target, _ = minikv.load_course_model("target", device="cpu")
+    rope, _ = minikv.load_course_model("target-rope", device="cpu")
+    same = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+    assert all(getattr(rope.config, f) == getattr(target.config, f) for f in same)
+    assert (rope.config.positions, rope.config.norm, rope.config.mlp) == ("rope", "rmsnorm",
+                                                                         "swiglu")
+    steps = [[p["train"]["steps"] for p in read_metadata(MODELS_DIR / n)["phases"]]
+             for n in ("target", "target-rope")]
+    assert steps[0] == steps[1] and len(steps[0]) == 2
+    assert read_metadata(MODELS_DIR / "target-rope")["stored_dtype"] == "float16"
+
+
+@pytest.mark.parametrize("name", ["target", "target-rope"])
+def test_target_answers_held_out_coin_flips(name):
+    model, tok = minikv.load_course_model(name, device="cpu")
     questions = [q for q in corpus.coin_flip_eval(4) if len(q.steps) <= 6]
     ids = [tok.encode(q.prompt()) for q in questions]
     with torch.no_grad():

@@ -1,6 +1,7 @@
 """The way out (issue 33): a course model exported as a Hugging Face checkpoint loads in
 transformers, which then tokenizes as the course tokenizer does and decodes the same greedy tokens
-as minikv, for the GPT-2 block (the shipped target) and the Llama-style block (grouped-query)."""
+as minikv, for the GPT-2 block (the shipped target), the Llama-style block (the shipped
+target-rope) and a grouped-query Llama."""
 import pytest
 import torch
 
@@ -26,9 +27,12 @@ def greedy_equal(model, directory, prompt, n=40, eot=1023):
     return mine == theirs and len(set(mine)) > 3, (mine, theirs)
 
 
-def test_the_target_loads_in_transformers_and_decodes_the_same(tmp_path):
-    model, tok = minikv.load_course_model("target", "cpu")
-    out = export.export_hf(model, tmp_path / "target-hf")
+@pytest.mark.parametrize("name, family", [("target", "GPT2LMHeadModel"),
+                                          ("target-rope", "LlamaForCausalLM")])
+def test_a_course_model_loads_in_transformers_and_decodes_the_same(tmp_path, name, family):
+    model, tok = minikv.load_course_model(name, "cpu")
+    out = export.export_hf(model, tmp_path / f"{name}-hf")
+    assert transformers.AutoConfig.from_pretrained(out).architectures == [family]
     theirs = transformers.AutoTokenizer.from_pretrained(out)
     for text in TEXTS:
         assert theirs(text)["input_ids"] == tok.encode(text), text

@@ -49,7 +49,7 @@ CONFIG_FILE, WEIGHTS_FILE, METADATA_FILE = "config.json", "model.safetensors", "
 FORMAT = "minikv-checkpoint-2"  # the header's sha256 covers config.json and training.json too
 MODELS_DIR = Path(__file__).parent / "models"
 # shipped in minikv/course/models/<name>/, made by `python -m minikv train --ship`
-COURSE_MODELS = ("target", "draft", "target-gqa2", "target-mqa")
+COURSE_MODELS = ("target", "draft", "target-gqa2", "target-mqa", "target-rope")
 # config.json is ~150 bytes and training.json a few KB: a bigger one is not the package's, and is
 # refused before it is read (parsing a JSON file takes several times its size in memory)
 MAX_JSON_BYTES = 1 << 20
@@ -94,6 +94,9 @@ def save_checkpoint(model: GPT, directory: str | Path, metadata: dict | None = N
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata=header)
         (tmp / CONFIG_FILE).write_bytes(config_bytes)
         (tmp / METADATA_FILE).write_bytes(meta_bytes)
+        # safetensors creates its file readable by its owner only (0600): give it the mode the
+        # umask gives the JSON files, so a checkpoint one user saves, others can load
+        shutil.copymode(tmp / CONFIG_FILE, tmp / WEIGHTS_FILE)
         for path in tmp.iterdir():
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
@@ -356,7 +359,9 @@ def load_course_model(name: str = "target", device: str | torch.device | None = 
                       ) -> tuple[GPT, tiktoken.Encoding]:
     """A shipped course model and its tokenizer: "target" (the model the course studies), "draft"
     (a much cheaper one with the same tokenizer, for speculative decoding), or the target's
-    grouped-query variants "target-gqa2" (2 K/V heads) and "target-mqa" (1), chapter 07's."""
+    grouped-query variants "target-gqa2" (2 K/V heads) and "target-mqa" (1), chapter 07's; or
+    "target-rope", the target's shape with a Llama-style block (rotary positions, RMSNorm,
+    SwiGLU), chapter 08's."""
     if name not in COURSE_MODELS:
         raise ValueError(f"unknown course model {name!r}; "
                          f"valid names: {', '.join(map(repr, COURSE_MODELS))}")

@@ -179,7 +179,7 @@ def report(device=None) -> str:
               "unseen names of several tokens": corpus.unseen_coin_flips(200,
                                                                          keep=multi_token(tok))}
     unseen_acc = {(name, which): coin_flip_accuracy(models[name], tok, questions=qs)
-                  for name in ("target", "draft") for which, qs in unseen.items()}
+                  for name in ("target", "target-rope", "draft") for which, qs in unseen.items()}
     people = [p for q in unseen["unseen names"] for p, _ in q.steps]
     several = statistics.mean(map(multi_token(tok), people))
     # the draft, and for scale two proposers of the target's own size made from it (the variants)
@@ -231,7 +231,9 @@ def report(device=None) -> str:
         "were trained in two phases, the second on from the first's weights (`FINISHING` in",
         "minikv/course/train.py: the target on more of the longest questions, the draft distilled "
         "from",
-        "the target). \"pooled only\" rows below measure the pooled model before any uptraining.",
+        "the target). `target-rope` (chapter 08) is the target's shape with a Llama-style block",
+        "(rotary positions, RMSNorm, SwiGLU), trained by the target's two phases step for step.",
+        "\"pooled only\" rows below measure the pooled model before any uptraining.",
         "Weights stored as float16 are rounded from the trained float32 ones (to keep every",
         "shipped file within 64 MB together) and computed in float32 once loaded; every table",
         "below measures the shipped files.",

@@ -461,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.init and args.phase != 2:
         parser.error("--init is the start of a second phase: give --phase 2 too")
     # the target first: the draft's second phase learns from it, the variants start from it
-    presets = ["target", "draft", *VARIANTS] if args.preset == "all" else [args.preset]
+    every = ["target", "draft", "target-rope", *VARIANTS]
+    presets = every if args.preset == "all" else [args.preset]
     if args.out and len(presets) > 1:
         parser.error("--out needs a single --preset")
     try:

@@ -1,16 +1,25 @@
 """Checkers for chapter 08 (a modern model: what rotary positions change for the cache), each
 against the engine's RoPE (minikv/engine/rope.py), in a CPU second, from data (the recipe in
 __init__.py): rope_key (turn a key by hand), move_key (move a turned key to another position
-without its input) and decode_one_head (debug: a cache that holds keys before their turn).
+without its input), decode_one_head (debug: a cache that holds keys before their turn) and
+predict_reindexed (predict, then measure: which answers a window's re-indexed numbering changes,
+measured on target-rope).
 """
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import torch
 
+from ...engine import GPT
+from ...engine.attention import window_attention
 from ...engine.rope import rope_angles, rotate, turn
-from . import Exercise, tensor
+from ...engine.window import feed
+from ..checkpoint import load_course_model
+from ..corpus import coin_flip_eval
+from ..tokenizer import load_tokenizer
+from . import Exercise, integer, tensor
 
 THETA = 10000.0
 
@@ -206,4 +215,79 @@ DECODE = Exercise(
 )
 check_decode_one_head = DECODE.check
 
-EXERCISES = (ROPE_KEY, MOVE_KEY, DECODE)
+
+
+# --- exercise 4: predict, then measure: which answers re-indexing changes ----------------------
+
+QUESTIONS_PER_COUNT = 3  # the held-out plain questions, 1 to 8 people: 24 questions
+
+
+# the held-out questions' prompts as the notebook makes them (a tokenizer, no model: quick)
+PROMPTS = [load_tokenizer().encode(q.prompt()) for q in coin_flip_eval(QUESTIONS_PER_COUNT)]
+LENGTHS = [len(ids) for ids in PROMPTS]  # the questions' lengths in tokens, given to the learner
+
+
+@lru_cache(maxsize=None)
+def measure_reindexed(sinks: int, window: int) -> int:
+    """How many of the questions' answer logits differ (by more than 1e-3; a changed one moves by
+    far more) when target-rope reads each in one pass through sinks and a window, positions true
+    and re-indexed by slot (window_attention, tested equal to SinkWindowCache's numberings)."""
+    model, _ = load_course_model("target-rope", "cpu")
+    changed = 0
+    with torch.inference_mode():
+        for ids in PROMPTS:
+            x = torch.tensor([ids])
+            true, slot = (model(x, last_only=True, attention=window_attention(sinks, window, r))
+                          [0, -1] for r in (None, model.config.rope_theta))
+            changed += bool((true - slot).abs().max() > 1e-3)
+    return changed
+
+
+def predict_by_hand(lengths: list[int], sinks: int, window: int) -> int:
+    """The solution: the answer is read at position L - 1, which sits at slot
+    min(L - 1, sinks + window); the sinks are seen from that slot, so nothing moves until the
+    text is longer than sinks + window + 1 tokens, and with no sinks nothing at all."""
+    return sum(L - 1 > sinks + window for L in lengths) if sinks else 0
+
+
+REINDEX_CASES = [(4, 19), (4, 47), (0, 16), (2, 62), (4, 120)]
+
+PREDICT = Exercise(
+    "predict_reindexed",
+    cases=[(LENGTHS, sinks, window) for sinks, window in REINDEX_CASES],
+    describe=lambda lengths, sinks, window: (f"the {len(lengths)} questions through {sinks} "
+                                             f"sinks and a window of {window}"),
+    reference=lambda lengths, sinks, window: measure_reindexed(sinks, window),
+    returns=integer("return one int: how many of the questions' answer logits change"),
+    explain=lambda lengths, sinks, window: (
+        f"measured: the answer logits of {measure_reindexed(sinks, window)} of the "
+        f"{len(lengths)} questions change"),
+    mistakes={
+        "off by one: a query at position t sits at slot min(t, sinks + window), because the "
+        "window holds `window` positions and the new token comes on top; a question of L "
+        "tokens reads its answer at position L - 1":
+            lambda lengths, sinks, window: (sum(L > sinks + window for L in lengths)
+                                            if sinks else 0),
+        "off by one the other way: the answer is read at position L - 1 (the first token is "
+        "position 0), and it moves to another slot only when L - 1 > sinks + window":
+            lambda lengths, sinks, window: (sum(L - 2 > sinks + window for L in lengths)
+                                            if sinks else 0),
+        "the sinks count: the cache holds sinks + window positions (and the new token) before "
+        "anything is evicted, so a question changes only when longer than that":
+            lambda lengths, sinks, window: (sum(L - 1 > window for L in lengths)
+                                            if sinks else 0),
+        "with no sinks, every held key is a window key, and a window key slides down its slots "
+        "together with the query: each distance stays true, and nothing changes":
+            lambda lengths, sinks, window: sum(L - 1 > sinks + window for L in lengths),
+    },
+    otherwise="a question changes when its answer's query, at position L - 1, no longer sits at "
+              "its true position: that is when L - 1 > sinks + window, and only if there are "
+              "sinks to see from the wrong distance",
+    forbid=(GPT.forward, feed),
+    solution=predict_by_hand,
+)
+
+
+check_predict_reindexed = PREDICT.check
+
+EXERCISES = (ROPE_KEY, MOVE_KEY, DECODE, PREDICT)
