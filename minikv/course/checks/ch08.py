@@ -1,9 +1,9 @@
 """Checkers for chapter 08 (a modern model: what rotary positions change for the cache), each
-against the engine's RoPE (minikv/engine/rope.py), in a CPU second, from data (the recipe in
-__init__.py): rope_key (turn a key by hand), move_key (move a turned key to another position
-without its input), decode_one_head (debug: a cache that holds keys before their turn) and
-predict_reindexed (predict, then measure: which answers a window's re-indexed numbering changes,
-measured on target-rope).
+against the engine's RoPE (minikv/engine/rope.py) or target-rope, in a few CPU seconds, from data
+(the recipe in __init__.py): rope_key (turn a key by hand), move_key (move a turned key to another
+position without its input), decode_one_head (debug: a cache that holds keys before their turn)
+and predict_reindexed (predict, then measure: which answers a window's re-indexed numbering
+changes, measured on target-rope).
 """
 from __future__ import annotations
 
@@ -216,12 +216,9 @@ DECODE = Exercise(
 check_decode_one_head = DECODE.check
 
 
-
 # --- exercise 4: predict, then measure: which answers re-indexing changes ----------------------
 
 QUESTIONS_PER_COUNT = 3  # the held-out plain questions, 1 to 8 people: 24 questions
-
-
 # the held-out questions' prompts as the notebook makes them (a tokenizer, no model: quick)
 PROMPTS = [load_tokenizer().encode(q.prompt()) for q in coin_flip_eval(QUESTIONS_PER_COUNT)]
 LENGTHS = [len(ids) for ids in PROMPTS]  # the questions' lengths in tokens, given to the learner
@@ -286,8 +283,6 @@ PREDICT = Exercise(
     forbid=(GPT.forward, feed),
     solution=predict_by_hand,
 )
-
-
 check_predict_reindexed = PREDICT.check
 
 EXERCISES = (ROPE_KEY, MOVE_KEY, DECODE, PREDICT)
