@@ -26,11 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import signal
-import threading
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 
@@ -42,7 +38,7 @@ from safetensors.torch import save_file
 from ..engine import GPT, GPTConfig
 from ..engine.config import GPT2_FIELDS
 from .device import resolve_device
-from .files import check_writable, read_at_most
+from .files import check_writable, read_at_most, replace_directory
 from .tokenizer import load_tokenizer
 
 CONFIG_FILE, WEIGHTS_FILE, METADATA_FILE = "config.json", "model.safetensors", "training.json"
@@ -87,48 +83,13 @@ def save_checkpoint(model: GPT, directory: str | Path, metadata: dict | None = N
     header = {"format": "pt", "minikv": FORMAT,
               "sha256": checkpoint_sha256(config_bytes, meta_bytes, tensors)}
     check_writable(directory)
-    tmp = directory.with_name(f".{directory.name}.saving-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
+
+    def fill(tmp: Path) -> None:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata=header)
         (tmp / CONFIG_FILE).write_bytes(config_bytes)
         (tmp / METADATA_FILE).write_bytes(meta_bytes)
-        # safetensors creates its file readable by its owner only (0600): give it the mode the
-        # umask gives the JSON files, so a checkpoint one user saves, others can load
-        shutil.copymode(tmp / CONFIG_FILE, tmp / WEIGHTS_FILE)
-        for path in tmp.iterdir():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-        _swap(tmp, directory)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    replace_directory(directory, fill)
     return directory
-
-
-@contextmanager
-def _sigint_held():
-    """Hold a Ctrl-C until the block is done, then raise it: a swap is never left halfway."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught = []
-    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if caught:
-        raise KeyboardInterrupt
-
-
-def _swap(new: Path, directory: Path) -> None:
-    old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
-    with _sigint_held():
-        if directory.exists():
-            os.rename(directory, old)
-        os.rename(new, directory)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def checkpoint_sha256(config_bytes: bytes, meta_bytes: bytes,

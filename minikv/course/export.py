@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -27,7 +25,7 @@ from safetensors.torch import save_file
 from ..engine import GPT
 from ..engine.config import LLAMA
 from .checkpoint import COURSE_MODELS, load_checkpoint, load_course_model
-from .files import check_writable
+from .files import check_writable, replace_directory
 from .tokenizer import RANKS_PATH, load_tokenizer
 
 PACKAGE = Path(__file__).resolve().parent.parent
@@ -129,19 +127,12 @@ def export_hf(model: GPT, out: str | Path, force: bool = False) -> Path:
     tensors = gpt2_state_dict(model) if family == "gpt2" else llama_state_dict(model)
     tensors = {name: t.detach().to("cpu", torch.float32).contiguous()
                for name, t in tensors.items()}
-    tmp = out.with_name(f".{out.name}.exporting-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
+
+    def fill(tmp: Path) -> None:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config(model, eot), indent=2) + "\n")
         write_tokenizer(tmp)
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return replace_directory(out, fill)
 
 
 def main(argv: list[str] | None = None) -> int:

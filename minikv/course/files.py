@@ -3,7 +3,11 @@ file a user can point it at is read through `read_at_most`."""
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import stat
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -19,6 +23,57 @@ def check_writable(directory: str | Path) -> None:
         raise ValueError(f"cannot create {parent} ({e.strerror}): choose a writable path") from None
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"{parent} is not writable: choose a writable path")
+
+
+def replace_directory(directory: str | Path, fill) -> Path:
+    """Write a directory's files with `fill(tmp)` into a temporary sibling, flush them to disk,
+    then swap it in for `directory` at once: a reader, a crash or a Ctrl-C (held until the swap
+    is done) never sees half of it. Every file gets the mode the umask gives a new file (a
+    library may write its own way: safetensors makes its files readable by their owner only)."""
+    directory = Path(directory)
+    tmp = directory.with_name(f".{directory.name}.writing-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        fill(tmp)
+        probe = tmp / ".mode"
+        probe.touch()
+        mode = stat.S_IMODE(probe.stat().st_mode)
+        probe.unlink()
+        for path in tmp.rglob("*"):
+            if path.is_file():
+                os.chmod(path, mode)
+                with open(path, "rb") as f:
+                    os.fsync(f.fileno())
+        _swap(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return directory
+
+
+@contextmanager
+def _sigint_held():
+    """Hold a Ctrl-C until the block is done, then raise it: a swap is never left halfway."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
+def _swap(new: Path, directory: Path) -> None:
+    old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+    with _sigint_held():
+        if directory.exists():
+            os.rename(directory, old)
+        os.rename(new, directory)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def write_atomically(path: str | Path, data: bytes | str) -> Path:

@@ -15,9 +15,9 @@ grouped-query variants are uptrained from the target (UPTRAINING).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
@@ -32,7 +32,7 @@ from ..engine.validate import int_at_least
 from . import corpus
 from .checkpoint import COURSE_MODELS, MODELS_DIR, load_checkpoint, read_metadata, save_checkpoint
 from .device import describe_device, resolve_device
-from .files import check_writable
+from .files import check_writable, write_atomically
 from .tokenizer import load_tokenizer
 from .variants import mean_pool_kv_heads
 
@@ -368,11 +368,10 @@ def save_state(path: Path, run: dict, step: int, smooth: float, wall: float, mod
                opt: torch.optim.Optimizer, gen: torch.Generator) -> None:
     """Everything a run needs to go on from `step`, written atomically (a Ctrl-C mid-write
     leaves the last state whole)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    buffer = io.BytesIO()
     torch.save(dict(run=json.dumps(run, sort_keys=True), step=step, smooth=smooth, wall=wall,
-                    model=model.state_dict(), opt=opt.state_dict(), gen=gen.get_state()), tmp)
-    os.replace(tmp, path)
+                    model=model.state_dict(), opt=opt.state_dict(), gen=gen.get_state()), buffer)
+    write_atomically(path, buffer.getvalue())
 
 
 def resume(path: Path | None, run: dict, model: GPT, opt: torch.optim.Optimizer,
