@@ -6,11 +6,13 @@
     evaluate   measure the shipped models; write docs/course-models.md
     figures    redraw figures/ from engine runs
     bench      the benchmarks: benchmarks/README.md, results.json, plots.png
+    bench-load the server under load: latency percentiles, goodput, chunked prefill
     exercises  regenerate exercises/ from solutions/ (--check: only report)
     grade      grade exercise notebooks by what they compute: ✓/✗ per exercise, then the score
     run        execute notebooks in place, saving their outputs
     mutants    the checkers' mutation score: mutate each solution, count the checks that catch it
     export     write a course model as a Hugging Face checkpoint (transformers, vLLM, SGLang)
+    serve-http serve a course model over HTTP, OpenAI-compatible (/v1/completions, streamed)
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ COMMANDS = {
     "run": ("minikv.course.notebooks", True),
     "mutants": ("minikv.course.mutants", False),
     "export": ("minikv.course.export", False),
+    "serve-http": ("minikv.server", False),
+    "bench-load": ("minikv.bench.load", False),
 }
 
 

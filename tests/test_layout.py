@@ -8,7 +8,7 @@ import minikv
 
 PACKAGE = Path(minikv.__file__).parent
 ENGINE = PACKAGE / "engine"
-TOOLING = ("viz", "course", "bench")
+TOOLING = ("viz", "course", "bench", "server")
 # What the engine may weigh, in statements (not lines: a budget in lines pays for packing code
 # to the column limit). Each feature added after the seams issue brings its own allowance, so
 # growth is a decision, not a drift.
@@ -18,6 +18,8 @@ ENGINE_STATEMENT_BUDGET = sum({
     "issue 31: types at the boundary (flags, models, token containers, allocation)": 26,
     "issue 32: the Llama-style block (RoPE, RMSNorm, SwiGLU, no biases), its loader": 72,
     "issue 32: a window cache's three numberings under RoPE, and their one-pass mask": 38,
+    "issue 33: chunked prefill (a chunk a step, one packed pass with the decodes)": 66,
+    "issue 33: Engine, serve()'s loop a step at a time (add, step, abort) for a server": 58,
 }.values())
 # The shape of readable code, measured as code-review-2026-11-25.md measured it (section 2).
 LONGEST_FUNCTION = 45       # lines, signature and docstring included (nano-vllm's engine: 49)
@@ -167,8 +169,8 @@ SEAMS = {  # file -> the names ARCHITECTURE.md tells a newcomer to use there
     "verify.py": ["verify_and_commit"],
     "attention.py": [],
     "scheduler.py": ["Scheduler", "FirstComeFirstServed", "next_waiting", "fits", "victim",
-                     "TokenBudget", "step"],
-    "serving.py": ["Runner"],
+                     "TokenBudget", "step", "ChunkedPrefill", "chunk"],
+    "serving.py": ["Runner", "Engine", "mixed"],
     "paged.py": ["BlockPool"],
     "model.py": ["causal_attention"],
     "records.py": ["GenerationOutput", "TraceEvent"],

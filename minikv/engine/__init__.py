@@ -11,7 +11,7 @@ from .model import GPT, causal_attention
 from .quantized import QuantizedKVCache
 from .records import GenerationOutput, KVCounter, Stats, TraceEvent
 from .sampling import SamplingParams
-from .scheduler import FirstComeFirstServed, Scheduler, TokenBudget
+from .scheduler import ChunkedPrefill, FirstComeFirstServed, Scheduler, TokenBudget
 from .serving import Request, RequestOutput, serve
 from .speculative import Proposal, speculate, speculative_generate
 from .verify import Verdict, verify_and_commit
@@ -22,4 +22,4 @@ __all__ = ["Cache", "KVCache", "kv_cache_bytes", "PRESETS", "GPTConfig", "Genera
            "SamplingParams", "Request", "RequestOutput", "serve", "speculative_generate",
            "speculate", "Proposal", "lookup_generate", "generate_batch", "QuantizedKVCache",
            "SinkWindowCache", "Verdict", "verify_and_commit", "Scheduler",
-           "FirstComeFirstServed", "TokenBudget"]
+           "FirstComeFirstServed", "TokenBudget", "ChunkedPrefill"]

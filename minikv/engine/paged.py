@@ -155,11 +155,13 @@ class BlockPool:
             blocks.append(self.by_hash[h])
         return blocks
 
-    def publish(self, prompt: list[int], table: BlockTable) -> None:
-        """Make the prompt's full blocks (the first ones of `table`) findable by their
-        hashes, for the prompts to come; a hash already known keeps its block."""
+    def publish(self, prompt: list[int], table: BlockTable, upto: int | None = None) -> None:
+        """Make the prompt's full blocks (the first ones of `table`; with `upto`, only
+        those within its first `upto` positions, the ones computed so far) findable by
+        their hashes, for the prompts to come; a hash already known keeps its block."""
         h = ""
-        for i in range(len(prompt) // self.page_size):
+        end = len(prompt) if upto is None else min(len(prompt), upto)
+        for i in range(end // self.page_size):
             h = block_hash(h, prompt[i * self.page_size:(i + 1) * self.page_size])
             if h not in self.by_hash:
                 self.by_hash[h] = table.blocks[i]

@@ -13,9 +13,9 @@ import torch
 # --- trace events: one per forward pass or cache operation -----------------------------
 # recompute: naive decoding feeds all again; prefill: the prompt; decode: one new token;
 # draft: a draft pass; verify: the authority's pass; rollback: caches cropped; commit:
-# tokens kept
+# tokens kept; chunk: a chunk of a server's prompt that does not end it (no token yet)
 Kind = Literal["recompute", "prefill", "decode", "draft", "verify", "rollback", "commit",
-               "preempt"]
+               "preempt", "chunk"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,6 +112,7 @@ class ServeStats(VerifyStats):
     fast_steps: int = 0  # batched decode steps this request took part in
     reused: int = 0      # prompt positions whose K/V came from another prompt's blocks
     preempted: int = 0   # times its blocks were taken back, to be recomputed
+    prefill_chunks: int = 0  # passes its prompt was computed in, under chunked prefill
 
 
 # --- counting K/V work -----------------------------------------------------------------

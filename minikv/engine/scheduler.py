@@ -8,6 +8,12 @@ whose window is full, one batched decode pass, and the release of what finished.
 the books through the pool: a newcomer's blocks are taken at admission, so the next
 admission sees them gone.
 
+With chunked prefill (`ChunkedPrefill`, Sarathi-Serve's stall-free batching, the default
+of vLLM and SGLang) a step is instead ONE pass: a row for each decoding request's newest
+token, then the next chunk of each prompt still being prefilled, as many tokens as the
+step's budget has left. A long prompt then neither waits for an emptier step nor stalls
+the decodes running beside it: every step costs about the same.
+
 The policy answers three questions (`FirstComeFirstServed`, vLLM's default; a new policy
 subclasses it and overrides any of them):
 - `next_waiting`: which waiting request is considered next (admission stops at None);
@@ -15,8 +21,9 @@ subclasses it and overrides any of them):
 - `victim`: which running request is preempted when the pool cannot give every row its
   slot.
 
-`TokenBudget` adds a per-step token budget (vLLM's max_num_batched_tokens): the budget
-that chunked prefill spends on chunks of a long prompt.
+`TokenBudget` adds a per-step token budget (vLLM's max_num_batched_tokens), and
+`ChunkedPrefill` spends what a step has left of it on chunks of the prompts; a policy
+says how many of a prompt's tokens a step computes (`chunk`).
 """
 from __future__ import annotations
 
@@ -42,6 +49,8 @@ class Sequence:
         self.tokens = list(prompt)          # the prompt, then every committed new token
         self.proposals: list[int] = []      # fast-path tokens awaiting verification
         self.table = BlockTable(owner=index)
+        self.prefill_end = 0                # positions its prefill computes before a token
+        self.chunk = 0                      # of them, how many this step computes
         self.stats = ServeStats(prompt_len=len(prompt))
         self.events: list[TraceEvent] = []
         self.fast_logits: list[torch.Tensor] = []
@@ -49,6 +58,12 @@ class Sequence:
     @property
     def new_tokens(self) -> list[int]:
         return self.tokens[len(self.prompt):]
+
+    @property
+    def prefilling(self) -> bool:
+        """Admitted, its prompt (or a preempted request's tokens) not all computed yet: it
+        samples no token until the chunk that ends it."""
+        return self.table.length < self.prefill_end
 
     @property
     def done(self) -> bool:
@@ -79,12 +94,17 @@ class Sequence:
         replayed = max(0, len(self.tokens) - 1 - len(self.prompt))
         return len(self.prompt) + -(-replayed // window) * window
 
-    def finish(self) -> None:
-        """Cut what was produced past max_new_tokens or the EOS."""
+    @property
+    def committed(self) -> list[int]:
+        """Its new tokens, cut past max_new_tokens or after the EOS."""
         new = self.new_tokens[: self.request.max_new_tokens]
         if self.sampling.eos_id in new:
             new = new[: new.index(self.sampling.eos_id) + 1]
-        self.tokens = self.prompt + new
+        return new
+
+    def finish(self) -> None:
+        """Cut what was produced past max_new_tokens or the EOS."""
+        self.tokens = self.prompt + self.committed
 
 
 @dataclass(frozen=True)
@@ -100,6 +120,8 @@ class Admission:
 
 class FirstComeFirstServed:
     """Admit in arrival order while the request at the head fits; preempt the newest."""
+
+    chunked_prefill = False  # a step: the newcomers' whole prompts, then a decode pass
 
     def next_waiting(self, sched: Scheduler) -> Sequence | None:
         """The head of the queue, once it has arrived: nobody overtakes it."""
@@ -119,6 +141,10 @@ class FirstComeFirstServed:
         least to recompute."""
         return next(s for s in reversed(sched.running) if s is not keep)
 
+    def chunk(self, sched: Scheduler, s: Sequence) -> int:
+        """How many of the positions `s` has still to prefill this step computes: all."""
+        return s.prefill_end - s.table.length
+
 
 class TokenBudget(FirstComeFirstServed):
     """First come, first served under a budget of `max_tokens` tokens per engine step
@@ -135,6 +161,31 @@ class TokenBudget(FirstComeFirstServed):
         # its prefill's tokens and its decode row, on top of the step's
         within = sched.step_tokens + admission.tokens + 1 <= self.max_tokens
         return (within or not sched.running) and super().fits(sched, s, admission)
+
+
+class ChunkedPrefill(TokenBudget):
+    """Chunked prefill under a budget of `max_tokens` tokens per step (Sarathi-Serve;
+    vLLM's enable_chunked_prefill): each step is one pass that spends the budget on a
+    token for every decoding request first, then on the next chunk of each prompt being
+    prefilled, oldest first; a newcomer is admitted while the step has a token left (and
+    the pool its blocks), its prompt computed a chunk a step. A deterministic request's
+    prompt is still computed whole and alone (its bits must not depend on the chunking),
+    so it is admitted as under TokenBudget."""
+
+    chunked_prefill = True
+
+    def fits(self, sched: Scheduler, s: Sequence, admission: Admission) -> bool:
+        if s.deterministic:
+            return super().fits(sched, s, admission)
+        room = sched.step_tokens < self.max_tokens
+        return (room or not sched.running) and FirstComeFirstServed.fits(self, sched, s,
+                                                                         admission)
+
+    def chunk(self, sched: Scheduler, s: Sequence) -> int:
+        """What the step's budget has left, up to the rest of its prompt (none when the
+        decodes took it all: they finish, and the prompt goes on)."""
+        left = self.max_tokens - sched.step_tokens
+        return max(0, min(s.prefill_end - s.table.length, left))
 
 
 class Scheduler:
@@ -165,12 +216,19 @@ class Scheduler:
         new = self.admit()
         if not self.running and self.waiting[0].request.arrival <= self.now:
             raise RuntimeError(f"{self.policy} admits nothing while nothing runs: let one in")
-        runner.prefill(new, self.now)
+        chunked = self.policy.chunked_prefill
+        runner.prefill([s for s in new if s.deterministic or not chunked], self.now)
         # 2. Verify the deterministic requests whose window is full: alone, fixed shapes.
         for s in self.to_verify():
             runner.verify(s, self.now)
-        # 3. One batched decode pass for every other running request.
-        runner.decode(self.to_decode(), self.now)
+        # 3. One batched decode pass for every other running request; with chunked
+        #    prefill, the same pass also computes the step's prompt chunks.
+        if chunked:
+            decoding = self.to_decode()  # may preempt: chunks only for those still here
+            runner.mixed(decoding, [s for s in self.running if s.prefilling and s.chunk],
+                         self.now)
+        else:
+            runner.decode(self.to_decode(), self.now)
         # 4. Finished requests leave; their blocks go back to the pool at once.
         for s in [s for s in self.running if s.done]:
             self.pool.free_table(s.table)
@@ -184,8 +242,13 @@ class Scheduler:
     # --- admission --------------------------------------------------------------------
     def admit(self) -> list[Sequence]:
         """Move waiting requests to `running` while the policy picks one that fits,
-        taking their blocks at once (held until their prefill runs)."""
-        self.step_tokens = len(self.running)  # a decode row each
+        taking their blocks at once (held until their prefill runs). The step's tokens
+        are counted as they are planned: a decode row for each running request, then the
+        chunk each prompt being prefilled computes."""
+        prefilling = [s for s in self.running if s.prefilling]
+        self.step_tokens = len(self.running) - len(prefilling)  # a decode row each
+        for s in prefilling:
+            self.plan_chunk(s)
         new = []
         while (s := self.policy.next_waiting(self)) is not None:
             admission = self.admission(s)
@@ -214,9 +277,18 @@ class Scheduler:
         s.table.length = len(admission.shared) * self.pool.page_size
         s.stats.reused += s.table.length
         self.pool.reserve(s.table, admission.positions - s.table.length)
-        self.pool.publish(s.prompt, s.table)  # findable now: its prefill runs this step
         self.running.append(s)  # counted in the next admission's headroom
-        self.step_tokens += admission.tokens + 1
+        if self.policy.chunked_prefill and not s.deterministic:
+            s.prefill_end = len(s.tokens)  # computed a chunk a step, then its first token
+            self.plan_chunk(s)  # its blocks are published as its chunks fill them
+        else:  # its whole prefill this step, and a decode row after it
+            self.pool.publish(s.prompt, s.table)  # findable now: its prefill runs first
+            self.step_tokens += admission.tokens + 1
+
+    def plan_chunk(self, s: Sequence) -> None:
+        """The chunk of its prompt `s` computes this step, as the policy allots it."""
+        s.chunk = self.policy.chunk(self, s)
+        self.step_tokens += s.chunk
 
     # --- what runs --------------------------------------------------------------------
     def to_verify(self):
@@ -233,8 +305,8 @@ class Scheduler:
         """Every other unfinished running request, once the pool has a slot for each
         one's next position (the oldest always goes on)."""
         window = self.verify_window
-        batch = [s for s in self.running
-                 if not s.done and not (s.deterministic and s.ready_to_verify(window))]
+        batch = [s for s in self.running if not s.done and not s.prefilling
+                 and not (s.deterministic and s.ready_to_verify(window))]
         if batch:
             self.make_room(batch, 1, keep=batch[0])
         return [s for s in batch if s in self.running]
@@ -253,6 +325,7 @@ class Scheduler:
         """Its blocks go back and it waits first in line; its committed tokens are kept,
         to be recomputed on readmission, its unverified proposals dropped."""
         s.proposals.clear()
+        s.prefill_end = s.chunk = 0
         s.events.append(TraceEvent(kind="preempt", step=self.now, cache_len_after=0,
                                    cache_len_before=len(s.tokens) - 1))
         self.pool.free_table(s.table, preempted=True)

@@ -103,9 +103,11 @@ def serve(model, requests, window: int = 4, verify: bool = True, trace: bool = F
     the same beginning computed; `max_running` caps how many requests run at once (vLLM's
     `max_num_seqs`; default: as many as the pool admits); `policy` decides who is
     admitted and who is preempted (default: first come, first served;
-    scheduler.TokenBudget caps the tokens of a step). Deterministic requests are verified
-    every `window` positions; with `verify=False` every request keeps the fast path's
-    tokens as they come, as a plain batched server does."""
+    scheduler.TokenBudget caps the tokens of a step; scheduler.ChunkedPrefill spends
+    what a step has left on chunks of the prompts, in one pass with the decodes).
+    Deterministic requests are verified every `window` positions; with `verify=False`
+    every request keeps the fast path's tokens as they come, as a plain batched server
+    does."""
     if block_size is not None:  # the old name: config.block_size is the context length
         warnings.warn("serve(block_size=) is deprecated: use page_size= (positions per "
                       "pool block)", DeprecationWarning, stacklevel=2)
@@ -117,18 +119,92 @@ def serve(model, requests, window: int = 4, verify: bool = True, trace: bool = F
                 prefix_caching=prefix_caching)
     prompts = _checked_prompts(model, requests, window, page_size, max_running, policy)
     num_blocks = _pool_size(requests, prompts, window, page_size, num_blocks)
-    pool = BlockPool(model.config, num_blocks, page_size, device=model.device,
-                     dtype=model.dtype)
-    seqs = [Sequence(i, r, p, verify and r.deterministic)
-            for i, (r, p) in enumerate(zip(requests, prompts))]
-    scheduler = Scheduler(pool, seqs, policy, verify_window=window, trace=trace,
-                          prefix_caching=prefix_caching, max_running=max_running)
-    runner = Runner(model, pool, window, record_logits)
-    with torch.inference_mode():
-        while scheduler.has_work():
-            scheduler.step(runner)
-    return ServeOutputs([_output(s, trace) for s in seqs], pool,
-                        scheduler.pool_steps or [])
+    engine = Engine(model, num_blocks, window=window, verify=verify, trace=trace,
+                    record_logits=record_logits, page_size=page_size,
+                    prefix_caching=prefix_caching, max_running=max_running, policy=policy)
+    for i in sorted(range(len(requests)), key=lambda i: requests[i].arrival):
+        engine.add(requests[i], index=i, prompt=prompts[i])
+    while engine.has_work():
+        engine.step()
+    seqs = sorted(engine.seqs.values(), key=lambda s: s.index)
+    return ServeOutputs([_output(s, trace) for s in seqs], engine.pool,
+                        engine.scheduler.pool_steps or [])
+
+
+class Engine:
+    """serve()'s loop one step at a time, for a caller that adds requests while it runs
+    and reads their tokens as they come (an HTTP server, a load generator): vLLM's
+    LLMEngine (add_request, step, abort_request), nano-vllm's LLMEngine. Not thread-safe:
+    one thread owns it (the server's engine thread)."""
+
+    def __init__(self, model, num_blocks: int, *, window: int = 4, verify: bool = True,
+                 trace: bool = False, record_logits: bool = False, page_size: int = 16,
+                 prefix_caching: bool = True, max_running: int | None = None,
+                 policy: FirstComeFirstServed | None = None):
+        _check_settings(window, page_size, max_running, policy)
+        int_at_least("num_blocks", num_blocks, hint=" (blocks in the pool)")
+        check_flags(verify=verify, trace=trace, record_logits=record_logits,
+                    prefix_caching=prefix_caching)
+        self.model, self.window, self.verify = model, window, verify
+        self.pool = BlockPool(model.config, num_blocks, page_size, device=model.device,
+                              dtype=model.dtype)
+        self.scheduler = Scheduler(self.pool, (), policy, verify_window=window, trace=trace,
+                                   prefix_caching=prefix_caching, max_running=max_running)
+        self.runner = Runner(model, self.pool, window, record_logits)
+        self.seqs: dict[int, Sequence] = {}  # every request added, by index
+        self.sent: dict[int, int] = {}       # new tokens step() has handed out, per request
+
+    def add(self, request: Request, index: int | None = None,
+            prompt: list[int] | None = None) -> int:
+        """Queue `request` behind those that arrive no later (Request.arrival: an engine
+        step; 0 joins the queue now); its index (`index`: serve's own numbering, and
+        `prompt` its already-checked prompt)."""
+        index = len(self.seqs) if index is None else index
+        if prompt is None:
+            if not isinstance(request, Request):
+                raise TypeError(f"request must be a minikv.Request, not {type(request).__name__}")
+            prompt = request.checked_prompt(self.model, self.window, index)
+            _pool_size([request], [prompt], self.window, self.pool.page_size,
+                       self.pool.num_blocks)
+        s = Sequence(index, request, prompt, self.verify and request.deterministic)
+        waiting = self.scheduler.waiting
+        later = [k for k, w in enumerate(waiting) if w.request.arrival > request.arrival]
+        waiting.insert(later[0] if later else len(waiting), s)
+        self.seqs[index], self.sent[index] = s, 0
+        return index
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> dict[int, tuple[list[int], bool]]:
+        """One engine step; for each request it moved on: the tokens it committed in this
+        step (cut at max_new_tokens and the EOS) and whether it is finished."""
+        if not self.has_work():
+            return {}
+        with torch.inference_mode():
+            self.scheduler.step(self.runner)
+        moved = {}
+        for i, s in self.seqs.items():
+            if i not in self.sent:  # finished and handed out, or aborted
+                continue
+            new = s.committed
+            if len(new) > self.sent[i] or s.done:
+                moved[i] = (new[self.sent[i]:], s.done)
+                self.sent[i] = len(new)
+                if s.done:
+                    del self.sent[i]
+        return moved
+
+    def abort(self, index: int) -> None:
+        """Drop a request (its client left): out of the queue, or its blocks back to the
+        pool at once. Nothing happens to a request already finished."""
+        s = self.seqs[index]
+        self.sent.pop(index, None)
+        if s in self.scheduler.waiting:
+            self.scheduler.waiting.remove(s)
+        elif s in self.scheduler.running:
+            self.pool.free_table(s.table)
+            self.scheduler.running.remove(s)
 
 
 def _pool_size(requests, prompts, window, page_size, num_blocks) -> int:
@@ -202,9 +278,20 @@ class Runner:
     def packed_prefill(self, seqs: list[Sequence]) -> None:
         """Every sequence's uncached tokens in one row, each seeing only its own
         positions; each one's first new token from the logits of its last."""
-        past = [s.table.length for s in seqs]
         counts = [len(s.tokens) - s.table.length for s in seqs]
-        ids = [t for s in seqs for t in s.tokens[s.table.length:]]
+        for s, row in zip(seqs, self.packed(seqs, counts)):
+            s.tokens.append(s.sampling.choose(row, len(s.tokens)))
+
+    def packed(self, seqs: list[Sequence], counts: list[int]) -> torch.Tensor:
+        """One pass of one row: the next counts[i] uncached tokens of seqs[i] (a
+        deterministic one's proposals after its tokens), each sequence seeing only its
+        own positions (a packed causal mask, no padding); the logits of each one's last
+        token, (len(seqs), vocab)."""
+        past = [s.table.length for s in seqs]
+        for s, n in zip(seqs, counts):  # a decode row's slot (a prompt's were taken at admission)
+            self.pool.reserve(s.table, n)
+        ids = [t for s, a, n in zip(seqs, past, counts)
+               for t in (s.tokens + s.proposals)[a:a + n]]
         device = self.model.device
         positions = [p for a, n in zip(past, counts) for p in range(a, a + n)]
         mask = packed_causal_mask(past, counts, device)
@@ -213,8 +300,35 @@ class Runner:
                             positions=torch.tensor(positions, device=device),
                             attention=partial(masked_attention, mask=mask))[0]
         ends = torch.tensor(counts).cumsum(0) - 1
-        for s, row in zip(seqs, logits[ends.to(device)]):
-            s.tokens.append(s.sampling.choose(row, len(s.tokens)))
+        return logits[ends.to(device)]
+
+    def mixed(self, decoding: list[Sequence], chunked: list[Sequence], step: int) -> None:
+        """Chunked prefill's one pass (Sarathi-Serve): a row for each decoding request's
+        newest token, then each prefilling request's chunk (`s.chunk` tokens), packed as
+        packed_prefill packs prompts. Decodes get their next token; a chunk only if it
+        ends its prompt. Each full block a chunk computed is published for prefix
+        caching: its K/V exists now."""
+        rows = decoding + chunked
+        if not rows:
+            return
+        firsts = [s.table.length for s in rows]
+        logits = self.packed(rows, [1] * len(decoding) + [s.chunk for s in chunked])
+        for s, row in zip(decoding, logits):
+            self.decoded(s, row, step, len(rows), 1)  # dense attention: no split-KV
+        for s, row, first in zip(chunked, logits[len(decoding):], firsts[len(decoding):]):
+            self.pool.publish(s.prompt, s.table, upto=s.table.length)
+            s.stats.prefill_chunks += 1
+            fed = s.tokens[:s.table.length]
+            if not s.prefilling:  # the chunk that ends its prompt: its first new token
+                s.tokens.append(s.sampling.choose(row, len(s.tokens)))
+            kind = ("chunk" if s.prefilling else
+                    "prefill" if len(fed) == len(s.prompt) else "recompute")
+            s.events.append(TraceEvent(
+                kind=kind, step=step, input_ids=tuple(fed),
+                positions=tuple(range(first, len(fed))), cache_len_before=first,
+                cache_len_after=s.table.length, kv_computed=len(fed) - first,
+                token=None if s.prefilling else s.tokens[-1], batch=len(rows)))
+            s.chunk = 0
 
     def verify(self, s: Sequence, step: int) -> None:
         """Replay the request's window alone, at its fixed shape: its proposals are kept
@@ -242,17 +356,24 @@ class Runner:
         attention, n_splits = self.decode_attention(cache, positions)
         ids = torch.tensor([[t] for t in fed], device=self.model.device)
         logits = self.model(ids, cache=cache, last_only=True, attention=attention)[:, -1]
-        for s, row, token_in, pos in zip(batch, logits, fed, positions):
-            token = s.sampling.choose(row, pos + 1)
-            (s.proposals if s.deterministic else s.tokens).append(token)
-            s.stats.fast_steps += 1
-            if self.record_logits:
-                s.fast_logits.append(row.clone())
-            s.events.append(TraceEvent(
-                kind="decode", step=step, input_ids=(token_in,), positions=(pos,),
-                token=token, cache_len_before=pos, cache_len_after=pos + 1,
-                kv_computed=1, batch=len(batch), n_splits=n_splits,
-                unverified=s.deterministic))
+        for s, row in zip(batch, logits):
+            self.decoded(s, row, step, len(batch), n_splits)
+
+    def decoded(self, s: Sequence, row: torch.Tensor, step: int, batch: int,
+                n_splits: int) -> None:
+        """A decode row's outcome: its next token (a deterministic request's next
+        proposal), chosen from `row`, and its event."""
+        token_in = (s.tokens + s.proposals)[-1]
+        pos = len(s.tokens) + len(s.proposals) - 1
+        token = s.sampling.choose(row, pos + 1)
+        (s.proposals if s.deterministic else s.tokens).append(token)
+        s.stats.fast_steps += 1
+        if self.record_logits:
+            s.fast_logits.append(row.clone())
+        s.events.append(TraceEvent(
+            kind="decode", step=step, input_ids=(token_in,), positions=(pos,),
+            token=token, cache_len_before=pos, cache_len_after=pos + 1,
+            kv_computed=1, batch=batch, n_splits=n_splits, unverified=s.deterministic))
 
     def decode_attention(self, cache: PagedCache, positions: list[int]) -> tuple:
         """The decode pass's attention, read through the block tables, split-KV as a GPU
@@ -270,15 +391,19 @@ class Runner:
 
 
 # --- checks: raise before anything runs ---------------------------------------------
-def _checked_prompts(model, requests: list[Request], window, page_size, max_running,
-                     policy) -> list[list[int]]:
-    """Each request's prompt as token ids, once the whole call is known to be right."""
+def _check_settings(window, page_size, max_running, policy) -> None:
     int_at_least("window", window, hint=" (positions verified per pass)")
     int_at_least("page_size", page_size, hint=" (positions per pool block)")
     if max_running is not None:
         int_at_least("max_running", max_running, hint=" (requests running at once)")
     if policy is not None and not isinstance(policy, FirstComeFirstServed):
         raise TypeError(f"policy must be a scheduling policy (TokenBudget(256)), not {policy}")
+
+
+def _checked_prompts(model, requests: list[Request], window, page_size, max_running,
+                     policy) -> list[list[int]]:
+    """Each request's prompt as token ids, once the whole call is known to be right."""
+    _check_settings(window, page_size, max_running, policy)
     if not requests:
         raise ValueError("no requests to serve")
     for i, r in enumerate(requests):

@@ -138,3 +138,57 @@ class PoolStepper(Stepper):
 
     def describe(self, index: int) -> str:
         return pool_caption(self.steps[index])
+
+
+# --- what each engine step computed: prompt chunks and decode rows ----------------------------
+PASS_KINDS = {"prefill": "prompt", "recompute": "prompt", "chunk": "prompt", "decode": "generated"}
+
+
+def step_composition(outputs) -> dict[int, list[tuple[int, str, int]]]:
+    """Per engine step, the rows its passes computed, as (request, "prompt" or "generated",
+    tokens): a prompt (or a chunk of one, or a preempted request's recompute), or a decode
+    row feeding the newest token; from a traced serve() (trace=True)."""
+    if any(o.trace is None for o in outputs):
+        raise ValueError("no trace: serve with trace=True to record each step's rows")
+    steps: dict[int, list[tuple[int, str, int]]] = {}
+    for i, o in enumerate(outputs):
+        for e in o.trace:
+            if e.kind in PASS_KINDS and e.kv_computed:
+                steps.setdefault(e.step, []).append((i, PASS_KINDS[e.kind], e.kv_computed))
+    return dict(sorted(steps.items()))
+
+
+def draw_step_composition(outputs, budget: int | None = None, title: str = "", ax=None
+                          ) -> Figure:
+    """One bar per engine step, as tall as the tokens it computed: each request's rows stacked,
+    a prompt's (or a chunk's) in the prompt colour, a decode row in the colour of the model's
+    own tokens, outlined in the request's colour; the step's token budget as a dashed line."""
+    from .draw import COLORS
+    steps = step_composition(outputs)
+    if ax is None:
+        fig = NotebookFigure(figsize=(9, 3.2))
+        ax = fig.add_axes((0.07, 0.2, 0.9, 0.68))
+    for step, rows in steps.items():
+        bottom = 0
+        for request, kind, n in rows:
+            ax.add_patch(Rectangle((step - 0.4, bottom), 0.8, n, facecolor=COLORS[kind],
+                                   edgecolor=owner_color(request), linewidth=1.2,
+                                   gid=f"step:{step}:r{request}:{kind}"))
+            bottom += n
+    top = max(sum(n for _, _, n in rows) for rows in steps.values())
+    if budget is not None:
+        ax.axhline(budget, color="#444444", linestyle="--", linewidth=1)
+        ax.text(max(steps) + 0.6, budget, f"budget {budget}", va="bottom", ha="right",
+                fontsize=8)
+        top = max(top, budget)
+    ax.set_xlim(min(steps) - 0.8, max(steps) + 0.8)
+    ax.set_ylim(0, top * 1.08)
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("tokens computed")
+    ax.set_title(title, fontsize=9, loc="left")
+    handles = [Patch(facecolor=COLORS["prompt"], label="prompt rows (a whole prompt or a chunk)"),
+               Patch(facecolor=COLORS["generated"], edgecolor="#777777",
+                     label="decode rows (one token each)")]
+    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7,
+              frameon=False, ncol=2)
+    return ax.figure

@@ -53,9 +53,11 @@ def replay(trace: list[TraceEvent]) -> list[Snapshot]:
     out = []
     for e in trace:
         computed, computed_in, newest = list(e.positions), "cache", None
-        if e.kind == "prefill" and 0 < e.cache_len_before <= len(tokens):
+        if (e.kind == "prefill" and 0 < e.cache_len_before <= len(tokens)
+                and len(e.input_ids) < e.cache_len_after):
             # A prefill that continues a cache (generate(..., cache=c) on a filled or forked
             # cache): its first cache_len_before positions are this trace's, reused as they are.
+            # (A server's prefill names every token it sees, a chunked one's last chunk too.)
             keep = e.cache_len_before
             tokens = tokens[:keep] + list(e.input_ids) + [e.token]
             status = status[:keep] + ["prompt"] * len(e.input_ids) + ["generated"]
@@ -69,6 +71,11 @@ def replay(trace: list[TraceEvent]) -> list[Snapshot]:
                 cache_len, written = e.cache_len_after, max(written, e.cache_len_after)
             else:  # naive decoding keeps nothing
                 computed_in = "none"
+        elif e.kind == "chunk":  # a server's prompt, computed so far: no token yet
+            tokens = list(e.input_ids)
+            status = ["prompt"] * len(tokens) if not status else (
+                status[:len(tokens)] + ["prompt"] * (len(tokens) - len(status)))
+            cache_len, written = e.cache_len_after, max(written, e.cache_len_after)
         elif e.kind == "decode":
             tokens.append(e.token)
             status.append("proposed" if e.unverified else "generated")
@@ -122,6 +129,9 @@ def caption(snap: Snapshot, decode=None) -> str:
     if e.kind == "prefill":
         return (f"prefill: {len(e.input_ids)} prompt tokens at positions {_span(e.positions)} → "
                 f"cache length {e.cache_len_after}; first new token {word(e.token)}")
+    if e.kind == "chunk":
+        return (f"prefill chunk: positions {_span(e.positions)} ({e.kv_computed} tokens, beside "
+                f"{e.batch - 1} other row(s)) → cache length {e.cache_len_after}; no token yet")
     if e.kind == "recompute" and e.cache_len_after:
         return (f"readmitted: recompute K/V of positions {_span(e.positions)} into new blocks → "
                 f"cache length {e.cache_len_after}; next {word(e.token)}")

@@ -1,0 +1,333 @@
+"""`python -m minikv bench-load`: the server under load, in wall-clock time.
+
+Requests arrive as a Poisson process (seconds, not engine steps), their prompt and output
+lengths long-tailed (uniform in their logarithm: many short, a few long); the engine
+(engine/serving.py's Engine, the loop the HTTP server runs) adds each when its time comes and
+steps while anything runs. Every token is stamped when the step that made it ends, so:
+
+- TTFT (time to first token): first token − arrival (queueing and the prompt's prefill);
+- ITL (inter-token latency): the gap between a request's consecutive tokens;
+- E2E: last token − arrival; throughput: output tokens / seconds;
+- goodput: the requests a second that met the SLO (TTFT and mean ITL both within bounds),
+  DistServe's measure: throughput that is no use to a user who gave up does not count.
+
+Machines differ, so every time is also given in units of one measured step: `step_1`, the
+median time of a decode step with one request running, measured first in the same run. The
+SLO is set in those units (TTFT ≤ 30 steps, mean ITL ≤ 3 steps), and the arrival rates are
+fractions of the capacity measured in the same run (every request arriving at once).
+
+Three experiments: latency at several arrival rates and policies; a long prompt arriving
+beside running decodes (its ITL spike, without and with chunked prefill); and a step's cost
+against the tokens it computes (the straight line chapter 06's students predict, then measure).
+Writes results.json and README.md to --out (default runs/bench-load; `make bench` writes
+benchmarks/load/).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..course.files import check_writable, write_atomically
+from ..engine import KVCounter, Request
+from ..engine.scheduler import ChunkedPrefill, TokenBudget
+from ..engine.serving import Engine
+
+
+@dataclass
+class Timed:
+    """One request of a load run: when it arrived and when each of its tokens came out."""
+    arrival: float
+    prompt_len: int
+    tokens: list[float] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float:
+        return self.tokens[0] - self.arrival
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.tokens, self.tokens[1:])]
+
+    @property
+    def e2e(self) -> float:
+        return self.tokens[-1] - self.arrival
+
+
+def long_tailed(n: int, rate: float | None, seed: int, vocab: int, prompt=(8, 160),
+                output=(4, 64)) -> list[tuple[float, Request]]:
+    """n greedy requests of random tokens, (arrival seconds, Request): lengths uniform in their
+    logarithm within `prompt` and `output`; Poisson arrivals at `rate` a second (None: all at
+    0, the offline case that measures capacity). No EOS: each makes exactly its budget."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+
+    def draw(lo, hi):
+        return round(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+    for _ in range(n):
+        t += rng.expovariate(rate) if rate else 0.0
+        prompt_ids = [rng.randrange(1, vocab) for _ in range(draw(*prompt))]
+        out.append((t, Request(prompt_ids, draw(*output))))
+    return out
+
+
+def run(model, workload: list[tuple[float, Request]], policy=None, *, num_blocks: int = 256,
+        page_size: int = 16, max_running: int = 16) -> tuple[list[Timed], list[tuple[int, float]]]:
+    """Serve `workload` in real time: each request added when its arrival time has passed,
+    the engine stepped while anything runs. The requests' token times, and each step's
+    (tokens computed, seconds)."""
+    engine = Engine(model, num_blocks, page_size=page_size, max_running=max_running,
+                    policy=policy)
+    timed = [Timed(t, len(r.prompt)) for t, r in workload]
+    steps, pending, start = [], 0, time.perf_counter()
+    with KVCounter(model) as counter:
+        while pending < len(workload) or engine.has_work():
+            now = time.perf_counter() - start
+            while pending < len(workload) and workload[pending][0] <= now:
+                engine.add(workload[pending][1], index=pending)
+                pending += 1
+            if not engine.has_work():  # idle until the next arrival
+                time.sleep(max(0.0, workload[pending][0] - now))
+                continue
+            before, t0 = counter.count, time.perf_counter()
+            moved = engine.step()
+            t1 = time.perf_counter()
+            steps.append((counter.count - before, t1 - t0))
+            for i, (tokens, _) in moved.items():
+                timed[i].tokens += [t1 - start] * len(tokens)
+    return timed, steps
+
+
+def pct(values: list[float], q: float) -> float:
+    """The q-th percentile (linear between ranks, as numpy's default)."""
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo = math.floor(k)
+    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (k - lo)
+
+
+def report(timed: list[Timed], step_1: float, slo_ttft: float, slo_itl: float) -> dict:
+    """Percentiles of TTFT, ITL and E2E (in seconds and in units of step_1), throughput, and
+    goodput under the SLO (bounds in step_1 units)."""
+    ttft = [r.ttft for r in timed]
+    itl = [x for r in timed for x in r.itls]
+    e2e = [r.e2e for r in timed]
+    span = max(r.tokens[-1] for r in timed) - min(r.arrival for r in timed)
+    good = [r for r in timed if r.ttft <= slo_ttft * step_1
+            and (not r.itls or statistics.mean(r.itls) <= slo_itl * step_1)]
+    row = {"requests": len(timed), "seconds": span,
+           "tokens_per_s": sum(len(r.tokens) for r in timed) / span,
+           "requests_per_s": len(timed) / span,
+           "goodput_per_s": len(good) / span, "slo_met": len(good) / len(timed)}
+    for name, values in (("ttft", ttft), ("itl", itl), ("e2e", e2e)):
+        for q in (50, 90, 99):
+            row[f"{name}_p{q}"] = pct(values, q)
+            row[f"{name}_p{q}_steps"] = pct(values, q) / step_1
+    return row
+
+
+def one_step(model, repeats: int = 30) -> float:
+    """step_1: the median seconds of a decode step with one request running."""
+    engine = Engine(model, 64)
+    engine.add(Request([1, 2, 3, 4], repeats + 5))
+    engine.step()  # its prefill
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def policies(budgets) -> dict:
+    out = {"first come, first served": None, "token budget 64 (no chunks)": TokenBudget(64)}
+    return out | {f"chunked prefill, budget {b}": ChunkedPrefill(b) for b in budgets}
+
+
+def long_prompt_arrives(model, policy, n_running: int, n_new: int, long_len: int,
+                        after_steps: int) -> dict:
+    """n_running short requests decoding, a long_len-token prompt arriving after_steps steps
+    in: the ITL of the running requests (p50, p99, max) while it is computed, and the long
+    request's TTFT; seconds."""
+    engine = Engine(model, 256, policy=policy)
+    rng = random.Random(0)
+    for i in range(n_running):
+        engine.add(Request([rng.randrange(1, 500) for _ in range(8)], n_new), index=i)
+    times = {i: [] for i in range(n_running + 1)}
+    start = time.perf_counter()
+    step = 0
+    while engine.has_work():
+        if step == after_steps:
+            arrived = time.perf_counter() - start
+            engine.add(Request([rng.randrange(1, 500) for _ in range(long_len)], 4),
+                       index=n_running)
+        moved = engine.step()
+        t = time.perf_counter() - start
+        step += 1
+        for i, (tokens, _) in moved.items():
+            times[i] += [t] * len(tokens)
+    itl = [b - a for i in range(n_running) for a, b in zip(times[i], times[i][1:])]
+    return {"itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99), "itl_max": max(itl),
+            "long_ttft": times[n_running][0] - arrived}
+
+
+def step_cost(model, token_counts, running: int, repeats: int) -> list[dict]:
+    """Seconds of one engine step under chunked prefill by the tokens it computes: `running`
+    requests decoding (a token each) beside one prompt chunk of n − running tokens."""
+    rows = []
+    for n in token_counts:
+        times = []
+        for _ in range(repeats):
+            engine = Engine(model, 128, policy=ChunkedPrefill(n))
+            for i in range(running):
+                engine.add(Request([7, 8, 9, 10 + i], 8), index=i)
+            engine.step()  # their prefill
+            engine.add(Request(list(range(1, 200)), 2), index=running)
+            t0 = time.perf_counter()
+            engine.step()  # `running` decode rows and a chunk of n - running
+            times.append(time.perf_counter() - t0)
+        rows.append({"tokens": n, "seconds": statistics.median(times)})
+    return rows
+
+
+def fit_line(rows: list[dict]) -> tuple[float, float]:
+    """Least squares: seconds ≈ a + b · tokens."""
+    xs, ys = [r["tokens"] for r in rows], [r["seconds"] for r in rows]
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def bench(model, quick: bool) -> dict:
+    vocab = model.config.vocab_size
+    n = 12 if quick else 48
+    shape = dict(prompt=(4, 24), output=(2, 8)) if quick else {}
+    slo = {"ttft_steps": 30, "itl_steps": 3}
+    step_1 = one_step(model, 5 if quick else 30)
+    t0 = time.perf_counter()
+    offline, _ = run(model, long_tailed(n, None, 1, vocab, **shape))
+    capacity = len(offline) / (time.perf_counter() - t0)
+    out = {"step_1": step_1, "slo": slo, "capacity_requests_per_s": capacity, "rates": [],
+           "policies": [], "long_prompt": [], "step_cost": []}
+    for fraction in ((0.5, 1.0) if quick else (0.25, 0.5, 0.75, 1.0)):
+        for name, policy in (("first come, first served", None),
+                             ("chunked prefill, budget 64", ChunkedPrefill(64))):
+            timed, _ = run(model, long_tailed(n, fraction * capacity, 2, vocab, **shape), policy)
+            out["rates"].append({"load": fraction, "rate": fraction * capacity, "policy": name}
+                                | report(timed, step_1, slo["ttft_steps"], slo["itl_steps"]))
+    for name, policy in policies((16, 32) if quick else (16, 32, 64, 128)).items():
+        timed, _ = run(model, long_tailed(n, 0.75 * capacity, 3, vocab, **shape), policy)
+        out["policies"].append({"policy": name}
+                               | report(timed, step_1, slo["ttft_steps"], slo["itl_steps"]))
+    long = dict(n_running=4, n_new=12, long_len=40, after_steps=3) if quick else dict(
+        n_running=8, n_new=64, long_len=224, after_steps=16)
+    for name, policy in (("first come, first served", None),
+                         ("chunked prefill, budget 32", ChunkedPrefill(32)),
+                         ("chunked prefill, budget 64", ChunkedPrefill(64))):
+        out["long_prompt"].append({"policy": name} | long | long_prompt_arrives(model, policy,
+                                                                                **long))
+    running = 4 if quick else 8
+    counts = [running + k for k in ((1, 8, 16) if quick else (1, 16, 32, 64, 96, 128, 192))]
+    out["step_cost"] = step_cost(model, counts, running, 2 if quick else 7)
+    a, b = fit_line(out["step_cost"])
+    out["step_cost_fit"] = {"fixed_s": a, "per_token_s": b}
+    for r in out["step_cost"]:
+        r["predicted"] = a + b * r["tokens"]
+    return out
+
+
+def write_report(results: dict, out: Path) -> None:
+    m, r = results["machine"], results["load"]
+    s1 = r["step_1"]
+    lines = [f"# The server under load ({m['model']}, {m['device']}, {m['date']})", "",
+             f"step_1 (one decode step, one request running) = {s1 * 1e3:.2f} ms; capacity "
+             f"(all {r['rates'][0]['requests']} requests at once) = "
+             f"{r['capacity_requests_per_s']:.2f} requests/s. SLO: TTFT ≤ "
+             f"{r['slo']['ttft_steps']} step_1, mean ITL ≤ {r['slo']['itl_steps']} step_1. "
+             "Times in ms (in step_1 units in brackets).", "",
+             "## Latency by arrival rate", "",
+             "| load | policy | req/s | TTFT p50 | p90 | p99 | ITL p50 | p90 | p99 | E2E p50 | "
+             "p99 | tokens/s | goodput req/s | SLO met |", "|" + "---|" * 14]
+
+    def ms(row, key):
+        return f"{row[key] * 1e3:.0f} ({row[key + '_steps']:.1f})"
+    for row in r["rates"]:
+        lines.append(f"| {row['load']:.2f} | {row['policy']} | {row['rate']:.2f} | "
+                     + " | ".join(ms(row, f"{k}_p{q}") for k, qs in
+                                  (("ttft", (50, 90, 99)), ("itl", (50, 90, 99)),
+                                   ("e2e", (50, 99))) for q in qs)
+                     + f" | {row['tokens_per_s']:.0f} | {row['goodput_per_s']:.2f} | "
+                       f"{row['slo_met']:.0%} |")
+    lines += ["", "## Policy and chunk budget at 0.75 of capacity", "",
+              "| policy | TTFT p50 | p99 | ITL p50 | p99 | tokens/s | goodput req/s | SLO met |",
+              "|" + "---|" * 8]
+    for row in r["policies"]:
+        lines.append(f"| {row['policy']} | " + " | ".join(
+            ms(row, k) for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99"))
+            + f" | {row['tokens_per_s']:.0f} | {row['goodput_per_s']:.2f} | "
+              f"{row['slo_met']:.0%} |")
+    lp = r["long_prompt"][0]
+    lines += ["", f"## A {lp['long_len']}-token prompt arriving beside {lp['n_running']} "
+              "decoding requests", "",
+              "| policy | running ITL p50 ms | p99 ms | max ms | p99 / FCFS p99 | "
+              "long prompt's TTFT ms |", "|---|---|---|---|---|---|"]
+    base = r["long_prompt"][0]["itl_p99"]
+    for row in r["long_prompt"]:
+        lines.append(f"| {row['policy']} | {row['itl_p50'] * 1e3:.1f} | "
+                     f"{row['itl_p99'] * 1e3:.1f} | {row['itl_max'] * 1e3:.1f} | "
+                     f"{row['itl_p99'] / base:.2f} | {row['long_ttft'] * 1e3:.0f} |")
+    fit = r["step_cost_fit"]
+    lines += ["", "## A step's cost by the tokens it computes (chunked prefill)", "",
+              f"Least-squares line: {fit['fixed_s'] * 1e3:.2f} ms + "
+              f"{fit['per_token_s'] * 1e6:.1f} µs × tokens.", "",
+              "| tokens | measured ms | line ms |", "|---|---|---|"]
+    for row in r["step_cost"]:
+        lines.append(f"| {row['tokens']} | {row['seconds'] * 1e3:.2f} | "
+                     f"{row['predicted'] * 1e3:.2f} |")
+    write_atomically(out / "README.md", ("\n".join(lines) + "\n").encode())
+    write_atomically(out / "results.json", (json.dumps(results, indent=1) + "\n").encode())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minikv bench-load", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="a random tiny model, few requests: checks the machinery only")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where to write results.json and README.md (default: "
+                             "runs/bench-load; the committed run: benchmarks/load)")
+    args = parser.parse_args(argv)
+    out = args.out or Path("runs") / ("bench-load-quick" if args.quick else "bench-load")
+    try:
+        check_writable(out)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.quick:
+        from . import random_model
+        model, name = random_model("tiny", "cpu"), "tiny preset, random weights"
+    else:
+        from ..course.checkpoint import load_course_model
+        model, name = load_course_model("target", "cpu")[0], "course target"
+    results = {"machine": {"date": datetime.date.today().isoformat(), "model": name,
+                           "device": "cpu", "threads": torch.get_num_threads(),
+                           "torch": torch.__version__, "platform": platform.platform(),
+                           "load_average_at_start": os.getloadavg()[0]},
+               "load": bench(model, args.quick)}
+    out.mkdir(parents=True, exist_ok=True)
+    write_report(results, out)
+    print((out / "README.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
