@@ -64,3 +64,4 @@ figures: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m minikv bench --out benchmarks
+	$(PY) -m minikv bench-load --out benchmarks/load

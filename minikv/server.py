@@ -206,103 +206,122 @@ class Detokenizer:
         return new
 
 
+class CompletionsAPI:
+    """The HTTP side: each handler checks a request, submits it to the engine thread, and
+    answers with its tokens as they come (a stream of server-sent events, or one JSON body)."""
+
+    def __init__(self, model, tokenizer, model_name: str, worker: EngineThread):
+        self.model, self.tokenizer, self.name, self.worker = model, tokenizer, model_name, worker
+
+    async def completions(self, http):
+        from starlette.responses import JSONResponse, StreamingResponse
+        try:
+            body = json.loads(await http.body())
+        except ValueError as e:
+            return error_response(BadRequest(f"the body is not JSON ({e})"))
+        engine = self.worker.engine
+        try:
+            request, stream, usage = parse_completion(
+                body, self.name, self.model, self.tokenizer, engine.window,
+                engine.pool.num_blocks, engine.pool.page_size)
+            index, out = self.worker.submit(request)
+        except BadRequest as e:
+            return error_response(e)
+        head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion",
+                "created": int(time.time()), "model": self.name}
+        counts = {"prompt_tokens": len(request.prompt), "completion_tokens": 0}
+        pieces = self.pieces(http, request, index, out, counts)
+        if not stream:
+            text, finish = "", None
+            async for piece, finish in pieces:
+                text += piece
+            return JSONResponse(head | {"choices": [choice(text, finish)],
+                                        "usage": usage_of(counts)})
+
+        async def events():
+            async for piece, finish in pieces:
+                yield f"data: {json.dumps(head | {'choices': [choice(piece, finish)]})}\n\n"
+            if usage:
+                yield f"data: {json.dumps(head | {'choices': [], 'usage': usage_of(counts)})}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def pieces(self, http, request: Request, index: int, out: asyncio.Queue,
+                     counts: dict):
+        """(text, finish_reason) per engine step that gave the request tokens, until it
+        finishes; a client that left (the stream's next write fails, or a check while it
+        waits finds it gone) cancels it, and its blocks go back to the pool."""
+        detok, finished = Detokenizer(self.tokenizer), False
+        try:
+            while not finished:
+                try:
+                    new, finished = await asyncio.wait_for(out.get(), timeout=0.5)
+                except asyncio.TimeoutError:  # nothing yet: is anyone still listening?
+                    if await http.is_disconnected():
+                        return
+                    continue
+                counts["completion_tokens"] += len(new)
+                stop = request.eos_id is not None and request.eos_id in new
+                finish = ("stop" if stop else "length") if finished else None
+                text = [t for t in new if t != request.eos_id]  # the EOS is not text
+                yield detok.piece(text, finished), finish
+        finally:
+            self.worker.release()
+            if not finished:
+                self.worker.cancel(index)
+
+    async def models(self, _):
+        from starlette.responses import JSONResponse
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.name, "object": "model", "created": 0, "owned_by": "minikv"}]})
+
+    async def health(self, _):
+        from starlette.responses import JSONResponse
+        return JSONResponse(self.worker.health())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app):
+        """The engine thread runs while the app does."""
+        self.worker.thread.start()
+        yield
+        self.worker.stopping = True
+        self.worker.wake.set()
+        self.worker.thread.join(timeout=5)
+
+
+def choice(text: str, finish: str | None) -> dict:
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+
+def usage_of(counts: dict) -> dict:
+    return counts | {"total_tokens": counts["prompt_tokens"] + counts["completion_tokens"]}
+
+
+def error_response(e: BadRequest):
+    """OpenAI's error body; a 503 says when to retry."""
+    from starlette.responses import JSONResponse
+    kind = {404: "not_found_error", 503: "server_overloaded"}.get(e.status,
+                                                                  "invalid_request_error")
+    headers = {"Retry-After": "1"} if e.status == 503 else None
+    return JSONResponse({"error": {"message": str(e), "type": kind, "param": e.param,
+                                   "code": None}}, e.status, headers=headers)
+
+
 def create_app(model, tokenizer, model_name: str, *, num_blocks: int = 256, page_size: int = 16,
                max_running: int | None = 16, max_queue: int = 64, policy=None):
     """The Starlette app serving `model` as `model_name`, with its engine thread (started
     with the app, stopped with it)."""
     from starlette.applications import Starlette
-    from starlette.requests import Request as HTTPRequest
-    from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
     int_at_least("max_queue", max_queue, 0, " (requests waiting beyond the running ones)")
     engine = Engine(model, num_blocks, page_size=page_size, max_running=max_running,
                     policy=policy)
-    worker = EngineThread(engine, max_queue)
-
-    def error(e: BadRequest) -> JSONResponse:
-        kind = {404: "not_found_error", 503: "server_overloaded"}.get(e.status,
-                                                                      "invalid_request_error")
-        headers = {"Retry-After": "1"} if e.status == 503 else None
-        return JSONResponse({"error": {"message": str(e), "type": kind, "param": e.param,
-                                       "code": None}}, e.status, headers=headers)
-
-    async def completions(http: HTTPRequest):
-        try:
-            body = json.loads(await http.body())
-        except ValueError as e:
-            return error(BadRequest(f"the body is not JSON ({e})"))
-        try:
-            request, stream, usage = parse_completion(body, model_name, model, tokenizer,
-                                                      engine.window, num_blocks, page_size)
-            index, out = worker.submit(request)
-        except BadRequest as e:
-            return error(e)
-        head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion",
-                "created": int(time.time()), "model": model_name}
-        counts = {"prompt_tokens": len(request.prompt), "completion_tokens": 0}
-
-        def choice(text, finish=None):
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-
-        def usage_of():
-            return counts | {"total_tokens": counts["prompt_tokens"] + counts["completion_tokens"]}
-
-        async def tokens():
-            """(piece, finish_reason) per step, until the request finishes; a client that
-            left cancels its request."""
-            detok, finished = Detokenizer(tokenizer), False
-            try:
-                while not finished:
-                    try:
-                        new, finished = await asyncio.wait_for(out.get(), timeout=0.5)
-                    except asyncio.TimeoutError:  # nothing yet: is anyone still listening?
-                        if await http.is_disconnected():
-                            return
-                        continue
-                    counts["completion_tokens"] += len(new)
-                    stop = request.eos_id is not None and request.eos_id in new
-                    finish = ("stop" if stop else "length") if finished else None
-                    text = [t for t in new if t != request.eos_id]  # the EOS is not text
-                    yield detok.piece(text, finished), finish
-            finally:
-                worker.release()
-                if not finished:
-                    worker.cancel(index)
-
-        if not stream:
-            text, finish = "", None
-            async for piece, finish in tokens():
-                text += piece
-            return JSONResponse(head | {"choices": [choice(text, finish)], "usage": usage_of()})
-
-        async def events():
-            async for piece, finish in tokens():
-                yield f"data: {json.dumps(head | {'choices': [choice(piece, finish)]})}\n\n"
-            if usage:
-                yield f"data: {json.dumps(head | {'choices': [], 'usage': usage_of()})}\n\n"
-            yield "data: [DONE]\n\n"
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    async def models(_):
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": 0, "owned_by": "minikv"}]})
-
-    async def health(_):
-        return JSONResponse(worker.health())
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        worker.thread.start()
-        yield
-        worker.stopping = True
-        worker.wake.set()
-        worker.thread.join(timeout=5)
-
-    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
-                            Route("/v1/models", models), Route("/health", health)],
-                    lifespan=lifespan)
-    app.state.worker = worker
+    api = CompletionsAPI(model, tokenizer, model_name, EngineThread(engine, max_queue))
+    app = Starlette(routes=[Route("/v1/completions", api.completions, methods=["POST"]),
+                            Route("/v1/models", api.models), Route("/health", api.health)],
+                    lifespan=api.lifespan)
+    app.state.worker = api.worker
     return app
 
 

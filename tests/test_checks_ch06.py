@@ -179,6 +179,13 @@ MISTAKES = {  # checker: [(wrong answer, a fragment of the hint it must get)]
         (type("NotACache", (), {}), "a subclass of PagedCache")],
     ch06.check_choose_block_size: [
         (lambda lengths, w: str(ch06.reference_block_size(lengths, w)), "as an int")],
+    ch06.check_chunk_schedule: [
+        (lambda lens, budget: None, "return a list of steps"),
+        (lambda lens, budget: [sum(lens)], "each step must be a list of"),
+        (lambda lens, budget: [list(lens)], "oldest first, each at most what it has left"),
+        (lambda lens, budget: [ch06._schedule_rule()(lens, budget), lens.clear()][0],
+         "keep prompt_lens as it was given"),
+        (ch06.engine_schedule, "called minikv's own minikv.engine.serving.serve")],
 }
 WRONG = [(checker, wrong, fragment) for checker, pairs in MISTAKES.items()
          for wrong, fragment in pairs]
@@ -270,3 +277,20 @@ def test_block_size_answers_depend_on_the_workload():
     assert len({tuple(a) for a in answers.values()}) == len(answers)
     assert all(a == sorted(a) for a in answers.values())  # a larger budget, a larger block
 
+
+
+def test_chunk_schedule_cases_are_what_the_engine_does():
+    """The hand rule and the engine's ChunkedPrefill trace agree on every case, the cases cover a
+    step where decode rows take part of the budget and one where a prompt gets nothing, and every
+    named mistake changes some case's answer."""
+    rule = ch06._schedule_rule()
+    cases = ch06._schedule_cases()
+    for lens, budget in cases:
+        assert rule(lens, budget) == ch06.engine_schedule(lens, budget)
+    schedules = [rule(lens, budget) for lens, budget in cases]
+    assert any(sum(step) < budget and any(step) for (_, budget), sched in zip(cases, schedules)
+               for step in sched[1:])
+    assert any(0 in step for sched in schedules for step in sched)
+    for hint, wrong in ch06.SCHEDULE_CHUNKS.mistakes.items():
+        assert any(wrong(list(lens), budget) != sched
+                   for (lens, budget), sched in zip(cases, schedules)), hint

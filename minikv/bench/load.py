@@ -187,7 +187,7 @@ def step_cost(model, token_counts, running: int, repeats: int) -> list[dict]:
     rows = []
     for n in token_counts:
         times = []
-        for _ in range(repeats):
+        for k in range(repeats + 1):  # the first, untimed: warm-up
             engine = Engine(model, 128, policy=ChunkedPrefill(n))
             for i in range(running):
                 engine.add(Request([7, 8, 9, 10 + i], 8), index=i)
@@ -195,7 +195,8 @@ def step_cost(model, token_counts, running: int, repeats: int) -> list[dict]:
             engine.add(Request(list(range(1, 200)), 2), index=running)
             t0 = time.perf_counter()
             engine.step()  # `running` decode rows and a chunk of n - running
-            times.append(time.perf_counter() - t0)
+            if k:
+                times.append(time.perf_counter() - t0)
         rows.append({"tokens": n, "seconds": statistics.median(times)})
     return rows
 
@@ -208,34 +209,106 @@ def fit_line(rows: list[dict]) -> tuple[float, float]:
     return my - b * mx, b
 
 
+def offline(model, prompts: list[list[int]], n_new: int, policy=None) -> list[list[int]]:
+    """Every prompt at once through the Engine, n_new greedy tokens each: their tokens."""
+    engine = Engine(model, 256, policy=policy)
+    for i, p in enumerate(prompts):
+        engine.add(Request(p, n_new), index=i)
+    out = {i: [] for i in range(len(prompts))}
+    while engine.has_work():
+        for i, (tokens, _) in engine.step().items():
+            out[i] += tokens
+    return [out[i] for i in range(len(prompts))]
+
+
+def vs_transformers(model, n: int, n_new: int, repeats: int) -> dict | None:
+    """The peer row: the same offline workload (n long-tailed prompts, n_new greedy tokens
+    each, all at once) through minikv's Engine and through transformers' own continuous
+    batching (`generate_batch`: its paged cache and scheduler, SDPA attention, its manager
+    kept alive between calls) on the model exported as a Hugging Face checkpoint; seconds
+    (medians, alternating after one untimed warm-up each, which also starts transformers'
+    manager) and whether every request got the same tokens. None when transformers is
+    missing or has no generate_batch."""
+    import logging
+    import tempfile
+
+    try:
+        from transformers import AutoModelForCausalLM, GenerationConfig
+    except ImportError:
+        return None
+    from ..course.export import export_hf
+    from . import alternate
+    prompts = [r.prompt for _, r in long_tailed(n, None, 4, model.config.vocab_size)]
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = AutoModelForCausalLM.from_pretrained(export_hf(model, Path(tmp) / "hf"),
+                                                  attn_implementation="sdpa").eval()
+    if not hasattr(hf, "generate_batch"):
+        return None
+    for name in ("ContinuousBatchingLogger", "transformers"):  # its advice, once per call
+        logging.getLogger(name).setLevel(logging.ERROR)
+    config = GenerationConfig(max_new_tokens=n_new, do_sample=False, eos_token_id=-1,
+                              pad_token_id=0)
+
+    def theirs():  # its manager kept between calls, as a running server keeps it
+        results = hf.generate_batch(prompts, generation_config=config, persistent_manager=True)
+        return [r.generated_tokens for r in results.values()]
+    runs = {"minikv": lambda: offline(model, prompts, n_new),
+            "minikv, chunked prefill 256": lambda: offline(model, prompts, n_new,
+                                                           ChunkedPrefill(256)),
+            "transformers generate_batch": theirs}
+    same = {name: fn() == theirs() for name, fn in runs.items()}  # the warm-up, compared
+    seconds = alternate(runs, repeats, torch.device("cpu"))
+    base = seconds["transformers generate_batch"]
+    return {"requests": n, "new_tokens": n_new, "rows": [
+        {"engine": name, "seconds": t, "tokens_per_s": n * n_new / t, "speedup": base / t,
+         "same_tokens": same[name]} for name, t in seconds.items()]}
+
+
+def medians(configs: dict, measure, repeats: int) -> dict[str, dict]:
+    """Each config's measure(config) `repeats` times, the configs in turn (A, B, A, B, ...: drift
+    hits all alike), and the median of every number across its repeats."""
+    runs: dict[str, list[dict]] = {name: [] for name in configs}
+    for _ in range(repeats):
+        for name, config in configs.items():
+            runs[name].append(measure(config))
+    return {name: {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+            for name, rows in runs.items()}
+
+
 def bench(model, quick: bool) -> dict:
-    vocab = model.config.vocab_size
+    """Every experiment of the module docstring; each row a median of `repeats` runs."""
+    vocab, repeats = model.config.vocab_size, 1 if quick else 3
     n = 12 if quick else 48
     shape = dict(prompt=(4, 24), output=(2, 8)) if quick else {}
     slo = {"ttft_steps": 30, "itl_steps": 3}
     step_1 = one_step(model, 5 if quick else 30)
     t0 = time.perf_counter()
-    offline, _ = run(model, long_tailed(n, None, 1, vocab, **shape))
-    capacity = len(offline) / (time.perf_counter() - t0)
-    out = {"step_1": step_1, "slo": slo, "capacity_requests_per_s": capacity, "rates": [],
-           "policies": [], "long_prompt": [], "step_cost": []}
+    offline_run, _ = run(model, long_tailed(n, None, 1, vocab, **shape))
+    capacity = len(offline_run) / (time.perf_counter() - t0)
+    out = {"step_1": step_1, "slo": slo, "capacity_requests_per_s": capacity,
+           "repeats": repeats, "rates": [], "policies": [], "long_prompt": []}
+
+    def latency(rate, seed):
+        def measure(policy):
+            timed, _ = run(model, long_tailed(n, rate, seed, vocab, **shape), policy)
+            return report(timed, step_1, slo["ttft_steps"], slo["itl_steps"])
+        return measure
     for fraction in ((0.5, 1.0) if quick else (0.25, 0.5, 0.75, 1.0)):
-        for name, policy in (("first come, first served", None),
-                             ("chunked prefill, budget 64", ChunkedPrefill(64))):
-            timed, _ = run(model, long_tailed(n, fraction * capacity, 2, vocab, **shape), policy)
-            out["rates"].append({"load": fraction, "rate": fraction * capacity, "policy": name}
-                                | report(timed, step_1, slo["ttft_steps"], slo["itl_steps"]))
-    for name, policy in policies((16, 32) if quick else (16, 32, 64, 128)).items():
-        timed, _ = run(model, long_tailed(n, 0.75 * capacity, 3, vocab, **shape), policy)
-        out["policies"].append({"policy": name}
-                               | report(timed, step_1, slo["ttft_steps"], slo["itl_steps"]))
+        rows = medians({"first come, first served": None,
+                        "chunked prefill, budget 64": ChunkedPrefill(64)},
+                       latency(fraction * capacity, 2), repeats)
+        out["rates"] += [{"load": fraction, "rate": fraction * capacity, "policy": name} | row
+                         for name, row in rows.items()]
+    rows = medians(policies((16, 32) if quick else (16, 32, 64, 128)),
+                   latency(0.75 * capacity, 3), repeats)
+    out["policies"] = [{"policy": name} | row for name, row in rows.items()]
     long = dict(n_running=4, n_new=12, long_len=40, after_steps=3) if quick else dict(
         n_running=8, n_new=64, long_len=224, after_steps=16)
-    for name, policy in (("first come, first served", None),
-                         ("chunked prefill, budget 32", ChunkedPrefill(32)),
-                         ("chunked prefill, budget 64", ChunkedPrefill(64))):
-        out["long_prompt"].append({"policy": name} | long | long_prompt_arrives(model, policy,
-                                                                                **long))
+    rows = medians({"first come, first served": None,
+                    "chunked prefill, budget 32": ChunkedPrefill(32),
+                    "chunked prefill, budget 64": ChunkedPrefill(64)},
+                   lambda policy: long_prompt_arrives(model, policy, **long), 1 if quick else 5)
+    out["long_prompt"] = [{"policy": name} | long | row for name, row in rows.items()]
     running = 4 if quick else 8
     counts = [running + k for k in ((1, 8, 16) if quick else (1, 16, 32, 64, 96, 128, 192))]
     out["step_cost"] = step_cost(model, counts, running, 2 if quick else 7)
@@ -243,6 +316,8 @@ def bench(model, quick: bool) -> dict:
     out["step_cost_fit"] = {"fixed_s": a, "per_token_s": b}
     for r in out["step_cost"]:
         r["predicted"] = a + b * r["tokens"]
+    out["vs_transformers"] = vs_transformers(model, 4 if quick else 32, 4 if quick else 32,
+                                             1 if quick else 3)
     return out
 
 
@@ -254,7 +329,8 @@ def write_report(results: dict, out: Path) -> None:
              f"(all {r['rates'][0]['requests']} requests at once) = "
              f"{r['capacity_requests_per_s']:.2f} requests/s. SLO: TTFT ≤ "
              f"{r['slo']['ttft_steps']} step_1, mean ITL ≤ {r['slo']['itl_steps']} step_1. "
-             "Times in ms (in step_1 units in brackets).", "",
+             f"Times in ms (in step_1 units in brackets); each row the median of {r['repeats']} "
+             "runs (5 for the long prompt), the configurations alternating.", "",
              "## Latency by arrival rate", "",
              "| load | policy | req/s | TTFT p50 | p90 | p99 | ITL p50 | p90 | p99 | E2E p50 | "
              "p99 | tokens/s | goodput req/s | SLO met |", "|" + "---|" * 14]
@@ -294,6 +370,15 @@ def write_report(results: dict, out: Path) -> None:
     for row in r["step_cost"]:
         lines.append(f"| {row['tokens']} | {row['seconds'] * 1e3:.2f} | "
                      f"{row['predicted'] * 1e3:.2f} |")
+    peer = r["vs_transformers"]
+    if peer:
+        lines += ["", f"## Peer: {peer['requests']} requests at once, {peer['new_tokens']} greedy "
+                  "tokens each, against transformers' continuous batching", "",
+                  "| engine | seconds | tokens/s | speed-up over transformers | same tokens |",
+                  "|---|---|---|---|---|"]
+        for row in peer["rows"]:
+            lines.append(f"| {row['engine']} | {row['seconds']:.2f} | {row['tokens_per_s']:.0f} | "
+                         f"{row['speedup']:.2f} | {row['same_tokens']} |")
     write_atomically(out / "README.md", ("\n".join(lines) + "\n").encode())
     write_atomically(out / "results.json", (json.dumps(results, indent=1) + "\n").encode())
 

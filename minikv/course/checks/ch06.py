@@ -8,6 +8,7 @@
 - predict_peak_blocks (predict, then measure): blocks in use when 4 requests share a prompt.
 - crop (debug): a paged rollback, against PagedCache.crop, then inside a verify-and-rollback decode.
 - choose_block_size (design, a table): the largest block size within a waste budget.
+- chunk_schedule (a table): chunked prefill's steps by hand, against a ChunkedPrefill run's trace.
 
 Everything runs on the CPU in about a second and leaves the caller's random state alone.
 """
@@ -914,4 +915,106 @@ BLOCK_SIZE = Exercise(
               "against the positions held")
 check_choose_block_size = BLOCK_SIZE.check
 
-EXERCISES = (MATCHING, ADMISSION, BLOCK_SIZE)
+
+
+# --- exercise 8: chunked prefill's schedule, by hand ---------------------------------------------
+
+SCHEDULE_NEW = 64  # new tokens per request: every finished prompt decodes to the end of the case
+
+
+def _schedule_cases() -> list[tuple[_Labelled, int]]:
+    """(prompt lengths, labelled with what the case is about, budget); every budget leaves a
+    prompt at least one token a step (budget > requests), so every schedule ends."""
+    cases = [("three prompts, the first shorter than the budget", [5, 40, 12], 16),
+             ("one long prompt alone", [30], 8),
+             ("three prompts that each fill the budget exactly", [8, 8, 8], 9),
+             ("a long prompt first, then short ones that wait for it", [64, 1, 1], 32),
+             ("four prompts, a budget barely above the requests", [1, 2, 3, 4], 5),
+             ("two prompts that fit in one step", [10, 10], 20),
+             ("many decode rows eating into a small budget", [3, 50, 7, 20], 10),
+             ("a budget of 6 for three prompts", [17, 33, 5], 6)]
+    return [(_Labelled(label, lens), budget) for label, lens, budget in cases]
+
+
+def engine_schedule(prompt_lens: list[int], budget: int) -> list[list[int]]:
+    """The server's answer: serve the prompts (all arriving at step 0) under ChunkedPrefill(budget)
+    and read from the trace the prompt tokens each request computed in each step."""
+    from ...engine.scheduler import ChunkedPrefill
+    requests = [Request([1 + (7 * i + k) % 500 for k in range(n)], SCHEDULE_NEW)
+                for i, n in enumerate(prompt_lens)]
+    outs = serve(_tiny_model(), requests, policy=ChunkedPrefill(budget), trace=True)
+    steps: dict[int, list[int]] = {}
+    for i, o in enumerate(outs):
+        for e in o.trace:
+            if e.kind in ("chunk", "prefill"):
+                steps.setdefault(e.step, [0] * len(prompt_lens))[i] = e.kv_computed
+    return [steps.get(s, [0] * len(prompt_lens)) for s in range(max(steps) + 1)]
+
+
+def _schedule_rule(decodes_first=True, same_step=False, oldest_first=True, even=False):
+    """The schedule by the rule (the right one), or with one of the usual mistakes."""
+    def chunk_schedule(prompt_lens, budget):
+        rest, decoding, steps = list(prompt_lens), [False] * len(prompt_lens), []
+        while any(rest) and len(steps) < 1000:
+            left = budget - sum(decoding) if decodes_first else budget
+            order = range(len(rest)) if oldest_first else reversed(range(len(rest)))
+            waiting = [i for i in order if rest[i]]
+            chunks = [0] * len(rest)
+            for k, i in enumerate(waiting):
+                share = -(-left // (len(waiting) - k)) if even else left
+                chunks[i] = max(0, min(rest[i], share))
+                left -= chunks[i]
+                if same_step and chunks[i] == rest[i]:  # its decode row counted at once
+                    left -= 1
+            for i, n in enumerate(chunks):
+                rest[i] -= n
+                decoding[i] = decoding[i] or (n > 0 and rest[i] == 0)
+            steps.append(chunks)
+        return steps
+    return chunk_schedule
+
+
+def _a_schedule(got, prompt_lens, budget) -> list[list[int]]:
+    """The contract: a list of steps, each a list of one chunk size (an int) per prompt."""
+    if not isinstance(got, (list, tuple)) or not got:
+        raise Refused("return a list of steps, each a list of chunk sizes (one int per prompt)")
+    steps = [int_list(step) for step in got]
+    if any(step is None or len(step) != len(prompt_lens) for step in steps):
+        raise Refused(f"each step must be a list of {len(prompt_lens)} ints, one chunk size per "
+                      f"prompt (0 when it gets none)")
+    return steps
+
+
+def _schedule_otherwise(answers) -> str:
+    prompt_lens, budget = next(case for case, got in answers
+                               if got != engine_schedule(*case))
+    return (f"step by step: a token for each request whose prompt is done (from the step after "
+            f"its last chunk), then what is left of the {budget} to the prompts, oldest first, "
+            f"each at most what it has left")
+
+
+SCHEDULE_CHUNKS = Exercise(
+    "chunk_schedule", cases=_schedule_cases(),
+    describe=lambda lens, budget: f"{lens.label}: prompt_lens={list(lens)}, budget={budget}",
+    reference=engine_schedule, solution=_schedule_rule(), returns=_a_schedule,
+    forbid=(serve,),
+    unchanged="chunk_schedule only plans: keep prompt_lens as it was given (copy it to count down)",
+    mistakes={
+        "this is what you get when the prompts get the whole budget: from the step after its "
+        "last chunk a request decodes, and its decode row takes one token of every step's budget "
+        "first (a running request's next token must not wait); the prompts get what is left":
+            _schedule_rule(decodes_first=False),
+        "this is what you get when a request decodes in the step of its last chunk: that pass "
+        "already gives its first token, so its first decode row is the next step's":
+            _schedule_rule(same_step=True),
+        "this is what you get when the newest prompt goes first: chunks go to the prompts oldest "
+        "first, so the first to arrive is the first to get its first token":
+            _schedule_rule(oldest_first=False),
+        "this is what you get when the budget is shared evenly among the prompts: the oldest "
+        "prompt takes all it can, and the next gets what is left":
+            _schedule_rule(even=True),
+    },
+    otherwise=_schedule_otherwise)
+check_chunk_schedule = SCHEDULE_CHUNKS.check
+
+EXERCISES = (MATCHING, ADMISSION, BLOCK_SIZE, SCHEDULE_CHUNKS)
