@@ -4,6 +4,7 @@
     minikv/viz/      pictures and steppers drawn from the engine's traces
     minikv/course/   the course models and how they are made, the tokenizer, exercise checkers
     minikv/bench/    `python -m minikv bench`: speed, as ratios against same-run baselines
+    minikv/server.py `python -m minikv serve-http`: the server behind an OpenAI-compatible API
 """
 from .course.checkpoint import load_course_model
 from .course.device import default_device, describe_device, resolve_device

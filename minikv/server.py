@@ -15,7 +15,8 @@ needs) parses and checks each request, then hands it to the engine thread, which
 Engine (engine/serving.py) and runs its steps for as long as any request is queued or
 running, posting each step's new tokens back to the request that made them. The queue is
 bounded (a full server answers 503 at once rather than make a client wait without end); a
-client that disconnects has its request aborted and its blocks freed at the next step.
+client that disconnects has its request aborted and its blocks freed at the next step; if a
+step fails, the requests in flight get the error (500) and later ones a 503.
 
 /v1/chat/completions is left out: the course models are not chat models (no chat template,
 no chat data), and a chat endpoint over them would teach a format they cannot follow.
@@ -139,11 +140,15 @@ class EngineThread:
         self.in_flight = 0  # submitted and not yet finished or cancelled (HTTP side's count)
         self.ids = iter(range(1 << 62))
         self.stopping = False
+        self.failed: str | None = None  # why the engine thread stopped, if it did
         self.thread = threading.Thread(target=self.run, name="minikv-engine", daemon=True)
 
     def submit(self, request: Request) -> tuple[int, asyncio.Queue]:
         """Queue a checked request: its id and the queue its tokens will come to; 503 when
         the server already holds as many requests as it may."""
+        if self.failed:
+            raise BadRequest(f"the engine stopped ({self.failed}): restart the server",
+                             status=503)
         if self.in_flight >= self.capacity:
             raise BadRequest(f"the server is full ({self.in_flight} requests running or "
                              "waiting): retry in a moment", status=503)
@@ -163,6 +168,17 @@ class EngineThread:
         self.in_flight -= 1
 
     def run(self) -> None:
+        """The engine loop; if a step fails, every request in flight gets the error and the
+        server refuses new ones (503) rather than leave clients waiting on a dead thread."""
+        try:
+            self.loop()
+        except Exception as e:  # any failure must reach the clients waiting on it
+            self.failed = f"{type(e).__name__}: {e}"
+            for index in list(self.outputs):
+                loop, out = self.outputs.pop(index)
+                loop.call_soon_threadsafe(out.put_nowait, (RuntimeError(self.failed), True))
+
+    def loop(self) -> None:
         engine = self.engine
         while not self.stopping:
             while not self.inbox.empty():
@@ -233,8 +249,11 @@ class CompletionsAPI:
         pieces = self.pieces(http, request, index, out, counts)
         if not stream:
             text, finish = "", None
-            async for piece, finish in pieces:
-                text += piece
+            try:
+                async for piece, finish in pieces:
+                    text += piece
+            except RuntimeError as e:
+                return error_response(BadRequest(f"the engine failed: {e}", status=500))
             return JSONResponse(head | {"choices": [choice(text, finish)],
                                         "usage": usage_of(counts)})
 
@@ -260,6 +279,8 @@ class CompletionsAPI:
                     if await http.is_disconnected():
                         return
                     continue
+                if isinstance(new, Exception):  # the engine thread failed
+                    raise new
                 counts["completion_tokens"] += len(new)
                 stop = request.eos_id is not None and request.eos_id in new
                 finish = ("stop" if stop else "length") if finished else None
@@ -300,8 +321,8 @@ def usage_of(counts: dict) -> dict:
 def error_response(e: BadRequest):
     """OpenAI's error body; a 503 says when to retry."""
     from starlette.responses import JSONResponse
-    kind = {404: "not_found_error", 503: "server_overloaded"}.get(e.status,
-                                                                  "invalid_request_error")
+    kind = {404: "not_found_error", 500: "server_error", 503: "server_overloaded"}.get(
+        e.status, "invalid_request_error")
     headers = {"Retry-After": "1"} if e.status == 503 else None
     return JSONResponse({"error": {"message": str(e), "type": kind, "param": e.param,
                                    "code": None}}, e.status, headers=headers)

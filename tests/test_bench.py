@@ -37,6 +37,7 @@ def test_quick_load_benchmark_writes_its_report(tmp_path):
     assert r["step_cost_fit"]["per_token_s"] == r["step_cost_fit"]["per_token_s"]  # not NaN
     assert all(row["same_tokens"] for row in r["vs_transformers"]["rows"])
     assert "| load | policy |" in (tmp_path / "README.md").read_text()
+    assert (tmp_path / "plots.png").stat().st_size > 0
 
 
 def test_latency_report_by_hand():

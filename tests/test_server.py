@@ -214,3 +214,18 @@ def test_sse_lines_are_json_then_done(live):
     events = [json.loads(d) for d in data[:-1]]
     assert events[-1]["usage"]["completion_tokens"] == 5 and events[-1]["choices"] == []
     assert all(e["object"] == "text_completion" for e in events)
+
+
+def test_an_engine_that_fails_answers_500_then_503():
+    model, _ = load_course_model("draft")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the device fell over")
+    model.forward = broken
+    with Live(create_app(model, TOK, "draft", num_blocks=16)) as live:
+        body = {"model": "draft", "prompt": PROMPT, "max_tokens": 4}
+        first = httpx.post(live.url + "/v1/completions", json=body, timeout=10)
+        assert first.status_code == 500
+        assert "the device fell over" in first.json()["error"]["message"]
+        again = httpx.post(live.url + "/v1/completions", json=body, timeout=10)
+        assert again.status_code == 503 and "restart the server" in again.json()["error"]["message"]

@@ -321,6 +321,39 @@ def bench(model, quick: bool) -> dict:
     return out
 
 
+def plots(r: dict) -> bytes:
+    """Two panels: p99 TTFT and ITL (in step_1 units) against the load, per policy; and against
+    the chunk budget at 0.75 of capacity. A PNG."""
+    import io
+
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(10, 3.6))
+    by_load, by_budget = fig.subplots(1, 2)
+    for policy, color in zip(dict.fromkeys(row["policy"] for row in r["rates"]),
+                             ("#264653", "#e76f51")):  # one colour a policy
+        rows = [row for row in r["rates"] if row["policy"] == policy]
+        for key, style in (("ttft_p99_steps", "o-"), ("itl_p99_steps", "s--")):
+            by_load.plot([row["load"] for row in rows], [row[key] for row in rows], style,
+                         color=color, label=f"{policy}: {key.split('_')[0].upper()} p99")
+    by_load.set(xlabel="arrival rate / capacity", ylabel="step_1 units", yscale="log",
+                title="p99 latency by load")
+    by_load.legend(fontsize=7)
+    chunked = [row for row in r["policies"] if row["policy"].startswith("chunked")]
+    budgets = [int(row["policy"].rsplit(" ", 1)[1]) for row in chunked]
+    for key, style in (("ttft_p99_steps", "o-"), ("itl_p99_steps", "s--")):
+        by_budget.plot(budgets, [row[key] for row in chunked], style,
+                       label=f"{key.split('_')[0].upper()} p99")
+    by_budget.set(xlabel="chunk budget (tokens a step)", ylabel="step_1 units", xscale="log",
+                  yscale="log", title="chunked prefill at 0.75 of capacity")
+    by_budget.set_xticks(budgets, [str(b) for b in budgets])
+    by_budget.minorticks_off()
+    by_budget.legend(fontsize=7)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=90)
+    return buffer.getvalue()
+
+
 def write_report(results: dict, out: Path) -> None:
     m, r = results["machine"], results["load"]
     s1 = r["step_1"]
@@ -330,7 +363,10 @@ def write_report(results: dict, out: Path) -> None:
              f"{r['capacity_requests_per_s']:.2f} requests/s. SLO: TTFT ≤ "
              f"{r['slo']['ttft_steps']} step_1, mean ITL ≤ {r['slo']['itl_steps']} step_1. "
              f"Times in ms (in step_1 units in brackets); each row the median of {r['repeats']} "
-             "runs (5 for the long prompt), the configurations alternating.", "",
+             "runs (5 for the long prompt), the configurations alternating. Rows of one "
+             "Poisson workload move from run to run, most of all goodput, which counts "
+             "requests on either side of the SLO's edge; compare rows of the same table, and "
+             "rerun before reading a single difference.", "",
              "## Latency by arrival rate", "",
              "| load | policy | req/s | TTFT p50 | p90 | p99 | ITL p50 | p90 | p99 | E2E p50 | "
              "p99 | tokens/s | goodput req/s | SLO met |", "|" + "---|" * 14]
@@ -379,7 +415,9 @@ def write_report(results: dict, out: Path) -> None:
         for row in peer["rows"]:
             lines.append(f"| {row['engine']} | {row['seconds']:.2f} | {row['tokens_per_s']:.0f} | "
                          f"{row['speedup']:.2f} | {row['same_tokens']} |")
+    lines += ["", "![latency by load and by chunk budget](plots.png)"]
     write_atomically(out / "README.md", ("\n".join(lines) + "\n").encode())
+    write_atomically(out / "plots.png", plots(r))
     write_atomically(out / "results.json", (json.dumps(results, indent=1) + "\n").encode())
 
 

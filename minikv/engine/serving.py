@@ -198,6 +198,8 @@ class Engine:
     def abort(self, index: int) -> None:
         """Drop a request (its client left): out of the queue, or its blocks back to the
         pool at once. Nothing happens to a request already finished."""
+        if index not in self.seqs:
+            raise ValueError(f"no request {index} in this engine")
         s = self.seqs[index]
         self.sent.pop(index, None)
         if s in self.scheduler.waiting:
