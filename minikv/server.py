@@ -115,9 +115,9 @@ def parse_completion(body, model_name: str, model, tokenizer, window: int, num_b
 
 def _number(body, name, default, kind, low, high=math.inf):
     """body[name], of `kind` within [low, high], or `default` when absent."""
-    value = body.get(name, default)
-    if value is None or value == default:
-        return value
+    value = body.get(name)
+    if value is None:  # absent, or null as OpenAI's clients may send it
+        return default
     ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
           and (kind is float or float(value).is_integer()) and low <= value <= high)
     if not ok:
@@ -187,17 +187,18 @@ class EngineThread:
                     engine.add(request, index=index, prompt=request.prompt)
                 elif index in engine.seqs:
                     engine.abort(index)
+                    engine.forget(index)
                     self.outputs.pop(index, None)
             if not engine.has_work():
                 self.wake.wait(0.1)
                 self.wake.clear()
                 continue
             for index, (tokens, done) in engine.step().items():
+                if done:
+                    engine.forget(index)  # handed out whole: nothing more to keep
                 if index in self.outputs:
                     loop, out = self.outputs[index] if not done else self.outputs.pop(index)
                     loop.call_soon_threadsafe(out.put_nowait, (tokens, done))
-            for index in [i for i in engine.seqs if i not in engine.sent]:
-                del engine.seqs[index]  # finished or aborted: nothing more to hand out
 
     def health(self) -> dict:
         s, pool = self.engine.scheduler, self.engine.pool

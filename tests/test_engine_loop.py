@@ -55,7 +55,11 @@ def test_abort_frees_the_blocks_and_the_others_go_on():
     waiting = engine.add(minikv.Request([7, 7], 4, arrival=50))
     engine.step()
     held = engine.pool.n_free
+    with pytest.raises(ValueError, match="still running: abort it first"):
+        engine.forget(gone)
     engine.abort(gone)
+    engine.forget(gone)  # a server's memory: the record goes too
+    assert gone not in engine.seqs
     assert engine.pool.n_free > held  # its blocks came back at once
     engine.abort(waiting)  # still queued: it simply leaves
     out = drain(engine)

@@ -19,7 +19,7 @@ ENGINE_STATEMENT_BUDGET = sum({
     "issue 32: the Llama-style block (RoPE, RMSNorm, SwiGLU, no biases), its loader": 72,
     "issue 32: a window cache's three numberings under RoPE, and their one-pass mask": 38,
     "issue 33: chunked prefill (a chunk a step, one packed pass with the decodes)": 66,
-    "issue 33: Engine, serve()'s loop a step at a time (add, step, abort) for a server": 60,
+    "issue 33: Engine, serve()'s loop a step at a time (add, step, abort) for a server": 65,
 }.values())
 # The shape of readable code, measured as code-review-2026-11-25.md measured it (section 2).
 LONGEST_FUNCTION = 45       # lines, signature and docstring included (nano-vllm's engine: 49)

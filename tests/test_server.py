@@ -121,6 +121,7 @@ def test_a_seeded_sampled_request_is_reproducible(live):
      "exceeds the model's context"),
     ({"model": "draft", "prompt": PROMPT, "temperature": 3}, 400, "temperature", "from 0.0 to 2"),
     ({"model": "draft", "prompt": PROMPT, "temperature": "hot"}, 400, "temperature", "a number"),
+    ({"model": "draft", "prompt": PROMPT, "temperature": True}, 400, "temperature", "a number"),
     ({"model": "draft", "prompt": PROMPT, "n": 2}, 400, "n", "n must be 1"),
     ({"model": "draft", "prompt": PROMPT, "stream": "yes"}, 400, "stream", "true or false"),
     (["not", "an", "object"], 400, None, "must be a JSON object"),

@@ -122,12 +122,11 @@ def serve(model, requests, window: int = 4, verify: bool = True, trace: bool = F
     engine = Engine(model, num_blocks, window=window, verify=verify, trace=trace,
                     record_logits=record_logits, page_size=page_size,
                     prefix_caching=prefix_caching, max_running=max_running, policy=policy)
-    for i in sorted(range(len(requests)), key=lambda i: requests[i].arrival):
-        engine.add(requests[i], index=i, prompt=prompts[i])
+    for i, (r, p) in enumerate(zip(requests, prompts)):  # queued by arrival, then index
+        engine.add(r, index=i, prompt=p)
     while engine.has_work():
         engine.step()
-    seqs = sorted(engine.seqs.values(), key=lambda s: s.index)
-    return ServeOutputs([_output(s, trace) for s in seqs], engine.pool,
+    return ServeOutputs([_output(s, trace) for s in engine.seqs.values()], engine.pool,
                         engine.scheduler.pool_steps or [])
 
 
@@ -184,9 +183,8 @@ class Engine:
         with torch.inference_mode():
             self.scheduler.step(self.runner)
         moved = {}
-        for i, s in self.seqs.items():
-            if i not in self.sent:  # finished and handed out, or aborted
-                continue
+        for i in list(self.sent):  # not yet finished and handed out, nor aborted
+            s = self.seqs[i]
             new = s.committed
             if len(new) > self.sent[i] or s.done:
                 moved[i] = (new[self.sent[i]:], s.done)
@@ -194,6 +192,12 @@ class Engine:
                 if s.done:
                     del self.sent[i]
         return moved
+
+    def forget(self, index: int) -> None:
+        """Drop a finished or aborted request's record (a long-running server's memory)."""
+        if index in self.sent:
+            raise ValueError(f"request {index} is still running: abort it first")
+        self.seqs.pop(index, None)
 
     def abort(self, index: int) -> None:
         """Drop a request (its client left): out of the queue, or its blocks back to the
@@ -255,13 +259,19 @@ class Runner:
         if packed:
             self.packed_prefill(packed)
         for s, first in zip(new, before):
-            fed = s.tokens[:-1]
-            s.events.append(TraceEvent(
-                kind="prefill" if len(fed) == len(s.prompt) else "recompute", step=step,
-                input_ids=tuple(fed), positions=tuple(range(first, len(fed))),
-                cache_len_before=first, cache_len_after=s.table.length,
-                kv_computed=len(fed) - first, token=s.tokens[-1],
-                batch=1 if s.deterministic else len(packed)))
+            self.prefilled(s, step, first, 1 if s.deterministic else len(packed))
+
+    def prefilled(self, s: Sequence, step: int, first: int, batch: int) -> None:
+        """The event of a pass that computed `s`'s positions from `first` to its cache's
+        length: its prompt (or a chunk of it), or a preempted request's tokens; the token
+        it gave, once the prompt is whole."""
+        fed = s.tokens[:s.table.length]
+        kind = ("chunk" if s.prefilling else
+                "prefill" if len(fed) == len(s.prompt) else "recompute")
+        s.events.append(TraceEvent(
+            kind=kind, step=step, input_ids=tuple(fed), positions=tuple(range(first, len(fed))),
+            cache_len_before=first, cache_len_after=s.table.length, kv_computed=len(fed) - first,
+            token=None if s.prefilling else s.tokens[-1], batch=batch))
 
     def replay(self, s: Sequence) -> None:
         """A deterministic request's prompt, alone, then (readmitted after a preemption)
@@ -320,16 +330,9 @@ class Runner:
         for s, row, first in zip(chunked, logits[len(decoding):], firsts[len(decoding):]):
             self.pool.publish(s.prompt, s.table, upto=s.table.length)
             s.stats.prefill_chunks += 1
-            fed = s.tokens[:s.table.length]
             if not s.prefilling:  # the chunk that ends its prompt: its first new token
                 s.tokens.append(s.sampling.choose(row, len(s.tokens)))
-            kind = ("chunk" if s.prefilling else
-                    "prefill" if len(fed) == len(s.prompt) else "recompute")
-            s.events.append(TraceEvent(
-                kind=kind, step=step, input_ids=tuple(fed),
-                positions=tuple(range(first, len(fed))), cache_len_before=first,
-                cache_len_after=s.table.length, kv_computed=len(fed) - first,
-                token=None if s.prefilling else s.tokens[-1], batch=len(rows)))
+            self.prefilled(s, step, first, len(rows))
             s.chunk = 0
 
     def verify(self, s: Sequence, step: int) -> None:

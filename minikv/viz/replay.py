@@ -73,8 +73,7 @@ def replay(trace: list[TraceEvent]) -> list[Snapshot]:
                 computed_in = "none"
         elif e.kind == "chunk":  # a server's prompt, computed so far: no token yet
             tokens = list(e.input_ids)
-            status = ["prompt"] * len(tokens) if not status else (
-                status[:len(tokens)] + ["prompt"] * (len(tokens) - len(status)))
+            status = (status + ["prompt"] * len(tokens))[:len(tokens)]
             cache_len, written = e.cache_len_after, max(written, e.cache_len_after)
         elif e.kind == "decode":
             tokens.append(e.token)
