@@ -26,6 +26,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 import minikv
 from minikv.viz.replay import caption, replay
@@ -368,3 +369,52 @@ def test_a_broken_stepper_fails_the_check(session):
                             trace=True).trace
     with pytest.raises(AssertionError, match="after 1 clicks the caption still reads"):
         click_through(browser, stepper, expected_steps(trace, tok.decode, 3), "01-broken", {})
+
+
+def chapter_09_walk():
+    """The walk chapter 09's stepper steps through (notebooks/09, sections 0-2): request 0's
+    decode query, layer 3, over its block table after 9 engine steps beside a second request."""
+    from minikv.engine.flash import walk
+    from minikv.engine.serving import Engine
+    target, tok = minikv.load_course_model("target", "cpu")
+    cfg = target.config
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # as the chapter: the same bits as its kernel computes
+    try:
+        engine = Engine(target, num_blocks=40, page_size=4)
+        engine.add(minikv.Request(tok.encode(
+            "A coin's state is heads. Alice flips, then Bob flips. What's the state? A:"), 12))
+        engine.add(minikv.Request(tok.encode("Once upon a time"), 12))
+        for _ in range(9):
+            engine.step()
+        seq = engine.seqs[0]
+        table, length = list(seq.table.blocks), seq.table.length
+        caught = {}
+        hook = target.transformer.h[3].attn.c_attn.register_forward_hook(
+            lambda module, args, out: caught.update(q=out[0, -1, :cfg.n_embd]))
+        with torch.inference_mode():
+            target(torch.tensor([seq.tokens[:length]]))
+        hook.remove()
+        steps = []
+        walk(caught["q"].view(cfg.n_head, cfg.head_dim), engine.pool.keys[3],
+             engine.pool.values[3], table, 0, length, steps=steps)
+    finally:
+        torch.set_num_threads(threads)
+    return steps, length
+
+
+def test_attention_kernel_chapter_in_jupyterlab(session):
+    """Chapter 09's stepper through a decode query's tiles opens on the first tile that raises
+    head 5's max; Next walks on, each caption (block, slots, the max and the rescale factor) and
+    numbers line (positions read, m, sum) as engine.flash.walk's steps say, each picture new."""
+    from minikv.viz.tiles import walk_caption
+    start_lab, browser = session
+    lab = start_lab(["09_the_attention_kernel.ipynb"])
+    stepper = run_notebook(lab, browser, "09_the_attention_kernel.ipynb")
+    steps, length = chapter_09_walk()
+    rises = [i for i in range(1, len(steps)) if steps[i].max[5] > steps[i - 1].max[5]]
+    expected = [(text(f"step {i + 1}/{len(steps)} {walk_caption(steps, i, 5)}"), length)
+                for i in range(len(steps))]
+    assert "rescaled by exp(old m − new m)" in expected[rises[0]][0]
+    click_through(browser, stepper, expected[rises[0]:rises[0] + 4], "09",
+                  {0: "rescale"}, first=rises[0])

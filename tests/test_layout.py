@@ -20,6 +20,8 @@ ENGINE_STATEMENT_BUDGET = sum({
     "issue 32: a window cache's three numberings under RoPE, and their one-pass mask": 38,
     "issue 33: chunked prefill (a chunk a step, one packed pass with the decodes)": 66,
     "issue 33: Engine, serve()'s loop a step at a time (add, step, abort) for a server": 65,
+    "issue 34: the attention kernel in readable PyTorch (online softmax, the merge, tiles, "
+    "the bytes a kernel moves, a query walking its block table, FlashDecoding)": 155,
 }.values())
 # The shape of readable code, measured as code-review-2026-11-25.md measured it (section 2).
 LONGEST_FUNCTION = 45       # lines, signature and docstring included (nano-vllm's engine: 49)

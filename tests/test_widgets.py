@@ -265,3 +265,38 @@ def test_legends_list_only_the_states_a_trace_shows():
     shown = states_shown(stepper.snapshots)
     assert {"accepted", "rejected", "stale"} <= shown
     assert "rejected" in legend_labels(stepper.draw(0))  # step 0 has no rejection yet
+
+
+def test_the_walk_stepper_shows_each_tile_of_the_walk():
+    """Chapter 09's stepper: a step per tile, its caption naming the block and, where the max
+    rose, the rescale factor exp(old m - new m) the walk applied; every picture drawn."""
+    import math
+
+    from minikv.engine.flash import walk
+    from minikv.viz.tiles import WalkStepper
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(6, 2, 4, 8, generator=g), torch.randn(6, 2, 4, 8, generator=g)
+    keys[3, :, 1] *= 4  # a key in the second tile of the table stands out: the max rises there
+    q, steps = torch.randn(4, 8, generator=g), []
+    walk(q, keys, values, [5, 3, 0], 0, 11, steps=steps)
+    stepper = WalkStepper(steps, [5, 3, 0], 4, 11, head=1)
+    assert stepper.n_steps == 3
+    stepper.go(1)
+    assert "block 3, slots 0-3 (positions 4-7)" in stepper.caption.value
+    rose = steps[1].max[1] > steps[0].max[1]
+    assert ("rescaled by exp(old m − new m) = "
+            f"{math.exp(steps[0].max[1] - steps[1].max[1]):.3f}" in stepper.caption.value) == rose
+    assert stepper.cache_info.value.startswith("KV cache: 11 positions · read so far: 8")
+    assert all(len(stepper.picture(i)) > 8000 for i in range(3))
+    with pytest.raises(ValueError, match="no steps"):
+        WalkStepper([], [0], 4, 1)
+
+
+def test_the_tile_schedule_draws_what_the_kernel_counts():
+    from minikv.engine.flash import IO, tiled_attention
+    from minikv.viz.tiles import draw_tile_schedule
+    fig = draw_tile_schedule(40, 56, 8, 16)
+    drawn = [p.get_gid().split(":")[2] for p in fig.axes[0].patches if p.get_gid()]
+    io = IO()
+    tiled_attention(*(torch.zeros(1, 1, n, 4) for n in (40, 56, 56)), True, 8, 16, io)
+    assert {k: drawn.count(k) for k in io.tiles} == io.tiles

@@ -1,6 +1,6 @@
 """The engine: a GPT-2 and the ways it decodes with a KV cache. Read config, model,
-rope, cache, sampling, generate, records, verify, speculative, lookup, attention, batch, paged,
-scheduler, serving, then the caches that hold less (quantized, window), then validate; it
+rope, cache, sampling, generate, records, verify, speculative, lookup, attention, flash, batch,
+paged, scheduler, serving, then the caches that hold less (quantized, window), then validate; it
 imports no tooling."""
 from .batch import generate_batch
 from .cache import Cache, KVCache, kv_cache_bytes

@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .flash import combine, splits_of
 from .rope import turn
 from .validate import int_at_least, number_in
 
@@ -57,22 +58,12 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 # --- a decode batch read through block tables (serving.py's decode) --------------------
 GPU_WORKERS = 132  # streaming multiprocessors of an H100: split-KV aims to keep them all busy
-KEYS_PER_TILE = 8  # the kernel reads keys in tiles; a split holds whole tiles
 
 
 def num_kv_splits(batch_size: int, n_head: int, seq_len: int) -> int:
     """FlashDecoding's heuristic: split the keys (at least 8 a chunk) until batch x heads
     x splits fills the GPU."""
     return max(1, min(math.ceil(GPU_WORKERS / (batch_size * n_head)), math.ceil(seq_len / 8)))
-
-
-def splits_of(n_blocks: int, page_size: int, n_splits: int) -> tuple[int, int, int]:
-    """Keys per tile, tiles per split and how many splits, when the longest row holds
-    n_blocks pages: at most n_splits runs of whole tiles, as even as can be."""
-    tile = math.gcd(page_size, KEYS_PER_TILE)
-    n_tiles = n_blocks * page_size // tile
-    per_split = -(-n_tiles // max(1, min(n_splits, n_tiles)))
-    return tile, per_split, -(-n_tiles // per_split)
 
 
 def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -114,10 +105,9 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     out = pv.new_zeros(B, S * per_split, H, group, hs)
     out[row[:, None], tile_idx] = pv.permute(0, 2, 1, 3, 4)          # (N, nt, H, g, hs) placed
     out = (out.view(B, S, per_split, H, group, hs).sum(2) / split_sum.clamp(min=1e-30)).to(q.dtype)
-    # 5. Merge the splits as one softmax would: each weighs exp(its max - max) x its sum.
-    split_max = split_max.squeeze(2)                                  # (B, S, H, g, 1)
-    weight = torch.exp(split_max - split_max.amax(1, keepdim=True)) * split_sum
-    out = (weight * out.to(acc)).sum(1) / weight.sum(1)               # (B, H, g, hs)
+    # 5. Merge the splits as one softmax would (flash.combine): each weighs exp(its max - max)
+    #    x its sum.
+    out = combine(out.to(acc), split_max.squeeze(2), split_sum, dim=1).out  # (B, H, g, hs)
     return out.reshape(B, nh, 1, hs).to(q.dtype)
 
 

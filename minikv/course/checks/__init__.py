@@ -49,7 +49,7 @@ import minikv
 from ...engine import GPT, GPTConfig
 
 HERE = Path(__file__).resolve().parent
-CHAPTERS = ("ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07", "ch08")
+CHAPTERS = ("ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07", "ch08", "ch09")
 
 
 class CheckFailed(AssertionError):
@@ -61,7 +61,8 @@ class EngineCalled(CheckFailed):
 
     def __init__(self, exercise: str, called: str):
         self.called = called
-        super().__init__(f"{exercise}: your function called minikv's own {called}(); the "
+        whose = "" if called.startswith("torch.") else "minikv's own "
+        super().__init__(f"{exercise}: your function called {whose}{called}(); the "
                          f"exercise is to write it yourself")
 
 
@@ -165,16 +166,21 @@ def one_thread(check):
 def forbid(exercise: str, *engine_functions):
     """While the learner's function runs, calling one of these engine functions fails the check,
     however it was reached (minikv.generate, a name imported earlier, a method): the exercise asks
-    you to write it, not to call it. Watched with sys.setprofile, so no reference can dodge it."""
+    you to write it, not to call it. Watched with sys.setprofile, so no reference can dodge it.
+    A string names a torch builtin (function or tensor method, e.g. "softmax"), forbidden too."""
     if not engine_functions:
         yield
         return
-    codes = {f.__code__: f"{f.__module__}.{f.__qualname__}" for f in engine_functions}
+    codes = {f.__code__: f"{f.__module__}.{f.__qualname__}" for f in engine_functions
+             if not isinstance(f, str)}
+    builtins = {f for f in engine_functions if isinstance(f, str)}
     called = []
 
     def watch(frame, event, arg):
         if event == "call" and frame.f_code in codes:
             called.append(codes[frame.f_code])
+        elif event == "c_call" and getattr(arg, "__name__", None) in builtins:
+            called.append(f"torch.{arg.__name__}")
     previous = sys.getprofile()
     sys.setprofile(watch)
     try:
@@ -361,6 +367,9 @@ def diagnose(mistakes: dict, wrong: list, returns=_as_is, same=operator.eq) -> s
 def _unchanged(before, after) -> bool:
     if isinstance(before, torch.Tensor):
         return torch.equal(before, after)
+    if isinstance(before, (tuple, list)):  # a tuple of tensors (a partial result)
+        return (type(before) is type(after) and len(before) == len(after)
+                and all(_unchanged(b, a) for b, a in zip(before, after)))
     return before == after
 
 
