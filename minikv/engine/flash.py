@@ -54,6 +54,17 @@ def online_softmax(x: torch.Tensor, tile: int = KEYS_PER_TILE) -> tuple[torch.Te
     return torch.exp(x - m) / denom, m, denom
 
 
+def absorb(m: torch.Tensor, denom: torch.Tensor, acc: torch.Tensor, s: torch.Tensor,
+           v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One tile into a kernel's running state: its scores s (..., n) and values v (..., n, hs)
+    into the max m, the denominator and the unnormalised output acc (..., hs) of the tiles
+    before. Returns the new (m, denom, acc); the output so far is acc / denom."""
+    m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+    rescale = torch.exp(m - m_new)      # what was summed against the old max, brought to the new
+    p = torch.exp(s - m_new)
+    return m_new, denom * rescale + p.sum(-1, keepdim=True), acc * rescale + p @ v
+
+
 # --- a partial result, and the merge ---------------------------------------------------
 @dataclass
 class Partial:
@@ -175,12 +186,7 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
                 s = s.masked_fill(k_pos > q_pos[:, None], float("-inf"))
             io.hold(s)
             # 3. the online softmax: a larger max rescales what was summed so far
-            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-            rescale = torch.exp(m - m_new)
-            p = torch.exp(s - m_new)
-            denom = denom * rescale + p.sum(-1, keepdim=True)
-            acc = acc * rescale + p @ v_tile
-            m = m_new
+            m, denom, acc = absorb(m, denom, acc, s, v_tile)
         out[..., rows, :] = acc / denom                  # 4. normalise once, write once
         io.store(out[..., rows, :])
     return out
@@ -225,12 +231,7 @@ def walk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: list[
         v_tile = values[block, :, slot:slot + n].to(acc_dtype)
         # 2. scores, then the online softmax (as tiled_attention's step 3)
         s = qg @ k_tile.transpose(-1, -2) / math.sqrt(hs)                   # (H, group, n)
-        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-        rescale = torch.exp(m - m_new)
-        p = torch.exp(s - m_new)
-        denom = denom * rescale + p.sum(-1, keepdim=True)
-        acc = acc * rescale + p @ v_tile
-        m = m_new
+        m, denom, acc = absorb(m, denom, acc, s, v_tile)
         if steps is not None:
             steps.append(WalkStep(block, slot, n, position, m.view(nh).clone(),
                                   denom.view(nh).clone(), (acc / denom).view(nh, hs)))
