@@ -71,3 +71,17 @@ def test_paged_decode_is_the_engines_paged_attention(dtype, lengths, page, H, nh
     got = triton_attention.paged_decode(q, keys, values, table, lens)
     assert got.shape == want.shape
     assert (got.float() - want.float()).abs().max().item() < TOL[dtype]
+
+
+def test_paged_decode_never_reads_past_a_rows_length():
+    """The slots of a row's last page past its length hold whatever an earlier request left
+    (here NaN): the walk must not load them (0 × NaN is NaN)."""
+    lengths, page = [5, 19, 33], 8
+    q, keys, values, table, lens = _pool(3, lengths, page, 2, 4, 32, torch.float32)
+    want = paged_attention(q, keys, values, table, lens, n_splits=1)
+    for r, n in enumerate(lengths):
+        block = table[r, (n - 1) // page]
+        keys[block, :, n % page:] = float("nan")
+        values[block, :, n % page:] = float("nan")
+    got = triton_attention.paged_decode(q, keys, values, table, lens)
+    assert (got - want).abs().max().item() < 1e-4

@@ -20,12 +20,17 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository's minikv
 
 import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+from triton.testing import do_bench as _do_bench  # noqa: E402
 
 from minikv.bench.triton_attention import flash_attention, paged_decode  # noqa: E402
 from minikv.course.files import write_atomically  # noqa: E402
 from minikv.engine.attention import num_kv_splits, paged_attention  # noqa: E402
 from minikv.engine.flash import tiled_attention  # noqa: E402
+
+
+def do_bench(fn, warmup: int, rep: int) -> float:
+    """Milliseconds per call, the median of triton's timed repeats (its default is the mean)."""
+    return _do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
 def naive(q, k, v):
@@ -106,7 +111,7 @@ def report(result) -> str:
     lines = [f"# Chapter 09's kernels on {result['device']}",
              "",
              f"torch {result['torch']}, triton {result['triton']}; `python "
-             f"benchmarks/attention/bench_gpu.py` (times: medians of triton.testing.do_bench; "
+             f"benchmarks/attention/bench_gpu.py` (times: medians of do_bench's repeats; "
              f"peak: bytes allocated at the call's peak beyond what was allocated before it).",
              "",
              f"## Causal prefill attention, B={result['prefill']['B']}, "

@@ -112,10 +112,13 @@ if triton is not None:
         slots = tl.arange(0, PAGE)
         block = tl.load(Tables + row * stride_tb + b)                 # the block table lookup
         base = block.to(tl.int64) * stride_kb + kv_head * stride_kh
-        k = tl.load(Keys + base + slots[:, None] * stride_kp + dims[None, :]).to(tl.float32)
-        v = tl.load(Values + base + slots[:, None] * stride_kp + dims[None, :]).to(tl.float32)
+        live = b * PAGE + slots < length   # slots past the row's length hold stale K/V: never read
+        k = tl.load(Keys + base + slots[:, None] * stride_kp + dims[None, :], mask=live[:, None],
+                    other=0.0).to(tl.float32)
+        v = tl.load(Values + base + slots[:, None] * stride_kp + dims[None, :], mask=live[:, None],
+                    other=0.0).to(tl.float32)
         s = tl.sum(q[None, :] * k, 1) * scale                         # (PAGE,)
-        s = tl.where(b * PAGE + slots < length, s, float("-inf"))      # past the row's length
+        s = tl.where(live, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 0))
         rescale = tl.exp(m - m_new)
         p = tl.exp(s - m_new)
