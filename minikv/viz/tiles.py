@@ -74,13 +74,13 @@ def draw_walk(steps: list[WalkStep], index: int, table: list[int], page: int, le
     for b, block in enumerate(table):       # the table's pages in order, slot by slot
         for slot in range(page):
             p = b * page + slot
-            face = COLORS["prompt"] if p < read else "#ffffff"
-            alpha = 1.0 if p >= s.position else 0.45  # read now: full colour; before: faded
-            ax_slot = Rectangle((p, 0), 0.92, 0.8, facecolor=face, alpha=alpha if p < read else 1,
-                                edgecolor="#777777" if p < length else "#dddddd", linewidth=0.6)
-            pages.add_patch(ax_slot)
+            face = COLORS["prompt"] if p < read else "#ffffff"  # read so far, or not yet
+            faded = p < s.position                              # read by an earlier tile
+            pages.add_patch(Rectangle((p, 0), 0.92, 0.8, facecolor=face,
+                                      alpha=0.45 if faded else 1.0, linewidth=0.6,
+                                      edgecolor="#777777" if p < length else "#dddddd"))
         pages.text(b * page + page / 2 - 0.04, 1.05, f"block {block}", ha="center", fontsize=7)
-    pages.add_patch(Rectangle((s.position - 0.08, -0.08), s.n - 0.0, 0.96, fill=False,
+    pages.add_patch(Rectangle((s.position - 0.08, -0.08), s.n, 0.96, fill=False,
                               edgecolor="#000000", linewidth=2.0))
     pages.set(xlim=(-0.2, len(table) * page), ylim=(-0.3, 1.5), yticks=[],
               xlabel=f"positions 0..{length - 1} through the block table (page size {page})")
