@@ -178,6 +178,11 @@ def test_a_full_server_answers_503_and_a_disconnect_frees_the_blocks():
                     assert third.status_code == 503 and third.headers["Retry-After"] == "1"
                     assert "the server is full" in third.json()["error"]["message"]
                     h = live.health()
+                    assert h["in_flight"] == 2  # counted as the HTTP side took them
+                    deadline = time.monotonic() + 5
+                    while h["waiting"] == 0 and time.monotonic() < deadline:
+                        time.sleep(0.01)  # the engine thread takes the second between steps
+                        h = live.health()
                     assert (h["running"], h["waiting"]) == (1, 1)
                     assert h["free_blocks"] < 32
                 # both clients hang up halfway: their requests leave, their blocks come back
