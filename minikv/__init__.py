@@ -6,7 +6,7 @@
     minikv/bench/    `python -m minikv bench`: speed, as ratios against same-run baselines
     minikv/server.py `python -m minikv serve-http`: the server behind an OpenAI-compatible API
 """
-from .course.checkpoint import load_course_model
+from .course.checkpoint import load_course_model, load_feature_head
 from .course.device import default_device, describe_device, resolve_device
 from .course.tokenizer import EOT, load_tokenizer
 from .engine import (
@@ -21,9 +21,11 @@ from .engine import (
     RequestOutput,
     SamplingParams,
     SinkWindowCache,
+    Speculation,
     Stats,
     TraceEvent,
     Verdict,
+    feature_generate,
     generate,
     generate_batch,
     kv_cache_bytes,
@@ -38,5 +40,6 @@ __all__ = [
     "SamplingParams", "Stats", "TraceEvent", "KVCounter", "default_device", "describe_device",
     "resolve_device", "load_tokenizer", "EOT", "speculative_generate", "serve", "Request",
     "RequestOutput", "Verdict", "verify_and_commit", "load_course_model", "lookup_generate",
-    "generate_batch", "QuantizedKVCache", "SinkWindowCache",
+    "generate_batch", "QuantizedKVCache", "SinkWindowCache", "Speculation", "feature_generate",
+    "load_feature_head",
 ]

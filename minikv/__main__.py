@@ -3,10 +3,12 @@
     generate   continue a prompt with a course model (or a random preset); tokens and stats
     tokenizer  retrain the course tokenizer (--train) or check the shipped one (--check)
     train      train the course models (minikv/course/models/)
+    train-head train chapter 10's draft head on the target's own features
     evaluate   measure the shipped models; write docs/course-models.md
     figures    redraw figures/ from engine runs
     bench      the benchmarks: benchmarks/README.md, results.json, plots.png
     bench-load the server under load: latency percentiles, goodput, chunked prefill
+    bench-spec speculation beyond a draft: draft model, feature head, token trees, in a server
     exercises  regenerate exercises/ from solutions/ (--check: only report)
     grade      grade exercise notebooks by what they compute: ✓/✗ per exercise, then the score
     run        execute notebooks in place, saving their outputs
@@ -27,6 +29,7 @@ import torch
 COMMANDS = {
     "tokenizer": ("minikv.course.tokenizer", False),
     "train": ("minikv.course.train", False),
+    "train-head": ("minikv.course.train_head", False),
     "evaluate": ("minikv.course.evaluate", False),
     "figures": ("minikv.viz.figures", False),
     "bench": ("minikv.bench", False),
@@ -37,6 +40,7 @@ COMMANDS = {
     "export": ("minikv.course.export", False),
     "serve-http": ("minikv.server", False),
     "bench-load": ("minikv.bench.load", False),
+    "bench-spec": ("minikv.bench.speculation", False),
 }
 
 

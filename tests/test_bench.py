@@ -53,3 +53,17 @@ def test_latency_report_by_hand():
     assert row["ttft_p50"] == 1.0 and row["ttft_p50_steps"] == 2.0
     assert pct([0.5, 0.5, 2.0], 50) == 0.5 and pct([1, 2, 3, 4], 50) == 2.5
     assert abs(row["itl_p99"] - pct([0.5, 0.5, 2.0], 99)) < 1e-12
+
+
+def test_quick_speculation_benchmark_writes_its_report(tmp_path):
+    """Every proposer's output identical to the target's; the serving curve's rows complete."""
+    from minikv.bench import speculation
+    assert speculation.main(["--quick", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert {row["method"] for row in r["rows"]} == {"draft model", "feature head",
+                                                   "feature tree 2x2"}
+    assert all(row["identical"] for row in r["rows"] + r["serving"]["rows"])
+    assert [row["batch"] for row in r["serving"]["rows"]] == [1, 2]
+    assert all(row["verify_pass_rows"] > row["decode_pass_rows"] for row in r["serving"]["rows"])
+    assert (tmp_path / "serving.png").stat().st_size > 0
+    assert "| batch |" in (tmp_path / "README.md").read_text()

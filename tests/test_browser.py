@@ -418,3 +418,50 @@ def test_attention_kernel_chapter_in_jupyterlab(session):
     assert "rescaled by exp(old m − new m)" in expected[rises[0]][0]
     click_through(browser, stepper, expected[rises[0]:rises[0] + 4], "09",
                   {0: "rescale"}, first=rises[0])
+
+
+def chapter_10_round():
+    """The tree round chapter 10's stepper steps through (notebooks/10, section 2): the feature
+    head's 2x2 tree, 3 deep, after 21 tokens of the target's own story, verified by the target."""
+    from functools import partial
+
+    from minikv.engine.eagle import FeatureProposer
+    from minikv.engine.verify import accept_matching, verify_and_commit
+    target, tok = minikv.load_course_model("target", "cpu")
+    head = minikv.load_feature_head(target)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # as the chapter
+    try:
+        story = tok.encode("Once upon a time")
+        seq = (story + minikv.generate(target, story, 40).tokens)[:21]
+        propose = FeatureProposer(target, head, minikv.SamplingParams(), torch.Generator(),
+                                  tree=(2, 2))
+        cache = minikv.KVCache.for_model(target)
+        with torch.inference_mode():
+            propose.verify(seq[:-1], cache)
+            tree = propose(seq, 3)
+            accept = partial(accept_matching, sampling=minikv.SamplingParams(),
+                             first_position=len(seq), parents=tree.parents)
+            rnd = verify_and_commit(list(seq), tree.tokens, cache, propose.verify, accept,
+                                    parents=tree.parents)
+    finally:
+        torch.set_num_threads(threads)
+    return rnd, (lambda t: tok.decode([t])), tok.decode([seq[-1]])
+
+
+def test_speculation_chapter_tree_stepper_in_jupyterlab(session):
+    """Chapter 10's stepper through one token-tree round: proposed, judged depth by depth (each
+    caption names the target's choice and the children it was offered), committed; the numbers
+    line gives the cache holding every node until the commit keeps only the accepted path."""
+    from minikv.viz.tree import round_steps, tree_caption
+    start_lab, browser = session
+    lab = start_lab(["10_speculation_beyond_a_draft.ipynb"])
+    stepper = run_notebook(lab, browser, "10_speculation_beyond_a_draft.ipynb")
+    rnd, label, root = chapter_10_round()
+    steps = round_steps(rnd)
+    before, after = rnd.cache_lens["verifier"]
+    expected = [(text(f"step {i + 1}/{len(steps)} {tree_caption(rnd, i, label, root)}"),
+                 after if s["kind"] == "commit" else before) for i, s in enumerate(steps)]
+    assert len(rnd.verdict.path) >= 2 and before > after
+    click_through(browser, stepper, expected, "10", {0: "tree_proposed", len(steps) - 1:
+                                                     "tree_committed"})

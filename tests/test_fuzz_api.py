@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 import minikv
 from minikv.course.checkpoint import load_checkpoint, save_checkpoint
+from minikv.engine import FeatureHead
 from minikv.engine.config import LLAMA
 from minikv.engine.paged import BlockPool, BlockTable, PagedCache
 
@@ -36,6 +37,9 @@ from conftest import cli_exit, varied_model
 MODEL = varied_model()                                   # tiny: vocab 512, block_size 256
 DRAFT = varied_model(seed=1, n_layer=1)
 OTHER_VOCAB = varied_model(seed=2, vocab_size=300)       # a draft with another tokenizer
+torch.manual_seed(3)
+HEAD = FeatureHead(FeatureHead.config_for(MODEL)).eval()  # chapter 10: a draft head
+OTHER_HEAD = FeatureHead(FeatureHead.config_for(OTHER_VOCAB)).eval()
 V, N_LAYER = MODEL.config.vocab_size, MODEL.config.n_layer
 WEIGHTS = torch.cat([p.detach().flatten().clone() for p in MODEL.parameters()])
 
@@ -296,6 +300,22 @@ ENTRIES = {
              **SAMPLING, eos_id=EOS, adaptive_gamma=flag(), max_gamma=count(1, 6),
              trace=flag()),
         check_decoded, fix_speculative),
+    "feature_generate": Entry(
+        lambda head, **kw: minikv.feature_generate(MODEL, built(head), **kw),
+        dict(head=Arg(st.just(named(HEAD, "HEAD")),
+                      st.sampled_from(["head", None, named(OTHER_HEAD, "OTHER_HEAD"),
+                                       named(DRAFT, "DRAFT"), 3])),
+             ids=TOKENS, max_new_tokens=MAX_NEW, gamma=count(1, 4, too_big=[10**6]),
+             **SAMPLING, eos_id=EOS,
+             tree=Arg(st.sampled_from([None, (2, 2), (1, 3), (3, 1)]),
+                      st.sampled_from([2, (0, 2), (2,), "2x2", (2.0, 2), (2, True), [2, 2],
+                                       (2, -1)]), ("tree",)),
+             trace=flag()),
+        check_decoded),
+    "Speculation": Entry(
+        lambda draft, **kw: minikv.Speculation(draft=built(draft), **kw),
+        dict(gamma=count(1, 4), ngram=count(1, 4),
+             draft=Arg(st.sampled_from([None, named(DRAFT, "DRAFT")]), None))),
     "lookup_generate": Entry(
         lambda **kw: minikv.lookup_generate(MODEL, **kw),
         dict(ids=TOKENS, max_new_tokens=MAX_NEW, gamma=count(1, 4, too_big=[10**6]),
@@ -310,7 +330,10 @@ ENTRIES = {
              record_logits=flag(), page_size=count(1, 8),
              num_blocks=Arg(st.none(), st.sampled_from([0, 1, True, "8", 8.0, -3])),
              prefix_caching=flag(), max_running=count(1, 3, none=True),
-             policy=Arg(st.none(), st.sampled_from(["fcfs", 3, object()]))),
+             policy=Arg(st.none(), st.sampled_from(["fcfs", 3, object()])),
+             speculative=Arg(st.sampled_from([None, minikv.Speculation(2),
+                                              minikv.Speculation(2, draft=DRAFT)]),
+                             st.sampled_from([4, "lookup", object(), True]))),
         check_serve, examples=500),
     "SamplingParams": Entry(minikv.SamplingParams, SAMPLING),
     "GPT": Entry(minikv.GPT, dict(config=choice(

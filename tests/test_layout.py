@@ -22,6 +22,11 @@ ENGINE_STATEMENT_BUDGET = sum({
     "issue 33: Engine, serve()'s loop a step at a time (add, step, abort) for a server": 65,
     "issue 34: the attention kernel in readable PyTorch (online softmax, the merge, tiles, "
     "the bytes a kernel moves, a query walking its block table, FlashDecoding)": 151,
+    "issue 35: token trees (tree.py: shape, positions, mask), a tree's accept rules and its "
+    "one pass in the verify core, its path kept by the cache (compact), in the round loop": 142,
+    "issue 35: a draft on the target's own features (eagle.py: the head, chains and trees), "
+    "GPT.features": 168,
+    "issue 35: speculation in the server (Speculation, Runner.speculate, commit_round)": 53,
 }.values())
 # The shape of readable code, measured as code-review-2026-11-25.md measured it (section 2).
 LONGEST_FUNCTION = 45       # lines, signature and docstring included (nano-vllm's engine: 49)
@@ -167,13 +172,15 @@ ARCHITECTURE = PACKAGE.parent / "ARCHITECTURE.md"
 SEAMS = {  # file -> the names ARCHITECTURE.md tells a newcomer to use there
     "cache.py": ["Cache", "KVCache", "check_matches", "check_kv", "_allocate"],
     "speculative.py": ["speculate", "Proposal", "DraftProposer"],
+    "tree.py": ["tree_mask", "tree_positions"],
+    "eagle.py": ["FeatureHead", "FeatureProposer"],
     "lookup.py": ["propose_by_lookup"],
-    "verify.py": ["verify_and_commit"],
+    "verify.py": ["verify_and_commit", "commit_round"],
     "attention.py": [],
     "flash.py": ["IO", "combine"],
     "scheduler.py": ["Scheduler", "FirstComeFirstServed", "next_waiting", "fits", "victim",
                      "TokenBudget", "step", "ChunkedPrefill", "chunk"],
-    "serving.py": ["Runner", "Engine", "mixed"],
+    "serving.py": ["Runner", "Engine", "mixed", "Speculation"],
     "paged.py": ["BlockPool"],
     "model.py": ["causal_attention"],
     "records.py": ["GenerationOutput", "TraceEvent"],

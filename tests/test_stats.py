@@ -1,11 +1,16 @@
 """α, the chance that the target accepts a judged proposal, estimated the way Leviathan et al.'s
 formula defines it: accepted / (accepted + rejections)."""
 import random
-from types import SimpleNamespace
 
 import pytest
 
 from minikv.engine.records import VerifyStats
+from minikv.engine.verify import Round, Verdict
+
+
+def a_round(proposals: list[int], accepted: int, rolled_back: bool) -> Round:
+    return Round(start=0, replayed=len(proposals) + 1, proposals=proposals,
+                 verdict=Verdict(accepted, 0), cache_lens={"verifier": (int(rolled_back), 0)})
 
 
 def synthetic_rounds(alpha: float, gamma: int, rounds: int, seed: int) -> VerifyStats:
@@ -17,9 +22,7 @@ def synthetic_rounds(alpha: float, gamma: int, rounds: int, seed: int) -> Verify
         accepted = 0
         while accepted < gamma and rng.random() < alpha:
             accepted += 1
-        rnd = SimpleNamespace(proposals=[0] * gamma, verdict=SimpleNamespace(accepted=accepted),
-                              rolled_back=accepted < gamma)
-        stats.record(rnd)
+        stats.record(a_round([0] * gamma, accepted, rolled_back=accepted < gamma))
     return stats
 
 
@@ -39,10 +42,8 @@ def test_accepted_over_proposed_is_not_alpha():
 
 def test_record_counts_a_round():
     stats = VerifyStats()
-    stats.record(SimpleNamespace(proposals=[1, 2, 3], verdict=SimpleNamespace(accepted=1),
-                                 rolled_back=True))
-    stats.record(SimpleNamespace(proposals=[4, 5], verdict=SimpleNamespace(accepted=2),
-                                 rolled_back=False))
+    stats.record(a_round([1, 2, 3], 1, rolled_back=True))
+    stats.record(a_round([4, 5], 2, rolled_back=False))
     assert (stats.rounds, stats.proposed, stats.accepted, stats.rejected) == (2, 5, 3, 2)
     assert (stats.rejected_rounds, stats.rollbacks) == (1, 1)
     assert stats.alpha == 3 / 4 and stats.acceptance_rate == 3 / 5
@@ -52,9 +53,7 @@ def test_alpha_is_none_when_nothing_was_judged():
     """No proposal judged estimates nothing: None, never 0.0 (which reads as "all rejected")."""
     stats = VerifyStats()
     assert stats.alpha is None
-    stats.record(SimpleNamespace(proposals=[], verdict=SimpleNamespace(accepted=0),
-                                 rolled_back=False))
+    stats.record(a_round([], 0, rolled_back=False))
     assert stats.alpha is None
-    stats.record(SimpleNamespace(proposals=[7], verdict=SimpleNamespace(accepted=0),
-                                 rolled_back=True))
+    stats.record(a_round([7], 0, rolled_back=True))
     assert stats.alpha == 0.0

@@ -27,7 +27,7 @@ import hashlib
 import json
 import os
 from collections import Counter
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import tiktoken
@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 
 from ..engine import GPT, GPTConfig
 from ..engine.config import GPT2_FIELDS
+from ..engine.eagle import FeatureHead
 from .device import resolve_device
 from .files import check_writable, read_at_most, replace_directory
 from .tokenizer import load_tokenizer
@@ -46,6 +47,9 @@ FORMAT = "minikv-checkpoint-2"  # the header's sha256 covers config.json and tra
 MODELS_DIR = Path(__file__).parent / "models"
 # shipped in minikv/course/models/<name>/, made by `python -m minikv train --ship`
 COURSE_MODELS = ("target", "draft", "target-gqa2", "target-mqa", "target-rope")
+# chapter 10's draft on the target's own features (engine/eagle.py), made by
+# `python -m minikv train-head --ship`: not a GPT, so not among COURSE_MODELS
+FEATURE_HEAD = "feature-head"
 # config.json is ~150 bytes and training.json a few KB: a bigger one is not the package's, and is
 # refused before it is read (parsing a JSON file takes several times its size in memory)
 MAX_JSON_BYTES = 1 << 20
@@ -61,14 +65,16 @@ def save_checkpoint(model: GPT, directory: str | Path, metadata: dict | None = N
     there in one step; the weights as `dtype` (float32, or float16: half the bytes, each weight
     rounded to 11 significant bits). Refuses a model that load_checkpoint would refuse."""
     directory = Path(directory)
-    if not isinstance(model, GPT):
-        raise TypeError(f"save_checkpoint saves a minikv.GPT, got {type(model).__name__}")
+    if type(model) not in (GPT, FeatureHead):
+        raise TypeError(f"save_checkpoint saves a minikv.GPT (or a FeatureHead), got "
+                        f"{type(model).__name__}")
     if dtype not in STORED_DTYPES:
         raise ValueError(f"dtype must be one of {STORED_DTYPES}, got {dtype!r}")
     tensors = {name: t.detach().to("cpu", dtype).contiguous()
                for name, t in model.state_dict().items() if name != TIED}
     _check_tensors(tensors, model.config, directory / WEIGHTS_FILE,
-                   "save the model it was made from: a column_parallel copy is for inference only")
+                   "save the model it was made from: a column_parallel copy is for inference only",
+                   type(model))
     try:
         meta_bytes = (json.dumps(metadata or {}, indent=2, sort_keys=True, allow_nan=False)
                       + "\n").encode()
@@ -120,7 +126,7 @@ def _tensor_hash(tensors: dict[str, torch.Tensor], h) -> str:
 def _is_course_model(directory: Path) -> bool:
     try:
         return (directory.resolve().parent == MODELS_DIR.resolve()
-                and directory.name in COURSE_MODELS)
+                and directory.name in (*COURSE_MODELS, FEATURE_HEAD))
     except (OSError, RuntimeError):  # a symlink loop, say
         return False
 
@@ -128,8 +134,10 @@ def _is_course_model(directory: Path) -> bool:
 def _fix(directory: Path) -> str:
     """What to do about a bad checkpoint in `directory`."""
     if _is_course_model(directory):
+        retrain = ("train-head" if directory.name == FEATURE_HEAD
+                   else f"train --preset {directory.name}")
         return (f"restore it with `git checkout -- minikv/course/models/{directory.name}` "
-                f"or retrain it with `python -m minikv train --preset {directory.name} --ship`")
+                f"or retrain it with `python -m minikv {retrain} --ship`")
     return ("save it again with minikv.course.checkpoint.save_checkpoint, "
             "or retrain with `python -m minikv train`")
 
@@ -181,12 +189,14 @@ def read_metadata(directory: str | Path) -> dict:
     return meta
 
 
-def expected_shapes(config: GPTConfig, layers: int | None = None) -> dict[str, tuple]:
-    """Name -> shape of every stored tensor of a GPT with `config`, read off a one-layer model
-    built on the meta device (no memory): block 0's shapes repeat for every layer."""
+def expected_shapes(config: GPTConfig, layers: int | None = None,
+                    kind: type = GPT) -> dict[str, tuple]:
+    """Name -> shape of every stored tensor of a `kind` (a GPT, or a FeatureHead) with
+    `config`, read off a one-layer model built on the meta device (no memory): block 0's shapes
+    repeat for every layer."""
     one = GPTConfig(**{**config.to_dict(), "n_layer": 1})
     with torch.device("meta"):
-        shapes = {n: tuple(t.shape) for n, t in GPT(one).state_dict().items() if n != TIED}
+        shapes = {n: tuple(t.shape) for n, t in kind(one).state_dict().items() if n != TIED}
     out = {}
     for name, shape in shapes.items():
         if name.startswith("transformer.h.0."):
@@ -197,9 +207,10 @@ def expected_shapes(config: GPTConfig, layers: int | None = None) -> dict[str, t
     return out
 
 
-def _check_tensors(declared: dict, config: GPTConfig, path: Path, fix: str) -> None:
-    """Names, shapes and dtypes (`declared` maps name -> a tensor or (shape, dtype)) against
-    `config`, without allocating anything the size of the model."""
+def _check_tensors(declared: dict, config: GPTConfig, path: Path, fix: str,
+                   kind: type = GPT) -> None:
+    """Names, shapes and dtypes (`declared` maps name -> a tensor or (shape, dtype)) of a
+    `kind` against `config`, without allocating anything the size of the model."""
     def shape_dtype(v):
         return (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v
     layers = {n.split(".")[2] for n in declared if n.startswith("transformer.h.")}
@@ -214,7 +225,7 @@ def _check_tensors(declared: dict, config: GPTConfig, path: Path, fix: str) -> N
                          f"{len(layers)} layers, the config says {config.n_layer}"
                          + (f"; unexpected tensors {extra[:4]}" if extra else "")
                          + f"; {fix}")
-    want = expected_shapes(config)
+    want = expected_shapes(config, kind=kind)
     dtypes = Counter(shape_dtype(v)[1] for v in declared.values()).most_common()
     stored = dtypes[0][0] if dtypes and dtypes[0][0] in STORED_DTYPES else torch.float32
     missing, unexpected = sorted(set(want) - set(declared)), sorted(set(declared) - set(want))
@@ -239,8 +250,8 @@ _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "F64": torch.float64}
 
 
-def read_weights(directory: str | Path, config: GPTConfig | None = None
-                 ) -> dict[str, torch.Tensor]:
+def read_weights(directory: str | Path, config: GPTConfig | None = None,
+                 kind: type = GPT) -> dict[str, torch.Tensor]:
     """The tensors in `directory`/model.safetensors, on the CPU. With `config`, their declared
     names, shapes and dtypes are checked against it before any tensor is read; then their bytes,
     the header's sha256 (when the file has one: other tools' files may not) and finite values.
@@ -259,7 +270,7 @@ def read_weights(directory: str | Path, config: GPTConfig | None = None
                     piece = f.get_slice(name)
                     declared[name] = (tuple(piece.get_shape()),
                                       _DTYPES.get(piece.get_dtype(), piece.get_dtype()))
-                _check_tensors(declared, config, path, _fix(directory))
+                _check_tensors(declared, config, path, _fix(directory), kind)
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except ValueError:
         raise
@@ -287,8 +298,10 @@ def read_weights(directory: str | Path, config: GPTConfig | None = None
     return tensors
 
 
-def load_checkpoint(directory: str | Path, device: str | torch.device | None = None) -> GPT:
-    """The GPT saved in `directory`, in eval mode on `device` (default: minikv.default_device())."""
+def load_checkpoint(directory: str | Path, device: str | torch.device | None = None,
+                    kind: type = GPT) -> GPT:
+    """The GPT (or the `kind`: a FeatureHead) saved in `directory`, in eval mode on `device`
+    (default: minikv.default_device())."""
     if not isinstance(directory, (str, os.PathLike)):
         raise TypeError(f"directory must be a path (str or Path), not {type(directory).__name__}")
     directory = Path(directory)
@@ -304,11 +317,11 @@ def load_checkpoint(directory: str | Path, device: str | torch.device | None = N
                          f"{CONFIG_FILE} and {WEIGHTS_FILE}); pass the directory")
     config = read_config(directory)
     read_metadata(directory)
-    tensors = read_weights(directory, config)
+    tensors = read_weights(directory, config, kind)
     device = resolve_device(device)
     # building the model draws random init: keep the caller's RNG as it was
     with torch.random.fork_rng(devices=[]):
-        model = GPT(config)
+        model = kind(config)
     with torch.no_grad():
         for name, target in model.state_dict().items():
             if name != TIED:
@@ -333,3 +346,16 @@ def load_course_model(name: str = "target", device: str | torch.device | None = 
                          f"but the course tokenizer has {tok.n_vocab} ids; "
                          f"{_fix(MODELS_DIR / name)}")
     return model, tok
+
+
+def load_feature_head(target: GPT | None = None, device: str | torch.device | None = None
+                      ) -> FeatureHead:
+    """Chapter 10's shipped FeatureHead, trained on the course target's features; checked to
+    fit `target` (the shipped one when None). On `target`'s device when one is given."""
+    config = read_config(MODELS_DIR / "target") if target is None else target.config
+    directory = MODELS_DIR / FEATURE_HEAD
+    if read_config(directory) != replace(config, n_layer=1):
+        raise ValueError(f"the shipped feature head was trained for the course target "
+                         f"({read_config(directory)}), not for a model of {config}")
+    return load_checkpoint(directory, target.device if target is not None else device,
+                           FeatureHead)

@@ -1,10 +1,11 @@
 """The engine: a GPT-2 and the ways it decodes with a KV cache. Read config, model,
-rope, cache, sampling, generate, records, verify, speculative, lookup, attention, flash, batch,
-paged, scheduler, serving, then the caches that hold less (quantized, window), then validate; it
-imports no tooling."""
+rope, cache, sampling, generate, records, tree, verify, speculative, lookup, eagle, attention,
+flash, batch, paged, scheduler, serving, then the caches that hold less (quantized, window),
+then validate; it imports no tooling."""
 from .batch import generate_batch
 from .cache import Cache, KVCache, kv_cache_bytes
 from .config import PRESETS, GPTConfig
+from .eagle import FeatureHead, feature_generate
 from .generate import generate
 from .lookup import lookup_generate
 from .model import GPT, causal_attention
@@ -12,7 +13,7 @@ from .quantized import QuantizedKVCache
 from .records import GenerationOutput, KVCounter, Stats, TraceEvent
 from .sampling import SamplingParams
 from .scheduler import ChunkedPrefill, FirstComeFirstServed, Scheduler, TokenBudget
-from .serving import Request, RequestOutput, serve
+from .serving import Request, RequestOutput, Speculation, serve
 from .speculative import Proposal, speculate, speculative_generate
 from .verify import Verdict, verify_and_commit
 from .window import SinkWindowCache
@@ -22,4 +23,5 @@ __all__ = ["Cache", "KVCache", "kv_cache_bytes", "PRESETS", "GPTConfig", "Genera
            "SamplingParams", "Request", "RequestOutput", "serve", "speculative_generate",
            "speculate", "Proposal", "lookup_generate", "generate_batch", "QuantizedKVCache",
            "SinkWindowCache", "Verdict", "verify_and_commit", "Scheduler",
-           "FirstComeFirstServed", "TokenBudget", "ChunkedPrefill"]
+           "FirstComeFirstServed", "TokenBudget", "ChunkedPrefill", "Speculation",
+           "FeatureHead", "feature_generate"]

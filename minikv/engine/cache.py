@@ -28,6 +28,8 @@ class Cache(ABC):
       written if the pass cannot go in. Default: anything fits.
     - `crop(n)`: roll back to the first n positions (speculative decoding and
       verification need it). Default: refuse (a ValueError).
+    - `compact(slots, start)`: keep the positions in `slots` as start, start + 1, ... (a
+      token tree's accepted path). Default: refuse.
     - `restored_on_error()`: a context that crops back to where it started if the block
       raises (or is interrupted), so a retry never feeds a token twice; it holds
       `in_use()` meanwhile.
@@ -49,6 +51,10 @@ class Cache(ABC):
 
     def crop(self, max_length: int) -> None:
         raise ValueError(f"a {type(self).__name__} cannot roll back: verify with a KVCache")
+
+    def compact(self, slots: list[int], start: int) -> None:
+        raise ValueError(f"a {type(self).__name__} cannot keep a tree's path: verify with a "
+                         f"KVCache")
 
     @contextmanager
     def in_use(self):
@@ -169,6 +175,24 @@ class KVCache(Cache):
         forgotten)."""
         int_at_least("crop length", max_length, 0, " (the positions kept)", self._length + 1)
         self._length = max_length
+
+    def compact(self, slots: list[int], start: int) -> None:
+        """Keep the positions held in `slots` (increasing, from `start` on) as positions
+        start, start + 1, ... and forget everything after them. A token tree's verify pass
+        wrote every branch side by side; the accepted path is moved into place behind the
+        committed positions and the other branches dropped."""
+        int_at_least("compact start", start, 0, " (the first position moved into)",
+                     self._length + 1)
+        if not (all(type(s) is int for s in slots) and list(slots) == sorted(set(slots))
+                and all(start <= s < self._length for s in slots)):
+            raise ValueError(f"slots must be increasing ints in [{start}, {self._length}), "
+                             f"got {slots!r:.60}")
+        if slots != list(range(start, start + len(slots))):  # a chain's path is in place
+            index = torch.tensor(slots, device=self.device)
+            with torch.no_grad():
+                for t in self._buffers():  # the gather copies first, so overlaps are safe
+                    t[:, :, start:start + len(slots)] = t[:, :, index]
+        self._length = start + len(slots)
 
     def fork(self) -> KVCache:
         """An independent copy of the live prefix, for branching (e.g. asking a question

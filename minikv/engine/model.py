@@ -145,7 +145,18 @@ class GPT(nn.Module):
         every cached position. `positions` ((T,) or (B, T)) overrides the position ids
         (`torch.arange(T)` with a cache is the classic bug); `attention` swaps the kernel
         (the batched server's split-KV decode does)."""
-        _check_inputs(self, idx, cache, positions, last_only)
+        check_flags(last_only=last_only)
+        x = self.features(idx, cache, positions, attention)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(x)  # (B, T, vocab)
+
+    def features(self, idx: torch.Tensor, cache: Cache | None = None,
+                 positions: torch.Tensor | None = None,
+                 attention: Attention = causal_attention) -> torch.Tensor:
+        """The last hidden states (B, T, n_embd), after the final norm: what lm_head reads,
+        and what a feature-level draft head (eagle.py) learns to predict."""
+        _check_inputs(self, idx, cache, positions)
         # One thread at a time in a cache: another's pass would interleave its positions.
         with cache.in_use() if cache is not None else nullcontext():
             T = idx.shape[1]
@@ -159,10 +170,7 @@ class GPT(nn.Module):
                 rope = rope_angles(positions, self.config.head_dim, self.config.rope_theta)
             for layer_idx, block in enumerate(self.transformer.h):
                 x = block(x, cache, layer_idx, attention, rope)
-            x = self.transformer.ln_f(x)
-            if last_only:
-                x = x[:, -1:]
-            return self.lm_head(x)  # (B, T, vocab)
+            return self.transformer.ln_f(x)
 
     @classmethod
     def from_gpt2_state_dict(cls, state_dict: Mapping[str, torch.Tensor],
@@ -217,9 +225,8 @@ class GPT(nn.Module):
 
 
 # --- checks: bad input raises before any cache slot is written -------------------------
-def _check_inputs(model: GPT, idx, cache, positions, last_only) -> None:
+def _check_inputs(model: GPT, idx, cache, positions) -> None:
     cfg = model.config
-    check_flags(last_only=last_only)
     if not is_int_tensor(idx):
         raise TypeError(f"idx must be an integer tensor (torch.tensor([ids])), not {idx!r:.30}")
     if idx.dim() != 2 or idx.shape[1] == 0 or idx.device != model.device:

@@ -78,7 +78,7 @@ class VerifyStats:
         self.proposed += n
         self.accepted += ok
         self.rejected += n - ok
-        self.rejected_rounds += ok < n
+        self.rejected_rounds += rnd.ended_in_rejection
         self.rollbacks += rnd.rolled_back
 
     @property

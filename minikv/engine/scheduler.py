@@ -54,6 +54,7 @@ class Sequence:
         self.stats = ServeStats(prompt_len=len(prompt))
         self.events: list[TraceEvent] = []
         self.fast_logits: list[torch.Tensor] = []
+        self.proposer = None                # a speculative server's (propose, its caches)
 
     @property
     def new_tokens(self) -> list[int]:
@@ -227,6 +228,10 @@ class Scheduler:
             decoding = self.to_decode()  # may preempt: chunks only for those still here
             runner.mixed(decoding, [s for s in self.running if s.prefilling and s.chunk],
                          self.now)
+        elif runner.speculation is not None:  # room for the last token and γ proposals
+            batch = self.to_decode(1 + runner.speculation.gamma)
+            runner.decode([s for s in batch if s.deterministic], self.now)
+            runner.speculate([s for s in batch if not s.deterministic], self.now)
         else:
             runner.decode(self.to_decode(), self.now)
         # 4. Finished requests leave; their blocks go back to the pool at once.
@@ -301,14 +306,14 @@ class Scheduler:
                 self.make_room([s], len(s.tokens) + window - s.table.length, keep=s)
                 yield s
 
-    def to_decode(self) -> list[Sequence]:
-        """Every other unfinished running request, once the pool has a slot for each
-        one's next position (the oldest always goes on)."""
+    def to_decode(self, n_new: int = 1) -> list[Sequence]:
+        """Every other unfinished running request, once the pool has `n_new` slots for
+        each one's next positions (the oldest always goes on)."""
         window = self.verify_window
         batch = [s for s in self.running if not s.done and not s.prefilling
                  and not (s.deterministic and s.ready_to_verify(window))]
         if batch:
-            self.make_room(batch, 1, keep=batch[0])
+            self.make_room(batch, n_new, keep=batch[0])
         return [s for s in batch if s in self.running]
 
     # --- preemption -------------------------------------------------------------------

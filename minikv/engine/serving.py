@@ -19,11 +19,18 @@ is bit-identical whatever the batch, the arrivals and the preemptions. (It neith
 shared prefix blocks, which another request's differently shaped pass computed, nor is
 recomputed in one pass: its prompt is prefilled alone and its windows replayed as they
 were.)
+
+With `speculative=Speculation(...)` every other running request proposes up to γ tokens a
+step (prompt lookup, or a draft model), and step (3)'s pass becomes ONE packed pass that
+verifies every row's proposals at once: each row keeps its own matching prefix and the
+target's token, and its block table is cropped behind them (the same commit as
+speculate's, verify.commit_round). A row's proposals are sure tokens, judged by the
+target's own seeded choice, so each request's tokens are the ones it gets alone.
 """
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
@@ -35,12 +42,14 @@ from .attention import (
     paged_attention,
     splits_of,
 )
+from .lookup import propose_by_lookup
 from .paged import BlockPool, PagedCache
 from .records import PoolStep, ServeStats, TraceEvent
 from .sampling import SamplingParams
 from .scheduler import FirstComeFirstServed, Scheduler, Sequence
+from .speculative import DraftProposer
 from .validate import check_flags, check_room, int_at_least, prompt_of_call
-from .verify import accept_matching, round_events, verify_and_commit
+from .verify import accept_matching, commit_round, round_events, verify_and_commit
 
 
 @dataclass
@@ -70,6 +79,31 @@ class Request:
         return prompt
 
 
+@dataclass(frozen=True)
+class Speculation:
+    """Speculative decoding inside the server (vLLM's speculative_config): each running
+    request proposes up to `gamma` tokens a step, by prompt lookup (`ngram`) or, given a
+    `draft` model of the target's vocabulary, by its greedy tokens (one draft cache per
+    request, its passes one request at a time)."""
+    gamma: int = 4
+    draft: object = None
+    ngram: int = 3
+
+    def __post_init__(self) -> None:
+        int_at_least("Speculation gamma", self.gamma, hint=" (tokens proposed per step)")
+        int_at_least("Speculation ngram", self.ngram, hint=" (tokens the lookup matches)")
+
+    def proposer(self, model, s):
+        """(propose(seq, k), the caches to roll back with the target's) for sequence `s`."""
+        if self.draft is None:
+            return partial(propose_by_lookup, ngram=self.ngram), {}
+        if (self.draft.config.vocab_size, self.draft.device) != (model.config.vocab_size,
+                                                                  model.device):
+            raise ValueError("the draft must use the target's tokenizer (vocab_size) and device")
+        draft = DraftProposer(self.draft, SamplingParams(), torch.Generator(self.draft.device))
+        return draft, {"draft": draft.cache}
+
+
 @dataclass
 class RequestOutput:
     request: Request
@@ -96,7 +130,8 @@ def serve(model, requests, window: int = 4, verify: bool = True, trace: bool = F
           record_logits: bool = False, *, page_size: int = 16,
           num_blocks: int | None = None, prefix_caching: bool = True,
           max_running: int | None = None, policy: FirstComeFirstServed | None = None,
-          block_size: int | None = None) -> ServeOutputs:
+          block_size: int | None = None,
+          speculative: Speculation | None = None) -> ServeOutputs:
     """Serve `requests` (each arriving at its `arrival` step) to completion. The pool
     holds `num_blocks` blocks of `page_size` positions (default: enough for every request
     at once); `prefix_caching` lets a prompt reuse the full blocks another prompt with
@@ -107,7 +142,8 @@ def serve(model, requests, window: int = 4, verify: bool = True, trace: bool = F
     what a step has left on chunks of the prompts, in one pass with the decodes).
     Deterministic requests are verified every `window` positions; with `verify=False`
     every request keeps the fast path's tokens as they come, as a plain batched server
-    does."""
+    does. `speculative` lets the other requests propose tokens that one packed pass
+    verifies (see the module docstring)."""
     if block_size is not None:  # the old name: config.block_size is the context length
         warnings.warn("serve(block_size=) is deprecated: use page_size= (positions per "
                       "pool block)", DeprecationWarning, stacklevel=2)
@@ -118,10 +154,12 @@ def serve(model, requests, window: int = 4, verify: bool = True, trace: bool = F
     check_flags(verify=verify, trace=trace, record_logits=record_logits,
                 prefix_caching=prefix_caching)
     prompts = _checked_prompts(model, requests, window, page_size, max_running, policy)
-    num_blocks = _pool_size(requests, prompts, window, page_size, num_blocks)
+    ahead = max(window, speculative.gamma + 1 if isinstance(speculative, Speculation) else 0)
+    num_blocks = _pool_size(requests, prompts, ahead, page_size, num_blocks)
     engine = Engine(model, num_blocks, window=window, verify=verify, trace=trace,
                     record_logits=record_logits, page_size=page_size,
-                    prefix_caching=prefix_caching, max_running=max_running, policy=policy)
+                    prefix_caching=prefix_caching, max_running=max_running, policy=policy,
+                    speculative=speculative)
     for i, (r, p) in enumerate(zip(requests, prompts)):  # queued by arrival, then index
         engine.add(r, index=i, prompt=p)
     while engine.has_work():
@@ -139,8 +177,10 @@ class Engine:
     def __init__(self, model, num_blocks: int, *, window: int = 4, verify: bool = True,
                  trace: bool = False, record_logits: bool = False, page_size: int = 16,
                  prefix_caching: bool = True, max_running: int | None = None,
-                 policy: FirstComeFirstServed | None = None):
+                 policy: FirstComeFirstServed | None = None,
+                 speculative: Speculation | None = None):
         _check_settings(window, page_size, max_running, policy)
+        _check_speculation(speculative, policy)
         int_at_least("num_blocks", num_blocks, hint=" (blocks in the pool)")
         check_flags(verify=verify, trace=trace, record_logits=record_logits,
                     prefix_caching=prefix_caching)
@@ -149,7 +189,7 @@ class Engine:
                               dtype=model.dtype)
         self.scheduler = Scheduler(self.pool, (), policy, verify_window=window, trace=trace,
                                    prefix_caching=prefix_caching, max_running=max_running)
-        self.runner = Runner(model, self.pool, window, record_logits)
+        self.runner = Runner(model, self.pool, window, record_logits, speculative)
         self.seqs: dict[int, Sequence] = {}  # every request added, by index
         self.sent: dict[int, int] = {}       # new tokens step() has handed out, per request
 
@@ -235,11 +275,13 @@ class Runner:
     a deterministic request's verification, the batched decode. It moves sequences'
     tokens and tables on; who runs is the Scheduler's business."""
 
-    def __init__(self, model, pool: BlockPool, verify_window: int, record_logits: bool):
+    def __init__(self, model, pool: BlockPool, verify_window: int, record_logits: bool,
+                 speculation: Speculation | None = None):
         self.model = model
         self.pool = pool
         self.verify_window = verify_window
         self.record_logits = record_logits
+        self.speculation = speculation
 
     def run(self, s: Sequence, tokens: list[int]) -> torch.Tensor:
         """One sequence's pass over `tokens`, after its cached positions: (T, vocab)."""
@@ -294,11 +336,12 @@ class Runner:
         for s, row in zip(seqs, self.packed(seqs, counts)):
             s.tokens.append(s.sampling.choose(row, len(s.tokens)))
 
-    def packed(self, seqs: list[Sequence], counts: list[int]) -> torch.Tensor:
-        """One pass of one row: the next counts[i] uncached tokens of seqs[i] (a
-        deterministic one's proposals after its tokens), each sequence seeing only its
-        own positions (a packed causal mask, no padding); the logits of each one's last
-        token, (len(seqs), vocab)."""
+    def packed(self, seqs: list[Sequence], counts: list[int],
+               every_row: bool = False) -> torch.Tensor:
+        """One pass of one row: the next counts[i] uncached tokens of seqs[i] (its
+        proposals after its tokens), each sequence seeing only its own positions (a packed
+        causal mask, no padding); the logits of each one's last token, (len(seqs), vocab),
+        or with `every_row` of every token, (sum(counts), vocab)."""
         past = [s.table.length for s in seqs]
         for s, n in zip(seqs, counts):  # a decode row's slot (a prompt's were taken at admission)
             self.pool.reserve(s.table, n)
@@ -311,6 +354,8 @@ class Runner:
         logits = self.model(torch.tensor([ids], device=device), cache=cache,
                             positions=torch.tensor(positions, device=device),
                             attention=partial(masked_attention, mask=mask))[0]
+        if every_row:
+            return logits
         ends = torch.tensor(counts).cumsum(0) - 1
         return logits[ends.to(device)]
 
@@ -347,6 +392,36 @@ class Runner:
         s.proposals.clear()
         s.stats.record(rnd)
         s.events.extend(round_events(step, rnd, len(s.tokens)))
+
+    def speculate(self, batch: list[Sequence], step: int) -> None:
+        """Speculation in the batch: every row proposes up to γ tokens, ONE packed pass
+        scores each row's last token and proposals, and each row commits its own matching
+        prefix and the target's token, its table cropped behind them (ragged: each row
+        keeps what it earned)."""
+        if not batch:
+            return
+        # 1. Each row proposes (its own proposer, made on its first step).
+        for s in batch:
+            if s.proposer is None:
+                s.proposer = self.speculation.proposer(self.model, s)
+            k = min(self.speculation.gamma, s.request.max_new_tokens - len(s.new_tokens) - 1)
+            proposed = s.proposer[0](s.tokens, k) if k > 0 else []
+            s.proposals = list(getattr(proposed, "tokens", proposed))
+        # 2. ONE pass over every row's last token and proposals.
+        counts = [1 + len(s.proposals) for s in batch]
+        logits = self.packed(batch, counts, every_row=True).split(counts)
+        # 3. Each row: judge, commit, roll back its own table (and its draft's cache).
+        for s, rows in zip(batch, logits):
+            proposals, s.proposals = s.proposals, []
+            accept = partial(accept_matching, sampling=s.sampling,
+                             first_position=len(s.tokens))
+            caches = {"verifier": PagedCache(self.pool, [s.table]), **s.proposer[1]}
+            rnd = commit_round(s.tokens, proposals, rows, accept, caches,
+                               start=len(s.tokens) - 1, replayed=len(rows))
+            s.stats.record(rnd)
+            s.stats.fast_steps += 1
+            s.events.extend(replace(e, batch=len(batch)) if e.kind == "verify" else e
+                            for e in round_events(step, rnd, len(s.tokens)))
 
     def decode(self, batch: list[Sequence], step: int) -> None:
         """One batched pass: every request in `batch` feeds its newest token (a
@@ -396,6 +471,14 @@ class Runner:
 
 
 # --- checks: raise before anything runs ---------------------------------------------
+def _check_speculation(speculative, policy) -> None:
+    if speculative is not None and not isinstance(speculative, Speculation):
+        raise TypeError(f"speculative must be a minikv.Speculation (Speculation(gamma=4)) or "
+                        f"None, not {type(speculative).__name__}")
+    if speculative is not None and policy is not None and policy.chunked_prefill:
+        raise ValueError("speculative serving does not run with ChunkedPrefill yet: pick one")
+
+
 def _check_settings(window, page_size, max_running, policy) -> None:
     int_at_least("window", window, hint=" (positions verified per pass)")
     int_at_least("page_size", page_size, hint=" (positions per pool block)")

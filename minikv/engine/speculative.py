@@ -4,7 +4,8 @@ rejection rule keeps the target's distribution. It pays when scoring γ + 1 posi
 costs the target about one decode step and the proposer is cheap and usually right.
 
 `speculate` is the one round loop; a proposer is any `propose(seq, k)`: a draft model
-(`DraftProposer`, below), prompt lookup (lookup.py), or the next one."""
+(`DraftProposer`, below), prompt lookup (lookup.py), a head on the target's own features
+(eagle.py), or the next one. A proposal is a chain or a token tree (tree.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -14,10 +15,19 @@ from typing import Callable
 import torch
 
 from .cache import KVCache
+from .model import causal_attention
 from .records import GenerationOutput, SpeculativeStats, TraceEvent
 from .sampling import SamplingParams
+from .tree import check_parents, depths
 from .validate import check_flags, check_model, check_room, int_at_least, prompt_of_call
-from .verify import accept_by_rejection_sampling, accept_matching, round_events, verify_and_commit
+from .verify import (
+    Verifier,
+    accept_by_rejection_sampling,
+    accept_matching,
+    accept_tree_by_rejection_sampling,
+    round_events,
+    verify_and_commit,
+)
 
 
 # --- the seam: propose(seq, k) -> at most k tokens to follow seq ----------------------
@@ -30,10 +40,14 @@ class Proposal:
     probs: torch.Tensor | None = None
     # One "draft" event per forward pass the proposer ran; the loop stamps the round.
     events: list[TraceEvent] = field(default_factory=list)
+    # A token tree: parents[i] is token i's parent (-1: the last committed token). None: a
+    # chain. With probs, siblings must be independent draws from one q (the tree's rule).
+    parents: list[int] | None = None
 
 
 # It must not change `seq` (the committed tokens). Caches it keeps go to
-# speculate(other_caches=...): every round rolls them back with the target's.
+# speculate(other_caches=...): every round rolls them back with the target's. A tree may
+# be at most k deep (and hold at most speculate's `tree_size` tokens).
 Proposer = Callable[[list[int], int], "Proposal | list[int]"]
 
 
@@ -41,42 +55,43 @@ Proposer = Callable[[list[int], int], "Proposal | list[int]"]
 def speculate(target, ids, max_new_tokens: int, sampling: SamplingParams,
               propose: Proposer, *, gamma: int = 4, max_gamma: int | None = None,
               other_caches: dict[str, KVCache] | None = None,
-              generator: torch.Generator | None = None,
-              trace: bool = False) -> GenerationOutput:
+              generator: torch.Generator | None = None, verifier: Verifier | None = None,
+              tree_size: int | None = None, trace: bool = False) -> GenerationOutput:
     """Up to `max_new_tokens` after `ids`, `propose` offering up to γ tokens a round and
     `target` verifying them in ONE pass. With `max_gamma`, γ adapts in [1, max_gamma].
-    Pass the proposer's `generator` so that both draw from one seeded stream."""
+    Pass the proposer's `generator` so that both draw from one seeded stream. `verifier`
+    replaces the target's pass (eagle.py's keeps the features); with `tree_size` a
+    proposal may be a token tree of that many tokens, γ deep."""
     prompt = prompt_of_call(target, ids, max_new_tokens, sampling)
     check_flags(trace=trace)
     needed = _check_call(target, prompt, max_new_tokens, sampling, gamma, max_gamma,
-                         other_caches)
+                         other_caches, tree_size)
     if generator is None:
         generator = torch.Generator(device=target.device).manual_seed(sampling.seed)
     seq = list(prompt)
-    stats = SpeculativeStats(prompt_len=len(prompt))
-    out = GenerationOutput(prompt, [], stats, [], None)
+    out = GenerationOutput(prompt, [], SpeculativeStats(prompt_len=len(prompt)), [], None)
     if max_new_tokens == 0:
         return _finish(out, seq, trace)
     cache = KVCache.for_model(target, max_len=needed)
-    verifier = partial(_scores, target)
     with torch.inference_mode():
         # 0. Prefill the target with the prompt: its last logits give the first token.
-        out.trace.append(_prefill(target, cache, seq, sampling, generator))
+        out.trace.append(_prefill(target, cache, seq, sampling, generator, verifier))
+        verifier = verifier or partial(_scores, target)
         out.stats.target_passes += 1
         while len(seq) - len(prompt) < max_new_tokens and seq[-1] != sampling.eos_id:
-            # 1. Propose up to γ tokens: the round commits one more, the target's own.
+            # 1. Propose up to γ tokens (a tree γ deep); the round adds the target's own.
             k = min(gamma, max_new_tokens - (len(seq) - len(prompt)) - 1)
-            proposal = _as_proposal(propose(seq, k), k)
-            # 2. Verify in ONE target pass; commit the accepted prefix and the target's
-            #    token; roll every cache back behind them.
-            accept = _accept_rule(sampling, proposal.probs, len(seq), generator)
+            proposal = _as_proposal(propose(seq, k), k, tree_size)
+            # 2. Verify in ONE target pass; commit the accepted prefix (a tree's path) and
+            #    the target's token; roll every cache back behind them.
+            accept = _accept_rule(sampling, proposal, len(seq), generator)
             rnd = verify_and_commit(seq, proposal.tokens, cache, verifier, accept,
-                                    other_caches=other_caches)
+                                    other_caches=other_caches, parents=proposal.parents)
             # 3. Record the round: the proposer's passes, then verify, rollback, commit.
             _record(out, proposal, rnd, len(seq))
             # 4. Adapt γ: further while the proposer is right, less far once it is wrong.
             if max_gamma is not None:
-                all_ok = rnd.verdict.accepted == k
+                all_ok = not rnd.ended_in_rejection and rnd.verdict.accepted == k
                 gamma = min(gamma + 1, max_gamma) if all_ok else max(gamma - 1, 1)
             # 5. Stop after EOS: a round may have committed tokens past it.
             if sampling.eos_id in seq[len(prompt):]:
@@ -84,35 +99,60 @@ def speculate(target, ids, max_new_tokens: int, sampling: SamplingParams,
     return _finish(out, seq, trace)
 
 
-def _prefill(target, cache, seq: list[int], sampling, generator) -> TraceEvent:
+def _prefill(target, cache, seq: list[int], sampling, generator, verifier) -> TraceEvent:
     """Feed the prompt (all of `seq`), append the first new token, return the pass."""
     n = len(seq)
-    ids = torch.tensor([seq], device=target.device)
-    logits = target(ids, cache=cache, last_only=True)[0, -1]
+    if verifier is None:
+        ids = torch.tensor([seq], device=target.device)
+        logits = target(ids, cache=cache, last_only=True)[0, -1]
+    else:  # the caller's verifier (one that keeps the target's features, say)
+        logits = verifier(seq, cache)[-1]
     seq.append(int(sampling.sample(logits, generator)))
     return TraceEvent(kind="prefill", step=0, input_ids=tuple(seq[:n]), token=seq[-1],
                       positions=tuple(range(n)), cache_len_after=n, kv_computed=n)
 
 
-def _scores(model, rows: list[int], cache: KVCache) -> torch.Tensor:
-    """The verifier: `model`'s logits at every row, (len(rows), vocab)."""
-    return model(torch.tensor([rows], device=model.device), cache=cache)[0]
+def _scores(model, rows: list[int], cache: KVCache, positions: list[int] | None = None,
+            attention=causal_attention) -> torch.Tensor:
+    """The verifier: `model`'s logits at every row, (len(rows), vocab); a tree's pass
+    gives its rows' positions and mask."""
+    ids = torch.tensor([rows], device=model.device)
+    if positions is None:
+        return model(ids, cache=cache)[0]
+    return model(ids, cache=cache, positions=torch.tensor(positions, device=model.device),
+                 attention=attention)[0]
 
 
-def _as_proposal(proposed: Proposal | list[int], k: int) -> Proposal:
+def _as_proposal(proposed: Proposal | list[int], k: int, tree_size: int | None) -> Proposal:
     if not isinstance(proposed, Proposal):
         proposed = Proposal([int(t) for t in proposed])
-    if len(proposed.tokens) > k:  # more would overrun the budget and the caches
-        raise ValueError(f"propose(seq, k={k}) returned {len(proposed.tokens)}: return at most k")
+    if proposed.parents is None:
+        if len(proposed.tokens) > k:  # more would overrun the budget and the caches
+            raise ValueError(f"propose(seq, k={k}) returned {len(proposed.tokens)}: return at "
+                             f"most k")
+        return proposed
+    if tree_size is None:
+        raise ValueError("propose returned a token tree (parents): pass speculate(tree_size=...)")
+    check_parents(proposed.parents, len(proposed.tokens))
+    if len(proposed.tokens) > tree_size or max(depths(proposed.parents), default=0) > k:
+        raise ValueError(f"propose(seq, k={k}) returned a tree of {len(proposed.tokens)} tokens, "
+                         f"{max(depths(proposed.parents))} deep: at most tree_size={tree_size} "
+                         f"tokens, k deep")
     return proposed
 
 
-def _accept_rule(sampling: SamplingParams, probs, first_position: int, generator):
+def _accept_rule(sampling: SamplingParams, proposal: Proposal, first_position: int,
+                 generator):
     """Matching when greedy, or when the proposer gives no distribution (a sure
     proposal x is then kept with probability p(x): the target's law); else speculative
-    sampling."""
+    sampling (a tree's siblings each tried against what the target still wants)."""
+    probs, parents = proposal.probs, proposal.parents
     if sampling.greedy or probs is None:
-        return partial(accept_matching, sampling=sampling, first_position=first_position)
+        return partial(accept_matching, sampling=sampling, first_position=first_position,
+                       parents=parents)
+    if parents is not None:
+        return partial(accept_tree_by_rejection_sampling, sampling=sampling,
+                       generator=generator, draft_probs=probs, parents=parents)
     return partial(accept_by_rejection_sampling, sampling=sampling, generator=generator,
                    draft_probs=probs)
 
@@ -134,13 +174,17 @@ def _finish(out: GenerationOutput, seq: list[int], trace: bool) -> GenerationOut
 
 
 def _check_call(target, prompt, max_new_tokens, sampling, gamma, max_gamma,
-                other_caches) -> int:
-    """The positions the target's cache needs: prompt, new tokens, the longest lookahead.
-    Every cache the loop rolls back must hold as many."""
+                other_caches, tree_size=None) -> int:
+    """The positions the target's cache needs: prompt, new tokens, the longest lookahead
+    (a tree's pass writes every one of its tokens). Every cache the loop rolls back must
+    hold as many."""
     int_at_least("gamma", gamma)
+    if tree_size is not None:
+        int_at_least("tree_size", tree_size, hint=" (the most tokens a proposed tree holds)")
     if max_gamma is not None:
         int_at_least("max_gamma", max_gamma, gamma, " (the largest γ adaptive γ may reach)")
-    needed = len(prompt) + max_new_tokens + (gamma if max_gamma is None else max_gamma)
+    lookahead = max(gamma if max_gamma is None else max_gamma, tree_size or 0)
+    needed = len(prompt) + max_new_tokens + lookahead
     rooms = [c.max_len for c in (other_caches or {}).values() if c.max_len is not None]
     check_room(needed, min([target.config.block_size, *rooms]),
                f"{len(prompt)} prompt + {max_new_tokens} new + γ", "max_new_tokens or gamma")

@@ -49,7 +49,8 @@ import minikv
 from ...engine import GPT, GPTConfig
 
 HERE = Path(__file__).resolve().parent
-CHAPTERS = ("ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07", "ch08", "ch09")
+CHAPTERS = ("ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07", "ch08", "ch09",
+            "ch10")
 
 
 class CheckFailed(AssertionError):

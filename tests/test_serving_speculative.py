@@ -1,0 +1,98 @@
+"""Speculation inside continuous batching: every row proposes, one packed pass verifies all
+of them, each row keeps what it earned and its block table is cropped behind it. A request's
+tokens are the ones it gets served alone, whoever shares its steps, whatever the pool does."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import minikv
+from minikv import Request, Speculation, serve
+
+from conftest import varied_model
+
+MODEL = varied_model("tiny", seed=0).double()  # float64: no near-tie flips between pass shapes
+torch.manual_seed(1)
+DRAFT = minikv.GPT(minikv.GPTConfig.preset("tiny", n_layer=1, n_head=2, n_embd=32)).double().eval()
+SETTINGS = settings(max_examples=25, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def requests(draw):
+    n = draw(st.integers(1, 6))
+    out = []
+    for i in range(n):
+        motif = draw(st.lists(st.integers(0, 511), min_size=1, max_size=4))
+        prompt = (motif * 6)[:draw(st.integers(1, 20))]  # repeats: lookup finds proposals
+        out.append(Request(prompt, draw(st.integers(1, 24)),
+                           temperature=draw(st.sampled_from([0.0, 0.0, 1.0])), seed=i,
+                           deterministic=draw(st.booleans()) and i == 0,
+                           arrival=draw(st.integers(0, 4))))
+    return out
+
+
+@SETTINGS
+@given(reqs=requests(), gamma=st.integers(1, 5), draft=st.booleans(),
+       tight=st.booleans(), page_size=st.sampled_from([1, 4, 16]))
+def test_a_speculating_server_gives_every_request_its_tokens_alone(reqs, gamma, draft, tight,
+                                                                   page_size):
+    """Greedy and seeded-sampled requests, a deterministic one among them, arriving at different
+    steps; with a pool so small that requests are preempted (tight), or not."""
+    spec = Speculation(gamma=gamma, draft=DRAFT if draft else None)
+    ahead = max(4, gamma + 1)  # serve's window (4) or the pass of the last token and γ
+    need = max(-(-(len(r.prompt) + r.max_new_tokens + ahead) // page_size) + 1
+               for r in reqs)
+    outs = serve(MODEL, reqs, speculative=spec, page_size=page_size,
+                 num_blocks=need if tight else None)
+    for r, out in zip(reqs, outs):
+        alone = serve(MODEL, [r], page_size=page_size)[0]
+        assert out.tokens == alone.tokens
+    assert outs.pool.n_free == outs.pool.num_blocks  # every block back
+
+
+def test_rows_keep_what_they_earned_ragged():
+    """Two rows in one pass: one whose text repeats (its lookups are right) and one whose text
+    does not; each row's accepted count is its own, and its table holds exactly its tokens."""
+    repeat = Request([7, 8, 9, 10] * 5, 16)
+    novel = Request(list(range(100, 120)), 16)
+    outs = serve(MODEL, [repeat, novel], speculative=Speculation(gamma=4), trace=True)
+    verifies = {i: [e for e in o.trace if e.kind == "verify"] for i, o in enumerate(outs)}
+    assert all(e.batch == 2 for e in verifies[0][:2])  # the two rows shared their passes
+    assert outs[0].stats.accepted != outs[1].stats.accepted
+    for o in outs:
+        commits = [e for e in o.trace if e.kind == "commit"]
+        assert all(e.cache_len_after == e.sequence_len - 1 for e in commits)
+
+
+@pytest.mark.parametrize("gamma, n", [(1, 9), (3, 17), (4, 30)])
+def test_a_draft_that_is_always_right_commits_gamma_plus_one_tokens_a_step(gamma, n):
+    """The target as its own draft: every proposal accepted, so after the prefill's token each
+    step commits γ + 1 (the last step what the budget leaves)."""
+    out = serve(MODEL, [Request([5, 6, 7], n)], speculative=Speculation(gamma, draft=MODEL))[0]
+    assert out.tokens == minikv.generate(MODEL, [5, 6, 7], n).tokens
+    assert out.stats.rounds == -(-(n - 1) // (gamma + 1))
+    assert out.stats.rejected_rounds == 0 and out.stats.alpha == 1.0
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(speculative=4), TypeError, "Speculation"),
+    (dict(speculative=Speculation(), policy=minikv.engine.ChunkedPrefill(64)), ValueError,
+     "ChunkedPrefill"),
+])
+def test_bad_speculation_settings(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        serve(MODEL, [Request([1, 2], 4)], **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(gamma=0), "gamma"), (dict(gamma=2.0), "gamma"), (dict(ngram=0), "ngram")])
+def test_speculation_checks_its_numbers(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Speculation(**kwargs)
+
+
+def test_a_draft_of_another_vocabulary_is_refused():
+    other = minikv.GPT(minikv.GPTConfig.preset("tiny", vocab_size=600)).double()
+    with pytest.raises(ValueError, match="the target's tokenizer"):
+        serve(MODEL, [Request([1, 2], 4)], speculative=Speculation(draft=other))
