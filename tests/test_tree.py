@@ -342,3 +342,28 @@ def test_a_head_for_another_model_is_refused():
         feature_generate(TARGET, random_head(TARGET), [1, 2], 4, tree=2)
     with pytest.raises(ValueError, match="tree width"):
         feature_generate(TARGET, random_head(TARGET), [1, 2], 4, tree=(0, 2))
+
+
+def test_the_tree_stepper_draws_every_step_of_a_round():
+    """Proposed, one step per judged depth, committed; the numbers line gives the cache: every
+    node's K/V until the commit keeps the accepted path."""
+    from minikv.viz.tree import TreeStepper, round_steps
+    prompt = [5, 6, 7]
+    truth = minikv.generate(TARGET, prompt, 4).tokens
+    parents = [-1, -1, 0, 0, 2]
+    tokens = [(truth[0] + 1) % 512, truth[0], truth[1], (truth[1] + 1) % 512, 9]
+    seq, cache = list(prompt), minikv.KVCache.for_model(TARGET, max_len=32)
+    with torch.no_grad():
+        TARGET(torch.tensor([seq[:-1]]), cache=cache)
+        accept = partial(verify.accept_matching, sampling=minikv.SamplingParams(),
+                         first_position=len(seq), parents=parents)
+        rnd = verify.verify_and_commit(seq, tokens, cache, target_scores, accept, parents=parents)
+    assert rnd.verdict.path == (1,) and seq == prompt + truth[:2]
+    steps = round_steps(rnd)
+    assert [s["kind"] for s in steps] == ["proposed", "judge", "judge", "commit"]
+    assert (steps[1]["state"][0], steps[1]["state"][1]) == ("rejected", "accepted")
+    stepper = TreeStepper(rnd, str, "root")
+    assert stepper.n_steps == 4
+    assert stepper.info(0).startswith("KV cache: 8 positions")   # 2 cached, the root, 5 nodes
+    assert stepper.info(3).startswith("KV cache: 4 positions")   # prompt + 1 accepted
+    assert "none of" in stepper.describe(2) and "the target's" in stepper.describe(3)

@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         draft, _ = load_course_model("draft", device)
         head = load_feature_head(target)
         prompts = [tok.encode(p) for p in PROMPTS]
-        n_tokens, gammas, trees, repeats = 100, [2, 3, 4, 5, 6], [(2, 2), (4, 2), (2, 4)], 5
+        n_tokens, gammas, trees, repeats = 100, [2, 3, 4, 5, 6, 7, 8], [(2, 2), (4, 2), (2, 4)], 5
         batches, serve_tokens = [1, 2, 4, 8, 16, 32, 64], 48
     out = Path(args.out) if args.out else (None if args.quick else OUT_DIR)
     if out is not None:
@@ -261,6 +261,10 @@ judged proposals (a tree's round judges one node per depth until a refusal). A t
 node that grows gets B children, and the W most likely paths grow at each depth (γ deep).
 
 ## Each method at its fastest γ
+
+The largest speed-up of each method over the γ it was run at: on a noisy machine the top of many
+noisy numbers, so read it with "Every row" below (a method's speed-up moves from one γ to the
+next by as much as two methods differ).
 
 {table(results['best'])}
 

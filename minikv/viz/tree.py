@@ -100,7 +100,8 @@ def draw_tree_round(rnd: Round, index: int, label, root_label: str, title: str =
         if node >= 0:
             ax.text(x + 0.31, y + 0.38, f"{node}·p{positions[node]}", ha="center", fontsize=5.5,
                     color="#555555")
-    if s["kind"] == "commit":
+    # the target's own token: from the step where the walk stops (a correction, or a leaf's bonus)
+    if s["kind"] == "commit" or s["depth"] > len(rnd.verdict.nodes):
         last = rnd.verdict.nodes[-1] if rnd.verdict.nodes else -1
         x, y = place[last]
         ax.add_patch(FancyBboxPatch((x + 1, y - 0.3), 0.62, 0.6, boxstyle="round,pad=0.02",
