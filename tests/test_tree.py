@@ -350,8 +350,8 @@ def test_the_tree_stepper_draws_every_step_of_a_round():
     from minikv.viz.tree import TreeStepper, round_steps
     prompt = [5, 6, 7]
     truth = minikv.generate(TARGET, prompt, 4).tokens
-    parents = [-1, -1, 0, 0, 2]
-    tokens = [(truth[0] + 1) % 512, truth[0], truth[1], (truth[1] + 1) % 512, 9]
+    parents = [-1, -1, 1, 1, 0]  # node 1 holds the target's token; its children do not
+    tokens = [(truth[0] + 1) % 512, truth[0], (truth[1] + 1) % 512, (truth[1] + 2) % 512, 9]
     seq, cache = list(prompt), minikv.KVCache.for_model(TARGET, max_len=32)
     with torch.no_grad():
         TARGET(torch.tensor([seq[:-1]]), cache=cache)
