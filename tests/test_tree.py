@@ -16,6 +16,7 @@ from minikv.engine.speculative import Proposal, speculate
 from minikv.engine.tree import children, depths, tree_attention, tree_mask, tree_positions
 
 from conftest import varied_model
+from test_speculative import V, chi_square_p_value, small_model
 
 TARGET = varied_model("tiny", seed=0).double()
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -185,20 +186,6 @@ def test_bad_trees_are_refused():
 
 # --- sampling: the tree's rule keeps the target's distribution -----------------------------------
 
-V = 6
-SMALL = minikv.GPTConfig(vocab_size=V, block_size=16, n_layer=1, n_head=2, n_embd=16)
-
-
-def small_model(seed: int) -> minikv.GPT:
-    torch.manual_seed(seed)
-    model = minikv.GPT(SMALL).double().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.6)  # peaked, different distributions: a wrong rule shows quickly
-    return model
-
-
 def exact_pair_after_one(target, prompt) -> torch.Tensor:
     """p(t2, t3 | prompt), t1 summed out: the law of the first round's first two tokens."""
     with torch.no_grad():
@@ -210,13 +197,6 @@ def exact_pair_after_one(target, prompt) -> torch.Tensor:
             p3 = torch.softmax(target(rows)[:, -1], -1)
             out += p1[t1] * p2[:, None] * p3
     return out
-
-
-def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    expected = probs * counts.sum()
-    stat = ((counts - expected) ** 2 / expected).sum()
-    dof = counts.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
 
 
 class IidTree:
