@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 import minikv
 from minikv import Request, Speculation, serve
+from minikv.engine.serving import Engine
 
 from conftest import varied_model
 
@@ -107,3 +108,5 @@ def test_a_draft_of_another_vocabulary_is_refused():
     other = minikv.GPT(minikv.GPTConfig.preset("tiny", vocab_size=600)).double()
     with pytest.raises(ValueError, match="the target's tokenizer"):
         serve(MODEL, [Request([1, 2], 4)], speculative=Speculation(draft=other))
+    with pytest.raises(ValueError, match="the target's tokenizer"):  # before any request
+        Engine(MODEL, 8, speculative=Speculation(draft=other))

@@ -47,7 +47,7 @@ from .paged import BlockPool, PagedCache
 from .records import PoolStep, ServeStats, TraceEvent
 from .sampling import SamplingParams
 from .scheduler import FirstComeFirstServed, Scheduler, Sequence
-from .speculative import DraftProposer
+from .speculative import DraftProposer, as_proposal, check_draft
 from .validate import check_flags, check_room, int_at_least, prompt_of_call
 from .verify import accept_matching, commit_round, round_events, verify_and_commit
 
@@ -93,13 +93,10 @@ class Speculation:
         int_at_least("Speculation gamma", self.gamma, hint=" (tokens proposed per step)")
         int_at_least("Speculation ngram", self.ngram, hint=" (tokens the lookup matches)")
 
-    def proposer(self, model, s):
-        """(propose(seq, k), the caches to roll back with the target's) for sequence `s`."""
+    def proposer(self):
+        """(propose(seq, k), the caches to roll back with the target's), for one request."""
         if self.draft is None:
             return partial(propose_by_lookup, ngram=self.ngram), {}
-        if (self.draft.config.vocab_size, self.draft.device) != (model.config.vocab_size,
-                                                                  model.device):
-            raise ValueError("the draft must use the target's tokenizer (vocab_size) and device")
         draft = DraftProposer(self.draft, SamplingParams(), torch.Generator(self.draft.device))
         return draft, {"draft": draft.cache}
 
@@ -180,7 +177,7 @@ class Engine:
                  policy: FirstComeFirstServed | None = None,
                  speculative: Speculation | None = None):
         _check_settings(window, page_size, max_running, policy)
-        _check_speculation(speculative, policy)
+        _check_speculation(model, speculative, policy)
         int_at_least("num_blocks", num_blocks, hint=" (blocks in the pool)")
         check_flags(verify=verify, trace=trace, record_logits=record_logits,
                     prefix_caching=prefix_caching)
@@ -403,10 +400,9 @@ class Runner:
         # 1. Each row proposes (its own proposer, made on its first step).
         for s in batch:
             if s.proposer is None:
-                s.proposer = self.speculation.proposer(self.model, s)
+                s.proposer = self.speculation.proposer()
             k = min(self.speculation.gamma, s.request.max_new_tokens - len(s.new_tokens) - 1)
-            proposed = s.proposer[0](s.tokens, k) if k > 0 else []
-            s.proposals = list(getattr(proposed, "tokens", proposed))
+            s.proposals = as_proposal(s.proposer[0](s.tokens, k), k, None).tokens
         # 2. ONE pass over every row's last token and proposals.
         counts = [1 + len(s.proposals) for s in batch]
         logits = self.packed(batch, counts, every_row=True).split(counts)
@@ -471,12 +467,14 @@ class Runner:
 
 
 # --- checks: raise before anything runs ---------------------------------------------
-def _check_speculation(speculative, policy) -> None:
+def _check_speculation(model, speculative, policy) -> None:
     if speculative is not None and not isinstance(speculative, Speculation):
         raise TypeError(f"speculative must be a minikv.Speculation (Speculation(gamma=4)) or "
                         f"None, not {type(speculative).__name__}")
     if speculative is not None and policy is not None and policy.chunked_prefill:
         raise ValueError("speculative serving does not run with ChunkedPrefill yet: pick one")
+    if speculative is not None and speculative.draft is not None:
+        check_draft(model, speculative.draft)  # before any request runs
 
 
 def _check_settings(window, page_size, max_running, policy) -> None:

@@ -81,7 +81,7 @@ def speculate(target, ids, max_new_tokens: int, sampling: SamplingParams,
         while len(seq) - len(prompt) < max_new_tokens and seq[-1] != sampling.eos_id:
             # 1. Propose up to γ tokens (a tree γ deep); the round adds the target's own.
             k = min(gamma, max_new_tokens - (len(seq) - len(prompt)) - 1)
-            proposal = _as_proposal(propose(seq, k), k, tree_size)
+            proposal = as_proposal(propose(seq, k), k, tree_size)
             # 2. Verify in ONE target pass; commit the accepted prefix (a tree's path) and
             #    the target's token; roll every cache back behind them.
             accept = _accept_rule(sampling, proposal, len(seq), generator)
@@ -123,7 +123,8 @@ def _scores(model, rows: list[int], cache: KVCache, positions: list[int] | None 
                  attention=attention)[0]
 
 
-def _as_proposal(proposed: Proposal | list[int], k: int, tree_size: int | None) -> Proposal:
+# A proposer's answer as a Proposal, checked: at most k tokens (a tree: at most tree_size, k deep)
+def as_proposal(proposed: Proposal | list[int], k: int, tree_size: int | None) -> Proposal:
     if not isinstance(proposed, Proposal):
         proposed = Proposal([int(t) for t in proposed])
     if proposed.parents is None:
@@ -237,13 +238,9 @@ def speculative_generate(target, draft, ids, max_new_tokens: int, gamma: int = 4
     them. `adaptive_gamma` grows γ by one after a fully accepted round, shrinks it by one
     after a rejection (between 1 and `max_gamma`)."""
     sp = SamplingParams(temperature, top_k, seed, eos_id)
-    check_model("target", target)
-    check_model("draft", draft)
+    check_draft(target, draft)
     check_flags(adaptive_gamma=adaptive_gamma)
     int_at_least("max_gamma", max_gamma)  # checked even when unused: a typo is not ignored
-    vocab = target.config.vocab_size
-    if (draft.config.vocab_size, draft.device) != (vocab, target.device):
-        raise ValueError("the draft must use the target's tokenizer (vocab_size) and device")
     # One seeded stream for the draft's draws and the target's: same seed, same tokens.
     generator = torch.Generator(device=target.device).manual_seed(sp.seed)
     propose = DraftProposer(draft, sp, generator)
@@ -251,3 +248,11 @@ def speculative_generate(target, draft, ids, max_new_tokens: int, gamma: int = 4
                      max_gamma=max_gamma if adaptive_gamma else None,
                      other_caches={"draft": propose.cache}, generator=generator,
                      trace=trace)
+
+
+def check_draft(target, draft) -> None:
+    """Raise unless `draft` is a model that can propose for `target`."""
+    check_model("target", target)
+    check_model("draft", draft)
+    if (draft.config.vocab_size, draft.device) != (target.config.vocab_size, target.device):
+        raise ValueError("the draft must use the target's tokenizer (vocab_size) and device")
