@@ -7,7 +7,7 @@ NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize
 # Lax: cells must run without raising; no saved output is compared (its last bits differ by host).
 NBVAL_LAX := --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
-.PHONY: lab test test-gpu chromium exercises check-exercises grade figures bench
+.PHONY: lab test test-gpu chromium exercises check-exercises grade figures bench book
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,9 +16,13 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
-# Jupyter refuses to start as root (containers often are) unless told to.
+# JupyterLab at the repository's root, so notebooks/, exercises/ and solutions/ are all in its file
+# browser, opening on chapter 00. Jupyter refuses to start as root (containers often are) unless
+# told to. LAB_FLAGS adds flags (the browser test: a port, a token, no browser).
+LAB_START := notebooks/00_setup.ipynb
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir="$(CURDIR)" \
+		--LabApp.default_url=/lab/tree/$(LAB_START) $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_FLAGS)
 
 # The browser tests drive Debian's chromium (never a downloaded browser); apt needs root.
 chromium:
@@ -41,14 +45,14 @@ test: $(STAMP) chromium
 exercises: $(STAMP)
 	$(PY) -m minikv exercises
 
-# A student's check: passes once every exercise in exercises/ is solved. Graded by what the
-# notebooks compute (nbval-lax), so a student's CPU or GPU cannot fail a cell they never touched.
+# A student's check: one line per exercise (✓, not started, or ✗ with the checker's hint) and the
+# total; exit 0 exactly when every exercise is solved and no other cell raised. CHAPTER=02 grades one
+# chapter, VERBOSE=1 adds the failing cells' tracebacks. Graded by what the notebooks compute (a
+# check cell must run without raising), so a student's CPU or GPU cannot fail a cell by its digits.
 check-exercises: $(STAMP)
-	$(PY) -m pytest exercises $(NBVAL_LAX)
+	@$(PY) -m minikv grade $(if $(CHAPTER),--chapter $(CHAPTER)) $(if $(filter 1,$(VERBOSE)),--verbose)
 
-# The same, one line per exercise (✓, or ✗ and the checker's message) and the score.
-grade: $(STAMP)
-	$(PY) -m minikv grade
+grade: check-exercises
 
 # On a machine with a CUDA GPU: the tests marked `cuda`, then every notebook and solution on the
 # GPU (MINIKV_DEVICE=cuda; lax, since GPU numbers differ in their last bits from the saved CPU
@@ -65,3 +69,12 @@ figures: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m minikv bench --out benchmarks
 	$(PY) -m minikv bench-load --out benchmarks/load
+
+# The course as a static site (Jupyter Book): the chapters as committed, with their outputs and each
+# stepper's first step as a picture; nothing is executed or written beside the notebooks.
+BOOK_OUT ?= build/book
+book: $(STAMP)
+	@start=$$(date +%s); \
+	$(VENV)/bin/jupyter-book build . --config book/_config.yml --toc book/_toc.yml \
+		--path-output $(BOOK_OUT) --warningiserror --keep-going --quiet && \
+	echo "make book: $(BOOK_OUT)/_build/html/index.html in $$(( $$(date +%s) - start )) s"

@@ -10,7 +10,7 @@
     bench-load the server under load: latency percentiles, goodput, chunked prefill
     bench-spec speculation beyond a draft: draft model, feature head, token trees, in a server
     exercises  regenerate exercises/ from solutions/ (--check: only report)
-    grade      grade exercise notebooks by what they compute: ✓/✗ per exercise, then the score
+    grade      the grade report: ✓, ✗ with the checker's hint, or not started, per exercise
     run        execute notebooks in place, saving their outputs
     mutants    the checkers' mutation score: mutate each solution, count the checks that catch it
     export     write a course model as a Hugging Face checkpoint (transformers, vLLM, SGLang)

@@ -70,11 +70,15 @@ def free_port() -> int:
 class Lab:
     """A throwaway JupyterLab server on 127.0.0.1, always stopped by PID (its kernels with it)."""
 
-    def __init__(self, tmp: Path, notebooks: list[str], broken: bool = False):
-        self.port, self.root = free_port(), tmp / "root"
-        self.root.mkdir(parents=True)
+    def __init__(self, tmp: Path, notebooks: list[str] | None, broken: bool = False):
+        """Serve copies of `notebooks` from a temporary root; None: start it as a student does,
+        with `make lab` at the repository's root."""
+        self.port, self.root = free_port(), tmp / "root" if notebooks is not None else ROOT
+        tmp.mkdir(parents=True)
+        if notebooks is not None:
+            self.root.mkdir()
         # a copy: Lab may autosave, and the committed notebooks must not change
-        for name in notebooks:
+        for name in notebooks or []:
             shutil.copy(ROOT / "notebooks" / name, self.root / name)
         env = dict(os.environ)
         for var, sub in [("JUPYTER_CONFIG_DIR", "config"), ("JUPYTER_DATA_DIR", "data"),
@@ -94,11 +98,19 @@ class Lab:
                                                              "checkForUpdates": False}}))
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
         self.log = open(tmp / "lab.log", "w")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root",
-             "--ip=127.0.0.1", f"--port={self.port}", f"--IdentityProvider.token={TOKEN}",
-             f"--ServerApp.root_dir={self.root}", "--LabApp.news_url=None"],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        flags = ["--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={self.port}",
+                 f"--IdentityProvider.token={TOKEN}", "--LabApp.news_url=None"]
+        if notebooks is None:  # the Makefile's own recipe, this interpreter's venv as its VENV
+            venv = Path(sys.executable).parent.parent
+            # the checkpoint Lab saves when it opens a notebook goes here, not beside it
+            flags.append(f"--FileCheckpoints.checkpoint_dir={tmp / 'checkpoints'}")
+            argv = ["make", "-s", "-o", f"{venv}/.installed", f"VENV={venv}", "lab",
+                    f"LAB_FLAGS={' '.join(flags)}"]
+        else:
+            argv = [sys.executable, "-m", "jupyter", "lab", *flags,
+                    f"--ServerApp.root_dir={self.root}"]
+        self.process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=self.log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
         self.api("status", timeout=60)
 
     def url(self, path: str) -> str:
@@ -161,7 +173,7 @@ def session(tmp_path):
     executable = chromium()
     labs, browser = [], Browser(executable)
 
-    def start_lab(notebooks: list[str], broken: bool = False) -> Lab:
+    def start_lab(notebooks: list[str] | None, broken: bool = False) -> Lab:
         labs.append(Lab(tmp_path / f"lab{len(labs)}", notebooks, broken))
         return labs[-1]
     try:
@@ -465,3 +477,42 @@ def test_speculation_chapter_tree_stepper_in_jupyterlab(session):
     assert len(rnd.verdict.path) >= 2 and before > after
     click_through(browser, stepper, expected, "10", {0: "tree_proposed", len(steps) - 1:
                                                      "tree_committed"})
+
+
+def course_files() -> dict[str, bytes]:
+    return {str(p.relative_to(ROOT)): p.read_bytes() if p.is_file() else b"<dir>"
+            for folder in ("notebooks", "exercises", "solutions")
+            for p in (ROOT / folder).iterdir()}
+
+
+def test_make_lab_opens_chapter_00_and_an_exercise_from_its_file_browser(session):
+    """The README's first command as a student runs it: `make lab` serves the repository's root
+    and lands on chapter 00; from the file browser, up to the root, into exercises/, and an
+    exercise opens with its kernel. Nothing in the course's folders is written."""
+    before = course_files()
+    start_lab, browser = session
+    lab, page = start_lab(None), browser.page
+    assert {"notebooks", "exercises", "solutions"} <= {
+        item["name"] for item in lab.api("contents")["content"] if item["type"] == "directory"}
+    page.goto(lab.url(f"?token={TOKEN}"))  # the address `make lab` prints, less its path
+    page.wait_for_url("**/lab/tree/notebooks/00_setup.ipynb**", timeout=60_000)
+    panel = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")
+    title = panel.locator(".jp-RenderedMarkdown h1")
+    title.filter(has_text="00 · Setup and a tiny GPT").first.wait_for(timeout=60_000)
+    page.add_style_tag(content=".Toastify { display: none !important; }")
+    files = page.locator("#filebrowser")
+    if not files.is_visible():
+        page.locator(".jp-SideBar [data-id='filebrowser']").click()
+    files.locator(".jp-BreadCrumbs-home").click()  # the lab's root: the repository
+    listing = files.locator(".jp-DirListing-item")
+    listing.filter(has_text="exercises").first.dblclick()
+    exercise = "02_kv_cache_guide.ipynb"
+    listing.filter(has_text=exercise).first.dblclick()
+    title.filter(has_text="02 · The KV cache, visually").first.wait_for(timeout=60_000)
+    page.wait_for_url(f"**/lab/tree/exercises/{exercise}**", timeout=10_000)
+    lab.wait_idle(f"exercises/{exercise}")  # its kernel started, from the exercises/ folder
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "make_lab_exercise.png"))
+    assert not browser.errors, f"JavaScript errors: {browser.errors}"
+    lab.stop()
+    assert course_files() == before, "the lab wrote into notebooks/, exercises/ or solutions/"

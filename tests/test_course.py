@@ -76,3 +76,8 @@ def test_the_classroom_workflow_grades_one_point_per_exercise():
     assert len(set(ids)) == len(ids)
     assert reporter["with"]["runners"].split(",") == ids
     assert set(reporter["env"]) == {f"{i.upper()}_RESULTS" for i in ids}
+    # the whole grade report in the log, from the same cache, whatever the graders said
+    report = steps[steps.index(reporter) - 1]
+    assert report["if"] == "always()" and report["run"].split() == [
+        ".venv/bin/python", "-m", "minikv", "grade", "--cache", "${{", "runner.temp",
+        "}}/minikv-grade", "||", "true"]

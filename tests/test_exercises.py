@@ -132,63 +132,123 @@ def graded(tmp_path_factory):
     return runs, paths, cache
 
 
-def lines(output: str) -> list[str]:
-    return [line.strip() for line in output.splitlines() if line.startswith("  ")]
+def lines(output: str) -> list[tuple[str, str]]:
+    """The report's exercise lines as (name, what follows the name)."""
+    report = output.split("\ngrade report\n", 1)[1].splitlines()[:-1]
+    return [(line.split()[1], line.split(None, 2)[2]) for line in report]
+
+
+def total(output: str) -> str:
+    return output.splitlines()[-1]
 
 
 def test_grader_passes_every_exercise_of_a_solution(graded):
     (code, out), names = graded[0]["solution"], NAMES
     assert code == 0, out
-    assert lines(out) == [f"✓ {name}" for name in names]
-    assert out.splitlines()[-1] == f"score: {len(names)} / {len(names)}"
+    assert lines(out) == [(name, "✓") for name in names]
+    assert total(out) == (f"total: {len(names)} / {len(names)} exercises passed · 0 wrong · "
+                          "0 not started")
 
 
-def test_grader_fails_every_stub_with_its_message(graded):
+def test_grader_reports_every_stub_as_not_started(graded):
+    """The whole report on a chapter as handed out: its exercises in order, numbered, each "not
+    started", in fewer than 40 lines (no tracebacks)."""
     code, out = graded[0]["exercise"]
     assert code == 1
-    assert [line.split(":")[0] for line in lines(out)] == [f"✗ {name}" for name in NAMES]
-    assert all(line.endswith("NotImplementedError: your turn: replace this line with your code")
-               for line in lines(out))
-    assert out.splitlines()[-1] == f"score: 0 / {len(NAMES)}"
+    assert lines(out) == [(name, "not started") for name in NAMES]
+    report = out.split("\ngrade report\n", 1)[1].splitlines()
+    assert [line.split()[0] for line in report[:-1]] == [
+        f"{CHAPTER[:2]}·{i}" for i in range(1, len(NAMES) + 1)]
+    assert total(out) == f"total: 0 / {len(NAMES)} exercises passed · 0 wrong · " \
+                         f"{len(NAMES)} not started"
+    assert len(out.splitlines()) <= 40 and "Traceback" not in out
+
+
+def test_every_chapters_unsolved_report_fits_in_40_lines():
+    """running…, a blank line, "grade report", one line per exercise and the total."""
+    for path in EXERCISES:
+        n = len(course.exercise_names(nbformat.read(path, as_version=4)))
+        assert 4 + n <= 40, f"{path.name}: {n} exercises make a {4 + n}-line report"
 
 
 def test_grader_gives_partial_credit(graded):
     code, out = graded[0]["partial"]
     assert code == 1
-    assert [line.split(":")[0] for line in lines(out)] == [
-        f"✓ {name}" if name == SOLVED else f"✗ {name}" for name in NAMES]
-    assert out.splitlines()[-1] == f"score: 1 / {len(NAMES)}"
+    assert lines(out) == [(name, "✓" if name == SOLVED else "not started") for name in NAMES]
+    assert total(out).startswith(f"total: 1 / {len(NAMES)} exercises passed · 0 wrong · ")
 
 
 def test_grader_grades_one_exercise_from_the_cache(graded):
     _, paths, cache = graded
     assert len(list(Path(cache).glob("*.json"))) == 3  # one run per notebook, not per exercise
-    assert run_grader(str(paths["partial"]), "--exercise", SOLVED, "--cache", cache) == (
-        0, f"  ✓ {SOLVED}\nscore: 1 / 1\n")
+    code, out = run_grader(str(paths["partial"]), "--exercise", SOLVED, "--cache", cache)
+    assert code == 0 and lines(out) == [(SOLVED, "✓")]
+    assert total(out) == "total: 1 / 1 exercises passed · 0 wrong · 0 not started"
     code, out = run_grader(str(paths["partial"]), "--exercise", "choose", "--cache", cache)
-    assert code == 1 and out.startswith("  ✗ choose: NotImplementedError: your turn")
+    assert code == 1 and lines(out) == [("choose", "not started")]
     assert run_grader(str(paths["partial"]), "--exercise", "nope")[0] == 2
 
 
-def test_grader_reports_a_wrong_answer_with_the_checkers_message(tmp_path):
-    """A tiny notebook: a check cell raising CheckFailed, a crashing cell before it that does not
-    stop it, and a passing check."""
+def tiny_notebook(path: Path) -> Path:
+    """A crashing cell outside the exercises (it does not stop the cells after it), a check cell
+    raising CheckFailed, a passing check, and a stub's check."""
     nb = nbformat.v4.new_notebook()
     fail = ("from minikv.course.checks import fail\n"
             "fail('add', 'add(1, 2)', 3, 4, 'add, do not multiply')  # .check_add(add)")
+    stub = f"{course.STUB}  # .check_mul(mul)"
     nb.cells = [nbformat.v4.new_code_cell("1 / 0"),
                 nbformat.v4.new_code_cell(fail, metadata={"tags": ["check"]}),
                 nbformat.v4.new_code_cell("print('ok')  # .check_sub(sub)",
-                                          metadata={"tags": ["check"]})]
-    path = tmp_path / "tiny.ipynb"
+                                          metadata={"tags": ["check"]}),
+                nbformat.v4.new_code_cell(stub, metadata={"tags": ["check"]})]
     nbformat.write(nb, path)
+    return path
+
+
+def test_grader_reports_a_wrong_answer_with_the_checkers_message(tmp_path):
+    """✗ with the input, expected, got and hint on one line; a cell outside the exercises that
+    raised is reported and fails the run, without counting as an exercise."""
+    path = tiny_notebook(tmp_path / "99_tiny.ipynb")
     code, out = run_grader(str(path), "--cache", str(tmp_path / "cache"))
     assert code == 1
-    assert out == ("  ✗ add: CheckFailed: add: wrong for add(1, 2)\n"
-                   "      expected: 3\n      got:      4\n      hint: add, do not multiply\n"
-                   "  ✓ sub\nscore: 1 / 2\n")
+    assert out.split("\ngrade report\n")[1] == (
+        "  99·1  add                        ✗ wrong for add(1, 2): expected 3, got 4 · "
+        "hint: add, do not multiply\n"
+        "  99·2  sub                        ✓\n"
+        "  99·3  mul                        not started\n"
+        "  99    cell 0                     ✗ ZeroDivisionError: division by zero\n"
+        "total: 1 / 3 exercises passed · 1 wrong · 1 not started · 1 other cell raised\n")
+    assert "Traceback" not in out
     errors = grade.cell_errors(path, cache=tmp_path / "cache")  # read back, not run again
     assert errors[0] == "ZeroDivisionError: division by zero" and errors[2] is None
+
+
+def test_grader_verbose_adds_the_failing_cells_tracebacks(tmp_path):
+    path = tiny_notebook(tmp_path / "99_tiny.ipynb")
+    code, out = run_grader(str(path), "--verbose")
+    assert code == 1
+    head, report = out.split("\ngrade report\n")
+    for name in ("add", "mul", "cell 0"):
+        assert f": {name} ──" in head
+    assert head.count("Traceback") == 3 and "ZeroDivisionError" in head and "✓" not in head
+    assert report.splitlines()[-1].startswith("total: 1 / 3 exercises passed")
+
+
+def test_make_check_exercises_grades_one_chapter(tmp_path):
+    """`make check-exercises CHAPTER=02`: the report, no tracebacks, a failing status; an unknown
+    chapter is refused by name."""
+    make = ["make", "-s", "-o", ".venv/.installed", f"PY={sys.executable}", "check-exercises"]
+    run = subprocess.run([*make, "CHAPTER=02"], cwd=course.ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode != 0
+    assert run.stdout.startswith("running exercises/02_kv_cache_guide.ipynb\n"), run.stdout
+    names = course.exercise_names(nbformat.read(course.ROOT / "exercises/02_kv_cache_guide.ipynb",
+                                                as_version=4)).values()
+    assert lines(run.stdout) == [(name, "not started") for name in names]
+    assert "Traceback" not in run.stdout + run.stderr and len(run.stdout.splitlines()) <= 40
+    bad = subprocess.run([*make, "CHAPTER=13"], cwd=course.ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode != 0 and "no chapter '13' in exercises/; chapters: 00 01" in bad.stderr
 
 
 def test_grade_is_a_command_with_help(capsys):

@@ -149,7 +149,8 @@ def classroom_workflow(solutions: dict[str, nbformat.NotebookNode]) -> str:
 # GitHub Classroom: use a copy of this repository as the assignment's template; every push of a
 # student's repository grades each exercise by what it computes (`python -m minikv grade`: its check
 # cell must run without raising; no saved output is compared) and reports the points. Each chapter's
-# notebook runs once, in its first exercise's step; the others read its results from --cache.
+# notebook runs once, in its first exercise's step; the others, and the grade report at the end
+# (the one `make check-exercises` prints), read its results from --cache.
 name: classroom
 on: [push, repository_dispatch, workflow_dispatch]
 
@@ -177,6 +178,9 @@ jobs:
           .venv/bin/python -m pip install --quiet -r requirements.txt
           .venv/bin/python -m pip install --quiet --no-deps -e .
 {"".join(steps)}\
+      - name: grade report (every exercise, ✓ / ✗ with the checker's hint / not started)
+        if: always()
+        run: .venv/bin/python -m minikv grade --cache ${{{{ runner.temp }}}}/minikv-grade || true
       - name: report the points
         uses: classroom-resources/autograding-grading-reporter@v1
         env:
@@ -202,8 +206,9 @@ def exercise_list(stem: str, solution: nbformat.NotebookNode) -> str:
     items = "\n".join(f"{i}. {title[0].upper() + title[1:]} (`{name}`)"
                       for i, (title, name) in enumerate(zip(titles, names), 1))
     lead = (f"[`exercises/{stem}.ipynb`](../exercises/{stem}.ipynb) has {len(names)} exercises, "
-            f"each graded by what your code computes (`python -m minikv grade "
-            f"exercises/{stem}.ipynb`); `solutions/` has them solved:")
+            f"each graded by what your code computes: `make check-exercises CHAPTER={stem[:2]}` "
+            f"prints one line per exercise (✓, not started, or ✗ with the checker's hint); "
+            f"`solutions/` has them solved:")
     return f"## Exercises\n\n{textwrap.fill(lead, 100)}\n\n{items}"
 
 
@@ -222,12 +227,67 @@ def chapter_with_exercise_list(chapter: nbformat.NotebookNode, text: str
     return chapter
 
 
+PYPROJECT = ROOT / "pyproject.toml"
+
+
+def repository_url() -> str:
+    """The course's public repository: `Repository` under [project.urls] in pyproject.toml, the
+    one place to change it (the chapters' install cells and the README's badges follow it)."""
+    found = re.search(r'^Repository\s*=\s*"(https://github\.com/[\w.-]+/[\w.-]+)"\s*$',
+                      PYPROJECT.read_text(), re.MULTILINE)
+    if found is None:
+        raise ValueError("pyproject.toml: no [project.urls] Repository = "
+                         "\"https://github.com/OWNER/NAME\"")
+    return found.group(1)
+
+
+def install_cell(url: str) -> str:
+    """Each chapter's first code cell: without the course (Colab, Binder, a bare Jupyter) it
+    installs it, engine, models and tokenizer, from the repository (or from MINIKV_INSTALL: a
+    wheel's path, say); with the course installed it does nothing and prints nothing."""
+    return ("# On Colab, Binder or any Jupyter without the course, install it first (engine, "
+            "models, tokenizer).\n"
+            "import importlib.util\nimport os\n\n"
+            'if importlib.util.find_spec("minikv") is None:\n'
+            f'    default = "minikv[notebooks] @ git+{url}"\n'
+            '    source = os.environ.get("MINIKV_INSTALL", default)\n'
+            '    %pip install --quiet "$source"\n'
+            '    importlib.invalidate_caches()\n'
+            '    if importlib.util.find_spec("minikv") is None:  # %pip reports; it never raises\n'
+            '        raise RuntimeError(f"could not install the course from {source}: see above")')
+
+
+def with_install_cell(notebook: nbformat.NotebookNode, source: str) -> nbformat.NotebookNode:
+    """The notebook with its install cell (metadata minikv: "install") set to `source`: put
+    before its first code cell (after the title, and a chapter's map) when it has none yet."""
+    notebook = nbformat.from_dict(notebook)
+    cells = [c for c in notebook.cells if c.metadata.get("minikv") == "install"]
+    if cells:
+        cells[0].source = source
+    else:
+        first = next(i for i, c in enumerate(notebook.cells) if c.cell_type == "code")
+        cell = nbformat.v4.new_code_cell(source, metadata={"minikv": "install"})
+        notebook.cells.insert(first, cell)
+    return notebook
+
+
+def _write_if_changed(path: Path, before: nbformat.NotebookNode, after: nbformat.NotebookNode,
+                      check: bool, stale: list[Path]) -> None:
+    if after != before:
+        stale.append(path)
+        if not check:
+            write_atomically(path, nbformat.writes(after) + "\n")
+
+
 def write_exercises(check: bool = False) -> list[Path]:
-    """Regenerate exercises/, each chapter's "Exercises" cell and the classroom workflow; with
-    `check`, only list the files that would change."""
+    """Regenerate exercises/, each chapter's install and "Exercises" cells and the classroom
+    workflow; with `check`, only list the files that would change."""
     stale, solutions = [], {}
+    install = install_cell(repository_url())
     for solution_path, exercise_path in exercise_pairs():
-        solution = read_notebook(solution_path)
+        before = read_notebook(solution_path)
+        solution = with_install_cell(before, install)
+        _write_if_changed(solution_path, before, solution, check, stale)
         solutions[solution_path.stem] = solution
         text = nbformat.writes(exercise_from_solution(solution)) + "\n"
         if not exercise_path.exists() or exercise_path.read_text() != text:
@@ -237,12 +297,9 @@ def write_exercises(check: bool = False) -> list[Path]:
         chapter_path = ROOT / "notebooks" / solution_path.name
         if chapter_path.exists():
             chapter = read_notebook(chapter_path)
-            listed = chapter_with_exercise_list(chapter, exercise_list(solution_path.stem,
-                                                                       solution))
-            if listed != chapter:
-                stale.append(chapter_path)
-                if not check:
-                    write_atomically(chapter_path, nbformat.writes(listed) + "\n")
+            listed = chapter_with_exercise_list(with_install_cell(chapter, install),
+                                                exercise_list(solution_path.stem, solution))
+            _write_if_changed(chapter_path, chapter, listed, check, stale)
     workflow = classroom_workflow(solutions)
     if not CLASSROOM.exists() or CLASSROOM.read_text() != workflow:
         stale.append(CLASSROOM)
