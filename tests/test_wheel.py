@@ -88,14 +88,18 @@ def test_the_wheel_carries_the_course(wheel):
     assert 40 << 20 < size < 64 << 20, f"the wheel is {size / 2**20:.1f} MiB"
 
 
+def site_packages(python: Path) -> Path:
+    return Path(run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                    python.parent).strip())
+
+
 def clean_venv(path: Path) -> Path:
     """A new virtual environment at `path` whose dependencies, pip included, are this one's (a
     pip of its own would bring an old setuptools that shadows the one torch needs); its python."""
     run([sys._base_executable, "-m", "venv", "--without-pip", path], path.parent, timeout=300)
     python = path / "bin" / "python"
-    site = run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-               path.parent).strip()
-    (Path(site) / "minikv_course_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    ours = sysconfig.get_paths()["purelib"]  # where this environment's dependencies are
+    (site_packages(python) / "minikv_course_deps.pth").write_text(ours + "\n")
     missing = subprocess.run([python, "-c", "import minikv"], cwd=path.parent,
                              capture_output=True, text=True)
     assert missing.returncode != 0 and "No module named 'minikv'" in missing.stderr, (
@@ -143,8 +147,7 @@ def test_the_installed_course_runs_outside_the_repository(wheel, tmp_path):
     python = clean_venv(tmp_path / "venv")
     run([sys.executable, "-m", "pip", "--python", python, "install", "--quiet", "--no-deps",
          "--no-index", wheel], tmp_path)
-    site = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                    tmp_path).strip())
+    site = site_packages(python)
     names = sorted(p.name for p in (ROOT / "minikv/course/models").iterdir()
                    if (p / "config.json").is_file() and p.name != "feature-head")
     work = tmp_path / "elsewhere"
@@ -175,8 +178,7 @@ def test_a_chapters_first_cell_installs_the_course_where_it_is_missing(wheel, tm
     env = {**os.environ, "MINIKV_INSTALL": str(wheel), "PIP_NO_INDEX": "1",
            "MPLBACKEND": "Agg"}
     printed = execute(python, chapter, env)
-    site = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                    tmp_path).strip())
+    site = site_packages(python)
     assert Path(printed[-1]).is_relative_to(site), printed
     assert list(site.glob("minikv-*.dist-info"))
     # where pip cannot install it, the cell stops the chapter with a message saying so

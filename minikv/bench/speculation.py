@@ -25,9 +25,10 @@ from ..course.device import describe_device, resolve_device
 from ..course.files import check_writable, write_atomically
 from ..engine import GPT, GPTConfig, Request, Speculation, generate, serve, speculative_generate
 from ..engine.eagle import FeatureHead, feature_generate, tree_size
+from . import OUT_DIR as BENCHMARKS
 from . import alternate
 
-OUT_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "speculation"
+OUT_DIR = BENCHMARKS / "speculation"
 PROMPTS = ("Once upon a time", "The color of dog", "A coin's state is heads. Alice flips",
            "A coin's state is tails. Bob doesn't flip it. Carol flips")
 

@@ -31,13 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .files import read_at_most, write_atomically
-from .notebooks import MAX_NOTEBOOK_BYTES, ROOT, STUB, exercise_names, read_notebook
+from .notebooks import MAX_NOTEBOOK_BYTES, ROOT, STUB_MESSAGE, exercise_names, read_notebook
 
 CACHE_FORMAT = 2  # bump when the cached cell results change meaning (2: with their sha256)
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-
-
-NOT_STARTED = f"NotImplementedError: {STUB.split('(', 1)[1][1:-2]}"  # what a stub raises
+NOT_STARTED = f"NotImplementedError: {STUB_MESSAGE}"  # what a stub raises
 DETAIL = re.compile(r"^\s*(expected|got|hint):\s*(.*)$")
 
 

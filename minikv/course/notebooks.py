@@ -29,7 +29,8 @@ from .files import read_at_most, write_atomically
 ROOT = Path(__file__).resolve().parents[2]
 MAX_NOTEBOOK_BYTES = 64 << 20  # the biggest chapter, figures and all, is ~0.6 MB
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
-STUB = "raise NotImplementedError(\"your turn: replace this line with your code\")"
+STUB_MESSAGE = "your turn: replace this line with your code"
+STUB = f"raise NotImplementedError(\"{STUB_MESSAGE}\")"
 
 
 def strip_solutions(source: str) -> str:
