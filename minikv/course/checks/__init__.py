@@ -365,6 +365,41 @@ def diagnose(mistakes: dict, wrong: list, returns=_as_is, same=operator.eq) -> s
     return "; or ".join(h for h, mistake in mistakes.items() if gives(mistake, *wrong[0]))
 
 
+def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> bool:
+    """Same shape, and equal within `tol` (absolute and relative) in float64."""
+    return a.shape == b.shape and bool(torch.allclose(a.double(), b.double(), atol=tol, rtol=tol))
+
+
+def expect_tensor(exercise: str, case: str, got, want: torch.Tensor, *, shape_words: str = "",
+                  hints: dict | None = None, mistakes: dict | None = None, inputs: tuple = (),
+                  same: Callable = close) -> None:
+    """The ladder every tensor answer climbs, each rung once: a tensor, then `want`'s shape, its
+    dtype, no NaN, then `same(got, want)`. At the first rung it fails, CheckFailed names the
+    mistake: the hint of the wrong implementation in `mistakes` (hint -> fn, called with
+    `inputs`) that gives this answer, else `hints[rung]` (rungs: "tensor", "shape", "dtype",
+    "nan", "close"). `shape_words` follows the shape in the message, e.g. " (B, n_head, T, hs)"."""
+    hints = hints or {}
+
+    def named(rung: str, alike: Callable) -> str:
+        found = diagnose(mistakes, [(inputs, got)], same=alike) if mistakes else ""
+        return found or hints.get(rung, "")
+    if not isinstance(got, torch.Tensor):
+        fail(exercise, case, f"a torch tensor of shape {tuple(want.shape)}{shape_words}",
+             kind(got), hints.get("tensor", "return one torch tensor")
+             + (" (did you forget to return it?)" if got is None else ""))
+    if got.shape != want.shape:
+        fail(exercise, case, f"shape {tuple(want.shape)}{shape_words}", f"shape {tuple(got.shape)}",
+             named("shape", lambda a, b: isinstance(a, torch.Tensor) and a.shape == b.shape))
+    if got.dtype != want.dtype:
+        fail(exercise, case, f"dtype {want.dtype}", f"dtype {got.dtype}", hints.get("dtype", ""))
+    if got.is_floating_point() and bool(got.isnan().any()):
+        fail(exercise, case, "no NaN", "NaN in the answer", hints.get("nan", ""))
+    if not same(got, want):
+        off = (got.double() - want.double()).abs().max() if got.is_floating_point() else "-"
+        fail(exercise, case, "the reference's values", f"values off by up to {off:.4g}"
+             if got.is_floating_point() else got, named("close", same))
+
+
 def _unchanged(before, after) -> bool:
     if isinstance(before, torch.Tensor):
         return torch.equal(before, after)
