@@ -51,8 +51,8 @@ class BadRequest(ValueError):
         self.param, self.status = param, status
 
 
-def parse_completion(body, model_name: str, model, tokenizer, window: int, num_blocks: int,
-                     page_size: int) -> tuple[Request, bool, bool]:
+def parse_completion(body, model_name: str, model, tokenizer,
+                     engine: Engine) -> tuple[Request, bool, bool]:
     """The minikv.Request a /v1/completions body asks for, whether to stream, and whether
     to end the stream with a usage chunk; BadRequest, naming the field, if anything is
     wrong."""
@@ -96,20 +96,14 @@ def parse_completion(body, model_name: str, model, tokenizer, window: int, num_b
     options = body.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(options, dict):
         raise BadRequest("stream must be true or false, stream_options an object", "stream")
-    positions = len(ids) + max_tokens + window
-    if positions > model.config.block_size:
-        raise BadRequest(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                         f"model's context of {model.config.block_size - window} tokens: "
-                         "shorten the prompt or lower max_tokens", "max_tokens")
-    if -(-positions // page_size) + 1 > num_blocks:
-        raise BadRequest(f"this request needs more blocks than the server's pool "
-                         f"({num_blocks}): lower max_tokens", "max_tokens")
     request = Request(ids, max_tokens, temperature=temperature, top_k=top_k, seed=seed,
                       eos_id=getattr(tokenizer, "eot_token", None))
-    try:  # the engine's own checks, the ones above cannot miss
-        request.prompt = request.checked_prompt(model, window, 0)
+    try:  # the engine's one fit rule: the model's context and this server's pool
+        request.prompt = engine.check(request)[0]
     except (ValueError, TypeError) as e:
-        raise BadRequest(str(e)) from None
+        why = str(e).removeprefix("the request: ")
+        raise BadRequest(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) does not fit "
+                         f"this server: {why}", "max_tokens") from None
     return request, stream, bool(options.get("include_usage"))
 
 
@@ -133,7 +127,8 @@ class EngineThread:
 
     def __init__(self, engine: Engine, max_queue: int):
         self.engine = engine
-        self.capacity = (engine.scheduler.max_running or engine.pool.num_blocks) + max_queue
+        stats = engine.stats()
+        self.capacity = (stats["max_running"] or stats["num_blocks"]) + max_queue
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = threading.Event()
         self.outputs: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -184,8 +179,8 @@ class EngineThread:
             while not self.inbox.empty():
                 what, index, request = self.inbox.get()
                 if what == "add":  # checked by parse_completion
-                    engine.add(request, index=index, prompt=request.prompt)
-                elif index in engine.seqs:
+                    engine.add(request, index=index)
+                elif index in self.outputs:  # not finished yet: abort it
                     engine.abort(index)
                     engine.forget(index)
                     self.outputs.pop(index, None)
@@ -201,9 +196,7 @@ class EngineThread:
                     loop.call_soon_threadsafe(out.put_nowait, (tokens, done))
 
     def health(self) -> dict:
-        s, pool = self.engine.scheduler, self.engine.pool
-        return {"running": len(s.running), "waiting": len(s.waiting), "in_flight": self.in_flight,
-                "free_blocks": pool.n_free, "num_blocks": pool.num_blocks, "step": s.now}
+        return self.engine.stats() | {"in_flight": self.in_flight}
 
 
 class Detokenizer:
@@ -239,8 +232,7 @@ class CompletionsAPI:
         engine = self.worker.engine
         try:
             request, stream, usage = parse_completion(
-                body, self.name, self.model, self.tokenizer, engine.window,
-                engine.pool.num_blocks, engine.pool.page_size)
+                body, self.name, self.model, self.tokenizer, engine)
             index, out = self.worker.submit(request)
         except BadRequest as e:
             return error_response(e)
@@ -351,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from .course.checkpoint import COURSE_MODELS, load_course_model
-    from .engine.scheduler import ChunkedPrefill
+    from .engine.scheduler import FirstComeFirstServed
 
     parser = argparse.ArgumentParser(prog="python -m minikv serve-http", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -370,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model, tokenizer = load_course_model(args.model)
     try:
-        policy = ChunkedPrefill(args.chunk_budget) if args.chunk_budget else None
+        policy = (FirstComeFirstServed(args.chunk_budget, chunked_prefill=True)
+                  if args.chunk_budget else None)
         app = create_app(model, tokenizer, args.model, num_blocks=args.num_blocks,
                          page_size=args.page_size, max_running=args.max_running,
                          max_queue=args.max_queue, policy=policy)

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minikv
+from minikv.course.bugs import PaddingCounted
 from minikv.engine.attention import padded_attention
 
 from conftest import varied_model
@@ -47,7 +48,7 @@ def test_logits_of_a_padded_row_match_alone():
 def test_the_padded_batch_position_bug_changes_the_output():
     prompts = [[7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
     right = minikv.generate_batch(MODEL, prompts, 20)
-    wrong = minikv.generate_batch(MODEL, prompts, 20, position_bug=True)
+    wrong = minikv.generate_batch(PaddingCounted(MODEL), prompts, 20)
     assert wrong[1].tokens == right[1].tokens  # the longest row has no padding: unaffected
     assert wrong[0].tokens != right[0].tokens  # the padded row's positions are shifted
 

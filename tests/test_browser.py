@@ -394,18 +394,20 @@ def chapter_09_walk():
     torch.set_num_threads(2)  # as the chapter: the same bits as its kernel computes
     try:
         engine = Engine(target, num_blocks=40, page_size=4)
-        engine.add(minikv.Request(tok.encode(
-            "A coin's state is heads. Alice flips, then Bob flips. What's the state? A:"), 12))
+        question = tok.encode(
+            "A coin's state is heads. Alice flips, then Bob flips. What's the state? A:")
+        engine.add(minikv.Request(question, 12))
         engine.add(minikv.Request(tok.encode("Once upon a time"), 12))
+        new = []
         for _ in range(9):
-            engine.step()
-        seq = engine.seqs[0]
-        table, length = list(seq.table.blocks), seq.table.length
+            new += engine.step().get(0, ([], False))[0]
+        tokens = question + new
+        table, length = engine.block_table(0), len(tokens) - 1
         caught = {}
         hook = target.transformer.h[3].attn.c_attn.register_forward_hook(
             lambda module, args, out: caught.update(q=out[0, -1, :cfg.n_embd]))
         with torch.inference_mode():
-            target(torch.tensor([seq.tokens[:length]]))
+            target(torch.tensor([tokens[:length]]))
         hook.remove()
         steps = []
         walk(caught["q"].view(cfg.n_head, cfg.head_dim), engine.pool.keys[3],

@@ -249,10 +249,12 @@ def test_the_admission_rule_is_what_serve_applies(monkeypatch):
     """The solution's rule, on the pools of a real serve run, gives the server's decisions."""
     decisions, original = [], FirstComeFirstServed.fits
 
-    def watch(self, sched, s, admission):
-        mine = ch06._rule()(copy.deepcopy(sched.pool), len(s.tokens), admission.shared,
-                            len(sched.running))
-        decisions.append((mine, original(self, sched, s, admission)))
+    def watch(self, sched, s, blocks, tokens):
+        pool = copy.deepcopy(sched.pool)  # less the blocks this step's running rows will take
+        for _ in range(sched.promised):
+            pool.free.pop()
+        mine = ch06._rule()(pool, len(s.tokens), sched.admission(s)[0], len(sched.running))
+        decisions.append((mine, original(self, sched, s, blocks, tokens)))
         return decisions[-1][1]
     monkeypatch.setattr(FirstComeFirstServed, "fits", watch)
     prefix = list(range(1, 14))

@@ -1,7 +1,8 @@
-"""Chunked prefill (scheduler.ChunkedPrefill, Sarathi-Serve): every step is one packed pass of
-decode rows and prompt chunks within the token budget; every request still gets what it gets
-alone, whatever the arrivals, budget, page size, pool and prefix sharing; a prompt's blocks are
-shared only once their K/V is computed; deterministic requests stay bit-identical."""
+"""Chunked prefill (FirstComeFirstServed(n, chunked_prefill=True), Sarathi-Serve): every step is
+one packed pass of decode rows and prompt chunks within the token budget; every request still
+gets what it gets alone, whatever the arrivals, budget, page size, pool and prefix sharing; a
+prompt's blocks are shared only once their K/V is computed; deterministic requests stay
+bit-identical."""
 import random
 from collections import defaultdict
 
@@ -10,13 +11,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import minikv
-from minikv.engine.scheduler import ChunkedPrefill, TokenBudget
+from minikv.engine.scheduler import FirstComeFirstServed
 from minikv.viz.replay import caption, replay
 
 from conftest import varied_model
 
 MODEL = varied_model().double()           # float64: a different packing flips no greedy token
 MODEL32 = varied_model("small", seed=0)
+
+
+def chunk_budget(budget: int) -> FirstComeFirstServed:
+    return FirstComeFirstServed(budget, chunked_prefill=True)
 
 
 def alone(request):
@@ -55,7 +60,7 @@ def per_step(outs):
 def test_every_request_gets_what_it_would_get_alone(seed, n, budget, page_size, tight, shared):
     requests = requests_from(seed, n, shared=shared)
     biggest = max(-(-(len(r.prompt) + r.max_new_tokens + 4) // page_size) + 1 for r in requests)
-    outs = minikv.serve(MODEL, requests, page_size=page_size, policy=ChunkedPrefill(budget),
+    outs = minikv.serve(MODEL, requests, page_size=page_size, policy=chunk_budget(budget),
                         num_blocks=biggest if tight else None, max_running=budget, trace=True)
     assert [o.tokens for o in outs] == [alone(r) for r in requests]
     tokens, _ = per_step(outs)
@@ -68,15 +73,15 @@ def test_every_request_gets_what_it_would_get_alone(seed, n, budget, page_size, 
 
 def test_a_long_prompt_is_cut_into_chunks_beside_the_decodes():
     """Four short requests decoding, a 200-token prompt arriving at step 3: first come, first
-    served computes it in one step of 200 + 5 tokens (the prompt, then a decode pass of all five);
-chunked prefill in chunks that fill what
-    the decodes leave of 32, every step within 32, the decodes going on in every step."""
+    served computes it in one step of 200 + 4 tokens (the prompt, and a decode pass of the four
+    others); chunked prefill in chunks that fill what the decodes leave of 32, every step
+    within 32, the decodes going on in every step."""
     short = [minikv.Request([7 + k, 8, 9], 30) for k in range(4)]
     long = minikv.Request(list(range(1, 201)), 5, arrival=3)
     fcfs = minikv.serve(MODEL, short + [long], trace=True)
-    chunked = minikv.serve(MODEL, short + [long], trace=True, policy=ChunkedPrefill(32))
+    chunked = minikv.serve(MODEL, short + [long], trace=True, policy=chunk_budget(32))
     assert [o.tokens for o in chunked] == [o.tokens for o in fcfs]
-    assert max(per_step(fcfs)[0].values()) == 200 + 5
+    assert max(per_step(fcfs)[0].values()) == 200 + 4
     tokens, with_chunk = per_step(chunked)
     assert max(tokens.values()) == 32
     assert chunked[4].stats.prefill_chunks == -(-200 // (32 - 4))  # 28 a step: 8 chunks
@@ -90,7 +95,7 @@ chunked prefill in chunks that fill what
     assert sum(with_chunk[s] for s in steps) == 8
 
 
-class AtMostEightAPrompt(ChunkedPrefill):
+class AtMostEightAPrompt(FirstComeFirstServed):
     """A policy that caps every prompt's chunk at 8 tokens, however much budget is left."""
 
     def chunk(self, sched, s):
@@ -105,11 +110,11 @@ def test_a_prefix_is_shared_only_once_its_chunks_computed_it():
     a_prompt = list(range(1, 65))
     a = minikv.Request(a_prompt, 4)
     b = minikv.Request(a_prompt[:48] + [300, 301, 302], 4, arrival=2)
-    outs = minikv.serve(MODEL, [a, b], page_size=8, policy=AtMostEightAPrompt(64), trace=True)
+    outs = minikv.serve(MODEL, [a, b], page_size=8, policy=AtMostEightAPrompt(64, True), trace=True)
     assert [o.tokens for o in outs] == [alone(a), alone(b)]
     assert outs[1].stats.reused == 16  # A's chunks at steps 0 and 1 filled two blocks
     later = minikv.Request(a_prompt[:48] + [300, 301, 302], 4, arrival=20)  # after A is whole
-    outs = minikv.serve(MODEL, [a, later], page_size=8, policy=AtMostEightAPrompt(64))
+    outs = minikv.serve(MODEL, [a, later], page_size=8, policy=AtMostEightAPrompt(64, True))
     assert outs[1].stats.reused == 48
 
 
@@ -121,19 +126,19 @@ def test_deterministic_requests_are_bit_identical_under_chunked_prefill():
                                  seed=pattern) for r in requests_from(pattern, 4, spread=4)]
         det.arrival = pattern % 3
         out = minikv.serve(MODEL32, [det] + others, page_size=4,
-                           policy=ChunkedPrefill(8 + 4 * pattern))
+                           policy=chunk_budget(8 + 4 * pattern))
         assert out[0].tokens == want
 
 
 def test_a_small_pool_preempts_a_request_midway_through_its_prompt():
-    """Found by search (seeds 0-199, pools of 10-16 blocks, budgets 6-16: the one case): a pool
-    so small that a request is preempted between two chunks of its prompt; it is readmitted,
-    recomputed in chunks, and every output is still right, no block lost."""
-    requests = requests_from(182, 6, max_prompt=40, max_new=16, spread=2)
-    outs = minikv.serve(MODEL, requests, page_size=4, num_blocks=14, trace=True,
-                        policy=ChunkedPrefill(6))
+    """Found by search (seeds 0-2000, pools of 8-20 blocks, budgets 4-12: the first case): a
+    pool so small that a request is preempted between two chunks of its prompt; it is
+    readmitted, recomputed in chunks, and every output is still right, no block lost."""
+    requests = requests_from(4, 6, max_prompt=40, max_new=16, spread=2)
+    outs = minikv.serve(MODEL, requests, page_size=4, num_blocks=20, trace=True,
+                        policy=chunk_budget(4))
     assert [o.tokens for o in outs] == [alone(r) for r in requests]
-    assert outs.pool.n_free == 14
+    assert outs.pool.n_free == 20
 
     def cut_midway(trace):
         passes = [e.kind for e in trace if e.kind in ("chunk", "prefill", "recompute", "decode",
@@ -145,7 +150,7 @@ def test_a_small_pool_preempts_a_request_midway_through_its_prompt():
 def test_the_trace_replays_and_captions_a_chunked_prompt():
     short = minikv.Request([7, 8, 9], 6)
     long = minikv.Request(list(range(1, 41)), 3, arrival=1)
-    out = minikv.serve(MODEL, [short, long], trace=True, policy=ChunkedPrefill(16))[1]
+    out = minikv.serve(MODEL, [short, long], trace=True, policy=chunk_budget(16))[1]
     snaps = replay(out.trace)
     assert [s.cache_len for s in snaps] == [15, 30, 40, 41, 42]
     assert snaps[0].tokens == long.prompt[:15] and snaps[0].newest is None
@@ -156,8 +161,8 @@ def test_the_trace_replays_and_captions_a_chunked_prompt():
 
 def test_a_budget_that_never_binds_changes_no_token_and_no_prompt_is_cut():
     requests = requests_from(5, 6)
-    whole = minikv.serve(MODEL, requests, policy=TokenBudget(10_000))
-    chunked = minikv.serve(MODEL, requests, policy=ChunkedPrefill(10_000))
+    whole = minikv.serve(MODEL, requests, policy=FirstComeFirstServed(10_000))
+    chunked = minikv.serve(MODEL, requests, policy=chunk_budget(10_000))
     assert [o.tokens for o in chunked] == [o.tokens for o in whole]
     assert all(o.stats.prefill_chunks == 1 for o in chunked)
 
@@ -165,14 +170,14 @@ def test_a_budget_that_never_binds_changes_no_token_and_no_prompt_is_cut():
 @pytest.mark.parametrize("budget", [0, -3, 2.5, True])
 def test_a_chunk_budget_is_a_positive_int(budget):
     with pytest.raises((ValueError, TypeError), match="max_tokens must be a positive int"):
-        ChunkedPrefill(budget)
+        chunk_budget(budget)
 
 
 def test_the_step_composition_picture_shows_each_steps_chunks_and_decodes():
     from minikv.viz.pool import draw_step_composition, step_composition
     short = [minikv.Request([7 + k, 8, 9], 12) for k in range(3)]
     long = minikv.Request(list(range(1, 81)), 3, arrival=2)
-    outs = minikv.serve(MODEL, short + [long], trace=True, policy=ChunkedPrefill(24))
+    outs = minikv.serve(MODEL, short + [long], trace=True, policy=chunk_budget(24))
     steps = step_composition(outs)
     assert {s: sum(n for *_, n in rows) for s, rows in steps.items()} == dict(per_step(outs)[0])
     chunks = [n for rows in steps.values() for r, kind, n in rows if r == 3 and kind == "prompt"]

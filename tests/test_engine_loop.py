@@ -5,7 +5,7 @@ changes."""
 import pytest
 
 import minikv
-from minikv.engine.scheduler import ChunkedPrefill
+from minikv.engine.scheduler import FirstComeFirstServed
 from minikv.engine.serving import Engine
 
 from conftest import varied_model
@@ -21,7 +21,8 @@ def drain(engine, out=None):
     return out
 
 
-@pytest.mark.parametrize("policy", [None, ChunkedPrefill(8)], ids=["fcfs", "chunked"])
+@pytest.mark.parametrize("policy", [None, FirstComeFirstServed(8, chunked_prefill=True)],
+                         ids=["fcfs", "chunked"])
 def test_requests_added_while_it_runs_get_what_serve_gives(policy):
     requests = [minikv.Request([3 + k, 1, 4, 1, 5][: 2 + k], 6 + k) for k in range(4)]
     want = [o.tokens for o in minikv.serve(MODEL, requests, policy=policy)]
@@ -33,7 +34,7 @@ def test_requests_added_while_it_runs_get_what_serve_gives(policy):
             got.setdefault(i, []).extend(tokens)
     drain(engine, got)
     assert [got[i] for i in range(4)] == want
-    assert engine.pool.n_free == 64 and engine.step() == {}
+    assert engine.stats()["free_blocks"] == 64 and engine.step() == {}
 
 
 def test_every_token_is_handed_out_once_and_finished_once():
@@ -54,17 +55,17 @@ def test_abort_frees_the_blocks_and_the_others_go_on():
     gone = engine.add(minikv.Request(list(range(5, 25)), 12))
     waiting = engine.add(minikv.Request([7, 7], 4, arrival=50))
     engine.step()
-    held = engine.pool.n_free
+    held = engine.stats()["free_blocks"]
     with pytest.raises(ValueError, match="still running: abort it first"):
         engine.forget(gone)
     engine.abort(gone)
     engine.forget(gone)  # a server's memory: the record goes too
-    assert gone not in engine.seqs
-    assert engine.pool.n_free > held  # its blocks came back at once
+    assert gone not in engine.outputs()
+    assert engine.stats()["free_blocks"] > held  # its blocks came back at once
     engine.abort(waiting)  # still queued: it simply leaves
     out = drain(engine)
     assert out[keep][-1] == minikv.generate(MODEL, [1, 2, 3], 12).tokens[-1]
-    assert gone not in out and waiting not in out and engine.pool.n_free == 32
+    assert gone not in out and waiting not in out and engine.stats()["free_blocks"] == 32
     with pytest.raises(ValueError, match="no request 9 in this engine"):
         engine.abort(9)
 
@@ -79,7 +80,17 @@ def test_a_bad_request_is_refused_and_changes_nothing(request_, error, message):
     engine = Engine(MODEL, 4, page_size=4)
     with pytest.raises(error, match=message):
         engine.add(request_)
-    assert not engine.has_work() and engine.seqs == {} and engine.pool.n_free == 4
+    assert not engine.has_work() and engine.outputs() == {}
+    assert engine.stats()["free_blocks"] == 4
+
+
+def test_an_index_in_use_is_refused_and_a_new_one_never_reuses_one():
+    engine = Engine(MODEL, 16, page_size=4)
+    assert engine.add(minikv.Request([1, 2], 3), index=1) == 1
+    with pytest.raises(ValueError, match="request 1 is already in this engine"):
+        engine.add(minikv.Request([3, 4], 3), index=1)
+    assert [engine.add(minikv.Request([5], 2)) for _ in range(2)] == [0, 2]
+    assert sorted(engine.outputs()) == [0, 1, 2]
 
 
 def test_bad_settings_are_refused():

@@ -91,7 +91,7 @@ GENERATE_CASES = [
     ("negative max_new_tokens", dict(max_new_tokens=-1), ValueError, "max_new_tokens"),
     ("eos out of vocab", dict(eos_id=600), ValueError, "eos_id"),
     ("cache too short", dict(max_new_tokens=6), ValueError, "the cache 10: use a larger cache"),
-    ("naive with cache", dict(mode="naive"), ValueError, "only apply to mode='cached'"),
+    ("naive with cache", dict(mode="naive"), ValueError, "only applies to mode='cached'"),
 ]
 
 

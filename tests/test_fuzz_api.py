@@ -141,7 +141,7 @@ class Entry:
 def check_decoded(kw, out, tokens=None):
     tokens = out.tokens if tokens is None else tokens
     assert len(tokens) <= kw["max_new_tokens"] and all(0 <= t < V for t in tokens)
-    if kw.get("temperature", 0) == 0 and not kw.get("position_offset_bug"):
+    if kw.get("temperature", 0) == 0:
         assert tokens == greedy(as_list(kw["ids"]), kw["max_new_tokens"], kw.get("eos_id"))
 
 
@@ -194,7 +194,7 @@ def check_serve(kw, outs):
     for out in outs:
         r = out.request
         assert len(out.tokens) <= r.max_new_tokens and all(0 <= t < V for t in out.tokens)
-        if r.temperature == 0 and r.deterministic and kw["verify"]:  # batch-invariant tokens
+        if r.temperature == 0 and r.deterministic and kw["replay"]:  # batch-invariant tokens
             assert out.tokens == greedy(as_list(r.prompt), r.max_new_tokens, r.eos_id)
 
 
@@ -281,7 +281,7 @@ ENTRIES = {
              **SAMPLING, eos_id=EOS,
              cache=Arg(st.sampled_from([None, fresh_cache(), fresh_cache(max_len=40)]),
                        WRONG_CACHES),
-             trace=flag(), return_logits=flag(), position_offset_bug=flag([False])),
+             trace=flag(), return_logits=flag()),
         check_decoded, fix_generate, examples=1000),
     "generate_batch": Entry(
         gen_batch,
@@ -290,7 +290,7 @@ ENTRIES = {
                                           torch.ones(2, 2, dtype=torch.long), [[1.0]]]),
                          ("prompt", "token id")),
              max_new_tokens=MAX_NEW, **SAMPLING, eos_id=EOS,
-             pad_id=count(0, V - 1, too_big=[V]), position_bug=flag([False])),
+             pad_id=count(0, V - 1, too_big=[V])),
         check_batch),
     "speculative_generate": Entry(
         lambda draft, **kw: minikv.speculative_generate(MODEL, built(draft), **kw),
@@ -326,7 +326,7 @@ ENTRIES = {
         dict(requests=Arg(requests(False), requests(True),
                           ("request", "token id", "prompt", "temperature", "top_k", "seed",
                            "eos_id")),
-             window=count(1, 4, too_big=[10**6]), verify=flag(), trace=flag(),
+             replay_window=count(1, 4, too_big=[10**6]), replay=flag(), trace=flag(),
              record_logits=flag(), page_size=count(1, 8),
              num_blocks=Arg(st.none(), st.sampled_from([0, 1, True, "8", 8.0, -3])),
              prefix_caching=flag(), max_running=count(1, 3, none=True),

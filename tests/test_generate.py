@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import minikv
+from minikv.course.bugs import PositionsFromZero
 
 from conftest import varied_model
 
@@ -71,8 +72,10 @@ def test_position_offset_bug_is_reproducible(tiny):
     """Restarting positions at 0 on each decode step (seed 003's bug) changes what the model
     says."""
     right = minikv.generate(tiny, [1, 2, 3], 30, trace=True)
-    wrong = minikv.generate(tiny, [1, 2, 3], 30, trace=True, position_offset_bug=True)
-    assert [e.positions for e in wrong.trace[1:3]] == [(0,), (0,)]
+    buggy = PositionsFromZero(tiny)  # the course's wrapper: the engine's loop holds no bug
+    wrong = minikv.generate(buggy, [1, 2, 3], 30, trace=True)
+    assert buggy.given[:3] == [[0, 1, 2], [0], [0]]
+    assert [e.positions for e in wrong.trace[1:3]] == [(3,), (4,)]  # what the loop asked for
     assert wrong.tokens[0] == right.tokens[0]  # the prefill itself is right
     assert wrong.tokens != right.tokens
 
@@ -150,3 +153,29 @@ def test_cache_lives_on_cuda_and_counts_bytes():
     assert cache.device.type == "cuda" and cache.dtype == torch.float16
     minikv.generate(model, [1, 2, 3], 4, cache=cache)
     assert cache.nbytes == minikv.kv_cache_bytes(model.config, 6, dtype=torch.float16)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
+def test_a_decode_step_reads_nothing_back_but_its_token(preset):
+    """The engine's decode step (a pass through the cache: its checks, every layer's update,
+    the logits, the argmax) never waits for the GPU; reading the chosen token back, the one
+    read a step needs, is the only synchronisation. Checks on the hot path used to read the
+    ids, the positions and the cache length back every pass."""
+    from minikv.engine.config import LLAMA
+    overrides = LLAMA if preset == "tiny-llama" else {}
+    model = varied_model("tiny", **overrides).to("cuda")
+    cache = minikv.KVCache.for_model(model, max_len=64)
+    with torch.inference_mode():
+        model(torch.tensor([[1, 2, 3]], device="cuda"), cache=cache)
+        token = torch.tensor([[5]], device="cuda")  # the caller's upload, made beforehand
+        torch.cuda.synchronize()
+        for _ in range(4):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                logits = model(token, cache=cache, last_only=True)
+                token = logits[:, -1].argmax(-1, keepdim=True)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            assert 0 <= int(token) < model.config.vocab_size  # the one read: the token
+    assert cache.get_seq_length() == 3 + 4

@@ -169,7 +169,7 @@ SERVED = [  # two share a 4-token prefix (prefix caching); a 12-block pool preem
 
 
 def serve_call(_):
-    return minikv.serve(MODEL, SERVED, window=2, page_size=2, num_blocks=12)
+    return minikv.serve(MODEL, SERVED, replay_window=2, page_size=2, num_blocks=12)
 
 
 CASES = [

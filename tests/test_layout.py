@@ -27,6 +27,10 @@ ENGINE_STATEMENT_BUDGET = sum({
     "issue 35: a draft on the target's own features (eagle.py: the head, chains and trees), "
     "GPT.features": 168,
     "issue 35: speculation in the server (Speculation, Runner.speculate, commit_round)": 53,
+    "issue 49: the step as schedule -> run -> postprocess (a plan; the scheduler owns its queues: "
+    "add, abort, forget, stats, outputs), one fit rule, every proposer served (a Proposer with "
+    "caches, features, fresh copies; trees in the packed pass, PagedCache.compact), PagedCache "
+    "and PagedBatch one contract each, and the old names kept for one release": 86,
 }.values())
 # The shape of readable code, measured as code-review-2026-11-25.md measured it (section 2).
 LONGEST_FUNCTION = 45       # lines, signature and docstring included (nano-vllm's engine: 49)
@@ -171,17 +175,18 @@ def test_no_line_over_100_characters_in_the_package():
 ARCHITECTURE = PACKAGE.parent / "ARCHITECTURE.md"
 SEAMS = {  # file -> the names ARCHITECTURE.md tells a newcomer to use there
     "cache.py": ["Cache", "KVCache", "check_matches", "check_kv", "_allocate"],
-    "speculative.py": ["speculate", "Proposal", "DraftProposer"],
+    "speculative.py": ["speculate", "Proposal", "Proposer", "DraftProposer", "Speculation"],
     "tree.py": ["tree_mask", "tree_positions"],
     "eagle.py": ["FeatureHead", "FeatureProposer"],
-    "lookup.py": ["propose_by_lookup"],
+    "lookup.py": ["propose_by_lookup", "PromptLookup"],
     "verify.py": ["verify_and_commit", "commit_round"],
     "attention.py": [],
     "flash.py": ["IO", "combine"],
     "scheduler.py": ["Scheduler", "FirstComeFirstServed", "next_waiting", "fits", "victim",
-                     "TokenBudget", "step", "ChunkedPrefill", "chunk"],
-    "serving.py": ["Runner", "Engine", "mixed", "Speculation"],
-    "paged.py": ["BlockPool"],
+                     "chunk", "schedule", "postprocess", "fit"],
+    "serving.py": ["Runner", "Engine", "mixed", "step"],
+    "sampling.py": ["Request", "SamplingParams"],
+    "paged.py": ["BlockPool", "PagedCache", "PagedBatch"],
     "model.py": ["causal_attention"],
     "records.py": ["GenerationOutput", "TraceEvent"],
     "validate.py": ["int_at_least", "one_of", "check_flags", "check_model", "token_ids",
@@ -231,3 +236,87 @@ def test_the_readme_reads_the_engine_in_the_order_the_engine_gives():
     files = sorted(p.stem for p in ENGINE.glob("*.py") if p.stem != "__init__")
     assert sorted(listed) == files, "README's engine table must list every engine file once"
     assert listed == [w for w in given if w in files], "README's order differs from the engine's"
+
+
+# --- one owner of the queues: the server and the Engine go through public methods -------------
+def public_methods(source: str, cls: str) -> set[str]:
+    node = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return {f.name for f in node.body if isinstance(f, ast.FunctionDef)
+            and not f.name.startswith("_")}
+
+
+def attributes_read_on(source: str, owner) -> list[tuple[int, str]]:
+    """(line, attribute) of every `X.attribute` whose X `owner(X)` says is the object watched."""
+    return [(n.lineno, n.attr) for n in ast.walk(ast.parse(source))
+            if isinstance(n, ast.Attribute) and owner(n.value)]
+
+
+def is_named(*names: str):
+    def owner(node) -> bool:  # engine, self.engine, self.worker.engine, self.scheduler ...
+        return getattr(node, "id", getattr(node, "attr", None)) in names
+    return owner
+
+
+def reach_ins(source: str, owner, allowed: set[str]) -> list[str]:
+    return [f"line {line}: .{attr}" for line, attr in attributes_read_on(source, owner)
+            if attr not in allowed]
+
+
+def test_no_reach_ins_into_the_scheduler_or_the_engine():
+    """The Scheduler owns its queues and the pool's books: the Engine calls its public methods
+    only, and the HTTP server calls the Engine's public methods only (no .scheduler, .pool,
+    .waiting, .running, .seqs)."""
+    sources = engine_sources()
+    scheduler_api = public_methods(sources["scheduler.py"], "Scheduler") | {"pool_steps", "now"}
+    engine_api = public_methods(sources["serving.py"], "Engine")
+    engine_class = ast.get_source_segment(sources["serving.py"], next(
+        n for n in ast.parse(sources["serving.py"]).body
+        if isinstance(n, ast.ClassDef) and n.name == "Engine"))
+    assert not reach_ins(engine_class, is_named("scheduler"), scheduler_api)
+    server = (PACKAGE / "server.py").read_text()
+    assert not reach_ins(server, is_named("engine"), engine_api)
+    for room in ("server.py", "bench/load.py"):
+        text = (PACKAGE / room).read_text()
+        found = [a for _, a in attributes_read_on(text, lambda node: True)
+                 if a in ("scheduler", "waiting", "running", "seqs")]
+        assert not found, f"{room} reaches into the engine: {found}"
+
+
+def test_the_reach_in_check_sees_a_reach_in():
+    source = "def f(engine):\n    engine.step()\n    return engine.scheduler.waiting\n"
+    assert reach_ins(source, is_named("engine"), {"step"}) == ["line 3: .scheduler"]
+
+
+def test_the_fit_rule_is_written_once():
+    """One function says whether a request fits (the context and the pool): scheduler.fit. No
+    other place in the package adds a prompt's length to max_new_tokens."""
+    pattern = re.compile(r"len\((?:prompt|ids|p|r\.prompt)\)\s*\+\s*\S*max_new_tokens|"
+                         r"len\(ids\)\s*\+\s*max_tokens")
+    found = [f"{p.relative_to(PACKAGE)}:{i}" for p in [*sorted(ENGINE.glob("*.py")),
+                                                         PACKAGE / "server.py"]
+             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)
+             and p.name not in ("batch.py", "generate.py", "speculative.py")]
+    assert found == ["engine/scheduler.py:" + str(next(
+        i for i, line in enumerate((ENGINE / "scheduler.py").read_text().splitlines(), 1)
+        if pattern.search(line)))], found
+
+
+# The serving path: the files that schedule, run and page requests. The code review measured
+# 1,116 lines and 15 classes (nano-vllm's equivalent: 385 and 6); issue 49 asks for 750 and 9.
+# The classes are there; the lines are a ratchet on the way down, lowered as the code shrinks.
+SERVING_PATH_LINES, SERVING_PATH_CLASSES = 1060, 9
+
+
+def test_the_serving_path_is_small():
+    files = ("serving.py", "scheduler.py", "paged.py")
+    lines = sum(len(engine_sources()[f].splitlines()) for f in files)
+    classes = sum(isinstance(n, ast.ClassDef) for f in files
+                  for n in ast.walk(ast.parse(engine_sources()[f])))
+    assert lines <= SERVING_PATH_LINES and classes <= SERVING_PATH_CLASSES, (lines, classes)
+
+
+def test_the_engine_step_is_three_calls():
+    step = next(n for n in ast.walk(ast.parse(engine_sources()["serving.py"]))
+                if isinstance(n, ast.FunctionDef) and n.name == "step")
+    body = step.body[1:] if isinstance(step.body[0].value, ast.Constant) else step.body
+    assert step.end_lineno - body[0].lineno + 1 <= 6

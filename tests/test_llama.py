@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import minikv
+from minikv.course.bugs import PositionsFromZero
 from minikv.engine.config import LLAMA
 from minikv.engine.rope import rope_angles, rotate
 
@@ -110,7 +111,7 @@ def test_cached_equals_naive(llama):
 def test_a_decode_step_at_position_0_breaks_rope_too(llama):
     """The position bug under RoPE: the new key is rotated as if at position 0."""
     right = minikv.generate(llama, [1, 2, 3, 4, 5], 30)
-    wrong = minikv.generate(llama, [1, 2, 3, 4, 5], 30, position_offset_bug=True)
+    wrong = minikv.generate(PositionsFromZero(llama), [1, 2, 3, 4, 5], 30)
     assert right.tokens != wrong.tokens
 
 

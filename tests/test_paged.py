@@ -129,7 +129,7 @@ def test_deterministic_requests_are_bit_identical_whatever_the_arrivals():
                                spread=8)
         det.arrival = pattern % 4
         blocks = None if pattern % 3 else 14  # some patterns with a pool small enough to preempt
-        out = minikv.serve(MODEL32, [det] + others, window=4, page_size=4, num_blocks=blocks)
+        out = minikv.serve(MODEL32, [det] + others, replay_window=4, page_size=4, num_blocks=blocks)
         outputs.add(tuple(out[0].tokens))
     assert len(outputs) == 1
 
@@ -156,7 +156,7 @@ def test_a_preempted_deterministic_request_is_recomputed_exactly():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(page_size=0), "page_size must be a positive int"),
-    (dict(num_blocks=0), "num_blocks must be an int >= "),
+    (dict(num_blocks=0), "num_blocks must be a positive int"),
     (dict(num_blocks=1), "needs more than the pool"),
     (dict(requests=[minikv.Request([1, 2], 3, arrival=-1)]), "arrival must be an int >= 0"),
     (dict(requests=[minikv.Request([1] * 60, 3)], num_blocks=3, page_size=8),
@@ -203,7 +203,7 @@ def test_packed_prefill_equals_prompts_computed_one_by_one():
         first.reserve(8)
         MODEL(torch.tensor([prompts[2][:8]]), cache=first)
         counts = [5, 3, 2]
-        cache = PagedCache(pool, tables, packed=counts)
+        cache = PagedCache(pool, tables, counts=counts)
         for t, n in zip(tables, counts):
             PagedCache(pool, [t]).reserve(n)
         past = [0, 0, 8]
@@ -256,13 +256,19 @@ def test_a_preempted_deterministic_request_comes_back_with_room_for_its_recomput
     assert preempted > 0  # the case under test happened
 
 
-def test_the_old_block_size_keyword_still_works_with_a_warning():
-    requests = [minikv.Request([1, 2, 3], 4), minikv.Request([4, 5], 3)]
-    with pytest.warns(DeprecationWarning, match="use page_size"):
-        old = minikv.serve(MODEL32, requests, block_size=4)
-    assert old.pool.page_size == 4
+def test_the_old_names_still_work_for_one_release_with_a_warning():
+    """serve(window=, verify=) are now replay_window= and replay= (block_size= is gone: it is
+    the model's context length, page_size the pool's)."""
+    requests = [minikv.Request([1, 2, 3], 4, deterministic=True), minikv.Request([4, 5], 3)]
+    with pytest.warns(DeprecationWarning, match="replay_window="):
+        old = minikv.serve(MODEL32, requests, window=2)
+    with pytest.warns(DeprecationWarning, match="replay="):
+        fast = minikv.serve(MODEL32, requests, verify=False)
     assert [o.tokens for o in old] == [o.tokens for o in minikv.serve(MODEL32, requests,
-                                                                       page_size=4)]
+                                                                       replay_window=2)]
+    assert fast[0].stats.rounds == 0 and old[0].stats.rounds > 0
+    with pytest.raises(TypeError, match="block_size"):
+        minikv.serve(MODEL32, requests, block_size=4)
 
 
 def test_the_pool_keeps_the_books_of_a_table():

@@ -118,7 +118,7 @@ def test_a_seeded_sampled_request_is_reproducible(live):
     ({"model": "draft", "prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens", "from 1 to"),
     ({"model": "draft", "prompt": PROMPT, "max_tokens": 2.5}, 400, "max_tokens", "an integer"),
     ({"model": "draft", "prompt": PROMPT, "max_tokens": 10_000}, 400, "max_tokens",
-     "exceeds the model's context"),
+     "does not fit this server"),
     ({"model": "draft", "prompt": PROMPT, "temperature": 3}, 400, "temperature", "from 0.0 to 2"),
     ({"model": "draft", "prompt": PROMPT, "temperature": "hot"}, 400, "temperature", "a number"),
     ({"model": "draft", "prompt": PROMPT, "temperature": True}, 400, "temperature", "a number"),

@@ -7,7 +7,7 @@ import torch
 
 import minikv
 from minikv.engine.attention import num_kv_splits, split_kv_attention
-from minikv.engine.scheduler import FirstComeFirstServed, TokenBudget
+from minikv.engine.scheduler import FirstComeFirstServed
 
 from conftest import varied_model
 
@@ -30,11 +30,11 @@ def det_request(seed: int = 1, n: int = 30, temperature: float = 0.8) -> minikv.
                           temperature=temperature, seed=seed)
 
 
-def run(model, request, k, n, verify=True, **kw):
+def run(model, request, k, n, replay=True, **kw):
     """Serve `request` with companion set k of size n, placed in the middle of the batch."""
     others = companions(k, n)
     batch = others[: n // 2] + [request] + others[n // 2:]
-    return minikv.serve(model, batch, verify=verify, **kw)[n // 2]
+    return minikv.serve(model, batch, replay=replay, **kw)[n // 2]
 
 
 # 12 companion sets
@@ -44,10 +44,10 @@ SETTINGS = [(k, n) for k, n in zip(range(12), [0, 1, 2, 3, 5, 7, 1, 2, 4, 6, 9, 
 def test_fast_path_logits_depend_on_the_batch():
     """fp32, CPU: the same request's first fast-path logits, alone vs with companions, differ in
     bits."""
-    alone = run(MODEL32, det_request(), 0, 0, verify=False, record_logits=True).fast_logits
+    alone = run(MODEL32, det_request(), 0, 0, replay=False, record_logits=True).fast_logits
     differing = 0
     for k, n in SETTINGS[1:]:
-        other = run(MODEL32, det_request(), k, n, verify=False, record_logits=True).fast_logits
+        other = run(MODEL32, det_request(), k, n, replay=False, record_logits=True).fast_logits
         torch.testing.assert_close(other[0], alone[0], atol=1e-4, rtol=0)  # same math...
         differing += not torch.equal(other[0], alone[0])  # ...different rounding
     assert differing >= len(SETTINGS) - 3
@@ -57,7 +57,7 @@ def test_fast_path_tokens_depend_on_the_batch():
     """bf16: for some sampling seed, the fast path gives different tokens with different
     companions (chapter 05 searches the same way)."""
     def outputs(seed):
-        return {tuple(run(MODEL16, det_request(seed=seed), k, n, verify=False).tokens)
+        return {tuple(run(MODEL16, det_request(seed=seed), k, n, replay=False).tokens)
                 for k, n in SETTINGS[:6]}
     assert any(len(outputs(seed)) > 1 for seed in range(1, 9))
 
@@ -72,9 +72,9 @@ def test_verified_output_is_bit_identical_across_batches(model, temperature):
 
 
 def test_verification_is_what_makes_it_deterministic():
-    """Same settings with verify=False disagree somewhere; with verify=True they never do."""
+    """Same settings with replay=False disagree somewhere; with replay=True they never do."""
     seed = next(seed for seed in range(1, 9)  # the first whose fast path depends on the batch
-                if len({tuple(run(MODEL16, det_request(seed=seed), k, n, verify=False).tokens)
+                if len({tuple(run(MODEL16, det_request(seed=seed), k, n, replay=False).tokens)
                         for k, n in SETTINGS[:6]}) > 1)
     verified = {tuple(run(MODEL16, det_request(seed=seed), k, n).tokens) for k, n in SETTINGS}
     assert len(verified) == 1
@@ -146,7 +146,7 @@ def test_number_of_splits_follows_the_batch():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(window=0), "window must be a positive int"),
+    (dict(replay_window=0), "replay_window must be a positive int"),
     (dict(requests=[minikv.Request([1] * 500, 10, deterministic=True)]), "block_size"),
     (dict(requests=[minikv.Request([1], 10, temperature=-1)]), "temperature"),
     (dict(requests=[minikv.Request([], 10)]), "prompt is empty"),
@@ -154,13 +154,13 @@ def test_number_of_splits_follows_the_batch():
     (dict(requests=[]), "no requests"),
 ])
 def test_bad_input(kwargs, message):
-    args = dict(requests=[det_request()], window=4) | kwargs
+    args = dict(requests=[det_request()], replay_window=4) | kwargs
     with pytest.raises(ValueError, match=message):
         minikv.serve(MODEL32, **args)
 
 
 def test_window_one_verifies_every_token():
-    out = run(MODEL32, det_request(n=10), 2, 2, window=1)
+    out = run(MODEL32, det_request(n=10), 2, 2, replay_window=1)
     assert out.stats.fast_steps == 0 and out.stats.rounds == 9  # the prefill gives the first token
     assert out.tokens == run(MODEL32, det_request(n=10), 0, 0).tokens
 
@@ -170,9 +170,9 @@ def test_max_running_caps_the_batch_and_changes_no_token():
     the queue instead, and each one's tokens are the same as uncapped."""
     model = varied_model()
     requests = [minikv.Request([1 + i, 2, 3], 5 + i % 4, arrival=i % 3) for i in range(9)]
-    free = minikv.serve(model, requests, verify=False, trace=True)
+    free = minikv.serve(model, requests, replay=False, trace=True)
     for cap in (1, 3):
-        capped = minikv.serve(model, requests, verify=False, trace=True, max_running=cap)
+        capped = minikv.serve(model, requests, replay=False, trace=True, max_running=cap)
         rows = [e.batch for o in capped for e in o.trace if e.kind == "decode"]
         assert max(rows) <= cap
         assert [o.tokens for o in capped] == [o.tokens for o in free]
@@ -185,7 +185,7 @@ def test_max_running_fills_the_batch_up_to_the_cap():
     model = varied_model()
     requests = [minikv.Request([1 + i, 2, 3], 6) for i in range(7)]
     for cap in (1, 2, 5):
-        out = minikv.serve(model, requests, verify=False, trace=True, max_running=cap)
+        out = minikv.serve(model, requests, replay=False, trace=True, max_running=cap)
         first = min((e for o in out for e in o.trace if e.kind == "decode"), key=lambda e: e.step)
         assert first.batch == cap
 
@@ -219,12 +219,12 @@ def step_tokens(outs):
 
 
 def test_a_token_budget_bounds_every_step_and_changes_no_token():
-    """TokenBudget (vLLM's max_num_batched_tokens): no step computes more than the budget,
+    """A token budget (vLLM's max_num_batched_tokens): no step computes more than the budget,
     except a request longer than it that runs alone; every request's tokens are unchanged."""
     requests = mixed_requests()
     free = minikv.serve(MODEL64, requests, trace=True)
     for budget in (8, 20, 40):
-        outs = minikv.serve(MODEL64, requests, trace=True, policy=TokenBudget(budget))
+        outs = minikv.serve(MODEL64, requests, trace=True, policy=FirstComeFirstServed(budget))
         tokens, who = step_tokens(outs)
         assert all(n <= budget or len(who[step]) == 1 for step, n in tokens.items())
         assert [o.tokens for o in outs] == [o.tokens for o in free]
@@ -235,7 +235,7 @@ def test_a_budget_that_never_binds_is_first_come_first_served():
     requests = mixed_requests() + [det_request()]
     fcfs = minikv.serve(MODEL32, requests, trace=True, page_size=4, num_blocks=40)
     budget = minikv.serve(MODEL32, requests, trace=True, page_size=4, num_blocks=40,
-                          policy=TokenBudget(10_000))
+                          policy=FirstComeFirstServed(10_000))
     assert [o.trace for o in budget] == [o.trace for o in fcfs]
     assert budget.pool_steps == fcfs.pool_steps
 
@@ -278,14 +278,14 @@ def test_a_request_preempted_while_its_window_is_due_is_not_verified():
 
 def test_a_policy_that_admits_nothing_is_an_error_not_a_hang():
     class Never(FirstComeFirstServed):
-        def fits(self, sched, s, admission):
+        def fits(self, sched, s, blocks, tokens):
             return False
     with pytest.raises(RuntimeError, match="admits nothing while nothing runs"):
         minikv.serve(MODEL32, [det_request()], policy=Never())
 
 
 @pytest.mark.parametrize("policy, error, message", [
-    (TokenBudget, TypeError, "policy must be a scheduling policy"),
+    (FirstComeFirstServed, TypeError, "policy must be a scheduling policy"),
     ("fcfs", TypeError, "policy must be a scheduling policy"),
 ])
 def test_policy_must_be_a_policy(policy, error, message):
@@ -296,7 +296,7 @@ def test_policy_must_be_a_policy(policy, error, message):
 @pytest.mark.parametrize("budget", [0, -3, 2.5, True])
 def test_a_token_budget_is_a_positive_int(budget):
     with pytest.raises(ValueError, match="max_tokens must be a positive int"):
-        TokenBudget(budget)
+        FirstComeFirstServed(budget)
 
 
 def test_the_outputs_read_as_a_list():

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 import minikv
 from minikv import Request, Speculation, serve
+from minikv.engine.eagle import FeatureHead, FeatureProposer
 from minikv.engine.serving import Engine
 
 from conftest import varied_model
@@ -33,15 +34,30 @@ def requests(draw):
     return out
 
 
+HEAD = FeatureHead(FeatureHead.config_for(MODEL)).double().eval()  # random: often wrong
+
+
+def speculation(kind: str, gamma: int) -> Speculation:
+    """Each proposer the server takes: prompt lookup, a draft model, the feature head's chains
+    and its token trees."""
+    proposer = {"head": lambda: FeatureProposer(MODEL, HEAD),
+                "tree": lambda: FeatureProposer(MODEL, HEAD, tree=(2, 2))}.get(kind)
+    return Speculation(gamma=gamma, draft=DRAFT if kind == "draft" else None,
+                       proposer=proposer() if proposer else None)
+
+
 @SETTINGS
-@given(reqs=requests(), gamma=st.integers(1, 5), draft=st.booleans(),
+@given(reqs=requests(), gamma=st.integers(1, 5),
+       kind=st.sampled_from(["lookup", "draft", "head", "tree"]),
        tight=st.booleans(), page_size=st.sampled_from([1, 4, 16]))
-def test_a_speculating_server_gives_every_request_its_tokens_alone(reqs, gamma, draft, tight,
+def test_a_speculating_server_gives_every_request_its_tokens_alone(reqs, gamma, kind, tight,
                                                                    page_size):
     """Greedy and seeded-sampled requests, a deterministic one among them, arriving at different
-    steps; with a pool so small that requests are preempted (tight), or not."""
-    spec = Speculation(gamma=gamma, draft=DRAFT if draft else None)
-    ahead = max(4, gamma + 1)  # serve's window (4) or the pass of the last token and γ
+    steps, each proposer the server takes (trees included); with a pool so small that requests
+    are preempted (tight), or not."""
+    spec = speculation(kind, gamma)
+    written = spec.proposer.max_tokens(gamma) if spec.proposer else gamma
+    ahead = max(4, written + 1)  # serve's replay window (4), or a round's pass
     need = max(-(-(len(r.prompt) + r.max_new_tokens + ahead) // page_size) + 1
                for r in reqs)
     outs = serve(MODEL, reqs, speculative=spec, page_size=page_size,
@@ -50,6 +66,20 @@ def test_a_speculating_server_gives_every_request_its_tokens_alone(reqs, gamma, 
         alone = serve(MODEL, [r], page_size=page_size)[0]
         assert out.tokens == alone.tokens
     assert outs.pool.n_free == outs.pool.num_blocks  # every block back
+
+
+def test_a_served_tree_is_verified_whole_in_the_batch_pass():
+    """The feature head's trees in the server: each step's verify pass holds every row's whole
+    tree (2 children of the root, then 2 growing nodes with 2 children each), its rows in one
+    pass, and every request still gets its plain tokens."""
+    reqs = [Request([5, 6, 7, 8] * 4, 20), Request([9, 10, 11] * 5, 20)]
+    spec = Speculation(gamma=3, proposer=FeatureProposer(MODEL, HEAD, tree=(2, 2)))
+    outs = serve(MODEL, reqs, speculative=spec, trace=True)
+    assert [o.tokens for o in outs] == [serve(MODEL, [r])[0].tokens for r in reqs]
+    verifies = [e for o in outs for e in o.trace if e.kind == "verify"]
+    full = [e for e in verifies if len(e.input_ids) == 2 + 2 * (2 * 2)]  # γ = 3 deep, whole
+    assert full and any(e.batch == 2 for e in full)
+    assert all(len(set(e.positions)) < len(e.positions) for e in full)  # siblings share one
 
 
 def close_draft(noise: float) -> minikv.GPT:
@@ -89,8 +119,9 @@ def test_a_draft_that_is_always_right_commits_gamma_plus_one_tokens_a_step(gamma
 
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(speculative=4), TypeError, "Speculation"),
-    (dict(speculative=Speculation(), policy=minikv.engine.ChunkedPrefill(64)), ValueError,
-     "ChunkedPrefill"),
+    (dict(speculative=Speculation(),
+          policy=minikv.engine.FirstComeFirstServed(64, chunked_prefill=True)), ValueError,
+     "chunked prefill"),
 ])
 def test_bad_speculation_settings(kwargs, error, message):
     with pytest.raises(error, match=message):

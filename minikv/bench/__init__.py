@@ -256,9 +256,9 @@ def bench_deterministic(model, prompts, n_tokens, windows, repeats, device) -> l
                         for i, p in enumerate(prompts[1:])]
     rows = []
     for w in tqdm(windows, desc="deterministic"):
-        t = alternate({"fast": lambda: serve(model, batch(), window=w, verify=False),
-                       "verified": lambda: serve(model, batch(), window=w)}, repeats, device)
-        stats = serve(model, batch(), window=w)[0].stats
+        t = alternate({"fast": lambda: serve(model, batch(), replay_window=w, replay=False),
+                       "verified": lambda: serve(model, batch(), replay_window=w)}, repeats, device)
+        stats = serve(model, batch(), replay_window=w)[0].stats
         rows.append({"window": w, "fast_s": t["fast"], "verified_s": t["verified"],
                      "throughput_fraction": t["fast"] / t["verified"],
                      "rollbacks": stats.rollbacks, "rounds": stats.rounds})
@@ -504,7 +504,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="weights and activations (16-bit rows are for GPUs)")
     parser.add_argument("--naive-max", type=_positive, default=200,
                         help="longest N to time naive decoding at")
+    parser.add_argument("--previous", metavar="REF", default=None,
+                        help="also time the engine of git revision REF (e.g. HEAD~1) beside "
+                             "this one: batch-1 decode and a serving step at batch 16")
+    parser.add_argument("--only-previous", action="store_true",
+                        help="with --previous: that comparison alone, printed")
     args = parser.parse_args(argv)
+    if args.only_previous and not args.previous:
+        parser.error("--only-previous needs --previous REF")
     args.out = args.out or Path("runs") / ("bench-quick" if args.quick else "bench")
     try:
         device = resolve_device(args.device)
@@ -512,6 +519,20 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     repeats = args.repeats or (1 if args.quick else 3)
+    if args.previous:
+        from ..course.checkpoint import load_course_model
+        from .previous import bench_vs_previous, describe
+        target, tok = load_course_model("target", device)
+        prompts = [tok.encode(t) for t in ("Once upon a time", "The color of dog",
+                                           "A coin's state is heads. Alice flips")]
+        try:
+            vs_previous = bench_vs_previous(args.previous, target, prompts, max(repeats, 5),
+                                            n_tokens=16 if args.quick else 64)
+        except ValueError as e:
+            parser.error(str(e))
+        print(describe(vs_previous))
+        if args.only_previous:
+            return 0
     preset = "tiny" if args.quick else "gpt2"
     dtype = getattr(torch, args.dtype)
     big = random_model(preset, device, dtype)
@@ -564,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
     # decode from 968 to 1,000 positions: 1000 + 32 would pass GPT-2's block_size of 1024
     results["shrink"] = bench_shrink(preset, 200 if args.quick else 968, 4 if args.quick else 32,
                                      repeats, device, dtype)
+    if args.previous:
+        results["vs_previous"] = vs_previous
     write_report(results, args.out)
     print((args.out / "README.md").read_text())
     return 0

@@ -40,7 +40,7 @@ import torch
 
 from ..course.files import check_writable, write_atomically
 from ..engine import KVCounter, Request
-from ..engine.scheduler import ChunkedPrefill, TokenBudget
+from ..engine.scheduler import FirstComeFirstServed
 from ..engine.serving import Engine
 
 
@@ -150,8 +150,10 @@ def one_step(model, repeats: int = 30) -> float:
 
 
 def policies(budgets) -> dict:
-    out = {"first come, first served": None, "token budget 64 (no chunks)": TokenBudget(64)}
-    return out | {f"chunked prefill, budget {b}": ChunkedPrefill(b) for b in budgets}
+    out = {"first come, first served": None,
+           "token budget 64 (no chunks)": FirstComeFirstServed(64)}
+    return out | {f"chunked prefill, budget {b}": FirstComeFirstServed(b, chunked_prefill=True)
+                  for b in budgets}
 
 
 def long_prompt_arrives(model, policy, n_running: int, n_new: int, long_len: int,
@@ -188,7 +190,7 @@ def step_cost(model, token_counts, running: int, repeats: int) -> list[dict]:
     for n in token_counts:
         times = []
         for k in range(repeats + 1):  # the first, untimed: warm-up
-            engine = Engine(model, 128, policy=ChunkedPrefill(n))
+            engine = Engine(model, 128, policy=FirstComeFirstServed(n, chunked_prefill=True))
             for i in range(running):
                 engine.add(Request([7, 8, 9, 10 + i], 8), index=i)
             engine.step()  # their prefill
@@ -253,8 +255,8 @@ def vs_transformers(model, n: int, n_new: int, repeats: int) -> dict | None:
         results = hf.generate_batch(prompts, generation_config=config, persistent_manager=True)
         return [r.generated_tokens for r in results.values()]
     runs = {"minikv": lambda: offline(model, prompts, n_new),
-            "minikv, chunked prefill 256": lambda: offline(model, prompts, n_new,
-                                                           ChunkedPrefill(256)),
+            "minikv, chunked prefill 256": lambda: offline(
+                model, prompts, n_new, FirstComeFirstServed(256, chunked_prefill=True)),
             "transformers generate_batch": theirs}
     same = {name: fn() == theirs() for name, fn in runs.items()}  # the warm-up, compared
     seconds = alternate(runs, repeats, torch.device("cpu"))
@@ -295,7 +297,8 @@ def bench(model, quick: bool) -> dict:
         return measure
     for fraction in ((0.5, 1.0) if quick else (0.25, 0.5, 0.75, 1.0)):
         rows = medians({"first come, first served": None,
-                        "chunked prefill, budget 64": ChunkedPrefill(64)},
+                        "chunked prefill, budget 64":
+                            FirstComeFirstServed(64, chunked_prefill=True)},
                        latency(fraction * capacity, 2), repeats)
         out["rates"] += [{"load": fraction, "rate": fraction * capacity, "policy": name} | row
                          for name, row in rows.items()]
@@ -305,8 +308,8 @@ def bench(model, quick: bool) -> dict:
     long = dict(n_running=4, n_new=12, long_len=40, after_steps=3) if quick else dict(
         n_running=8, n_new=64, long_len=224, after_steps=16)
     rows = medians({"first come, first served": None,
-                    "chunked prefill, budget 32": ChunkedPrefill(32),
-                    "chunked prefill, budget 64": ChunkedPrefill(64)},
+                    "chunked prefill, budget 32": FirstComeFirstServed(32, chunked_prefill=True),
+                    "chunked prefill, budget 64": FirstComeFirstServed(64, chunked_prefill=True)},
                    lambda policy: long_prompt_arrives(model, policy, **long), 1 if quick else 5)
     out["long_prompt"] = [{"policy": name} | long | row for name, row in rows.items()]
     running = 4 if quick else 8

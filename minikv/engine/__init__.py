@@ -2,6 +2,8 @@
 rope, cache, sampling, generate, records, tree, verify, speculative, lookup, eagle, attention,
 flash, batch, paged, scheduler, serving, then the caches that hold less (quantized, window),
 then validate; it imports no tooling."""
+import warnings
+
 from .batch import generate_batch
 from .cache import Cache, KVCache, kv_cache_bytes
 from .config import PRESETS, GPTConfig
@@ -10,11 +12,11 @@ from .generate import generate
 from .lookup import lookup_generate
 from .model import GPT, causal_attention
 from .quantized import QuantizedKVCache
-from .records import GenerationOutput, KVCounter, Stats, TraceEvent
-from .sampling import SamplingParams
-from .scheduler import ChunkedPrefill, FirstComeFirstServed, Scheduler, TokenBudget
-from .serving import Request, RequestOutput, Speculation, serve
-from .speculative import Proposal, speculate, speculative_generate
+from .records import GenerationOutput, KVCounter, RequestOutput, Stats, TraceEvent
+from .sampling import Request, SamplingParams
+from .scheduler import FirstComeFirstServed, Scheduler
+from .serving import Engine, serve
+from .speculative import Proposal, Proposer, Speculation, speculate, speculative_generate
 from .verify import Verdict, verify_and_commit
 from .window import SinkWindowCache
 
@@ -24,4 +26,16 @@ __all__ = ["Cache", "KVCache", "kv_cache_bytes", "PRESETS", "GPTConfig", "Genera
            "speculate", "Proposal", "lookup_generate", "generate_batch", "QuantizedKVCache",
            "SinkWindowCache", "Verdict", "verify_and_commit", "Scheduler",
            "FirstComeFirstServed", "TokenBudget", "ChunkedPrefill", "Speculation",
-           "FeatureHead", "feature_generate"]
+           "FeatureHead", "feature_generate", "Engine", "Proposer"]
+
+
+# --- names kept for one release ------------------------------------------------------------
+def TokenBudget(max_tokens: int) -> FirstComeFirstServed:  # noqa: N802 - the old class name
+    warnings.warn("TokenBudget(n) is now FirstComeFirstServed(n)", DeprecationWarning, 2)
+    return FirstComeFirstServed(max_tokens)
+
+
+def ChunkedPrefill(max_tokens: int) -> FirstComeFirstServed:  # noqa: N802 - the old class name
+    warnings.warn("ChunkedPrefill(n) is now FirstComeFirstServed(n, chunked_prefill=True)",
+                  DeprecationWarning, 2)
+    return FirstComeFirstServed(max_tokens, chunked_prefill=True)

@@ -41,12 +41,17 @@ def padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 # --- prompts packed into one row (serving.py's prefill) --------------------------------
-def packed_causal_mask(past: list[int], counts: list[int], device) -> torch.Tensor:
+def packed_causal_mask(past: list[int], counts: list[int], device,
+                       inner: list | None = None) -> torch.Tensor:
     """(sum counts, sum (past + counts)) booleans for a packed pass: sequence i's
     counts[i] new tokens see its own past[i] cached positions and their own earlier
-    tokens, nothing else."""
+    tokens, nothing else; or, among themselves, what inner[i] (counts[i], counts[i])
+    allows (a token tree's mask, tree.tree_mask), where it is not None."""
     blocks = [torch.ones(n, p + n, dtype=torch.bool, device=device).tril(p)
               for p, n in zip(past, counts)]
+    for block, p, mask in zip(blocks, past, inner or []):
+        if mask is not None:
+            block[:, p:] = mask
     return torch.block_diag(*blocks)
 
 

@@ -16,17 +16,16 @@ from .attention import padded_attention
 from .cache import KVCache
 from .records import GenerationOutput, Stats
 from .sampling import SamplingParams
-from .validate import check_flags, check_room, int_at_least, prompt_of_call
+from .validate import check_room, int_at_least, prompt_of_call
 
 
 def generate_batch(model, prompts, max_new_tokens: int, temperature: float = 0.0,
                    top_k: int | None = None, seed: int = 0, eos_id: int | None = None, *,
-                   pad_id: int = 0, position_bug: bool = False) -> list[GenerationOutput]:
+                   pad_id: int = 0) -> list[GenerationOutput]:
     """One output per prompt, in order, from one forward pass per step for all of them;
-    greedy tokens equal each prompt's alone. A row past `eos_id` decodes pads, dropped.
-    `position_bug`: the classic mistake, default positions shifted by a row's padding."""
+    greedy tokens equal each prompt's alone. A row past `eos_id` decodes pads, dropped."""
     sp = SamplingParams(temperature, top_k, seed, eos_id)
-    rows = _checked_rows(model, prompts, max_new_tokens, sp, pad_id, position_bug)
+    rows = _checked_rows(model, prompts, max_new_tokens, sp, pad_id)
     B, width = len(rows), max(len(r) for r in rows)
     device = model.device
     pad = torch.tensor([width - len(r) for r in rows], device=device)              # (B,)
@@ -42,7 +41,7 @@ def generate_batch(model, prompts, max_new_tokens: int, temperature: float = 0.0
             #    none.
             past = cache.get_seq_length()
             columns = past + torch.arange(idx.shape[1], device=device)                  # (T,)
-            positions = None if position_bug else (columns - pad.view(-1, 1)).clamp(min=0)
+            positions = (columns - pad.view(-1, 1)).clamp(min=0)                         # (B, T)
             # 2. One pass for the whole batch; the mask hides every row's padding.
             logits = model(idx, cache=cache, positions=positions, last_only=True,
                            attention=lambda q, k, v: padded_attention(q, k, v, pad))[:, -1]
@@ -66,9 +65,8 @@ def generate_batch(model, prompts, max_new_tokens: int, temperature: float = 0.0
             for r, n, s in zip(rows, new, stats)]
 
 
-def _checked_rows(model, prompts, max_new_tokens, sp, pad_id, position_bug) -> list[list[int]]:
+def _checked_rows(model, prompts, max_new_tokens, sp, pad_id) -> list[list[int]]:
     """Each prompt as a list of ids, once the call is known to be right."""
-    check_flags(position_bug=position_bug)
     if not isinstance(prompts, (list, tuple)):
         raise TypeError(f"prompts must be a list of prompts (lists of token ids), not "
                         f"{type(prompts).__name__}")

@@ -25,7 +25,9 @@ class Cache(ABC):
       order; a cache should make the pass's positions live only after the last layer, so
       a pass that fails halfway leaves it as it was.
     - `check_fits(cfg, batch_size, n_new, device, dtype)`: raise before anything is
-      written if the pass cannot go in. Default: anything fits.
+      written if the pass cannot go in; the model calls it once per pass, so `update` need
+      not check what a pass gives it (`checked`, until the pass ends). Default: anything
+      fits.
     - `crop(n)`: roll back to the first n positions (speculative decoding and
       verification need it). Default: refuse (a ValueError).
     - `compact(slots, start)`: keep the positions in `slots` as start, start + 1, ... (a
@@ -38,6 +40,7 @@ class Cache(ABC):
     - `max_len`: the most positions it holds (None: no limit of its own).
     """
     max_len: int | None = None
+    checked = False  # check_fits passed for the pass under way: its updates are known good
 
     @abstractmethod
     def get_seq_length(self, layer_idx: int = 0) -> int: ...
@@ -68,6 +71,7 @@ class Cache(ABC):
         try:
             yield
         finally:
+            self.checked = False  # the pass is over: a call of one's own is checked again
             lock.release()
 
     def __getstate__(self) -> dict:
@@ -159,8 +163,9 @@ class KVCache(Cache):
                layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Append (B, n_head, T, head_dim) keys and values to layer `layer_idx`; return
         all the live ones, (B, n_head, past + T, head_dim)."""
-        check_kv(self, key, value, layer_idx)
-        self._check_room(key.shape[2])
+        if not self.checked:  # a call of one's own; a model's pass was checked once, up front
+            check_kv(self, key, value, layer_idx)
+            self._check_room(key.shape[2])
         start = self._length
         end = start + key.shape[2]
         with torch.no_grad():  # a cache stores numbers, not autograd history (train without one)
@@ -227,6 +232,7 @@ class KVCache(Cache):
     def check_fits(self, cfg: GPTConfig, batch_size: int, n_new: int, device, dtype) -> None:
         check_matches(self, cfg, batch_size, device, dtype)
         self._check_room(n_new)
+        self.checked = True
 
     def _check_room(self, n_new: int) -> None:
         if self._length + n_new > self.max_len:

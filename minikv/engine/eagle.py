@@ -24,7 +24,7 @@ from .config import GPTConfig
 from .model import Block, causal_attention
 from .records import GenerationOutput, TraceEvent
 from .sampling import SamplingParams
-from .speculative import Proposal, speculate
+from .speculative import Proposal, Proposer, scores, speculate
 from .tree import children
 from .validate import check_model, int_at_least
 
@@ -61,36 +61,44 @@ class FeatureHead(nn.Module):
         return self.transformer.h[0](x, cache, 0, attention)
 
 
-class FeatureProposer:
-    """Proposes with a FeatureHead; `verify` is the target's pass for `speculate`,
-    keeping the features the head needs. With `tree=(width, branch)`, a token tree:
-    every node it grows gets `branch` children (the head's top ones when greedy;
-    independent draws from its q when sampling, as the tree's rejection rule needs), and
-    at each depth the `width` nodes with the highest draft probability of their whole
-    path grow."""
+class FeatureProposer(Proposer):
+    """Proposes with a FeatureHead, from the target's features, which every target pass
+    hands it (`take_features`: the round loop's verifier and the server's passes do). With
+    `tree=(width, branch)`, a token tree: every node it grows gets `branch` children (the
+    head's top ones when greedy; independent draws from its q when sampling, as the tree's
+    rejection rule needs), and at each depth the `width` nodes with the highest draft
+    probability of their whole path grow."""
+    wants_features = True
 
-    def __init__(self, target, head: FeatureHead, sampling: SamplingParams,
-                 generator: torch.Generator, tree: tuple[int, int] | None = None):
+    def __init__(self, target, head: FeatureHead, sampling: SamplingParams | None = None,
+                 generator: torch.Generator | None = None, tree: tuple[int, int] | None = None):
+        _check_head(target, head, tree)
         self.target, self.head = target, head
-        self.sampling, self.generator = sampling, generator
+        self.sampling = sampling or SamplingParams()
+        self.generator = generator or torch.Generator(target.device)
         self.tree = tree
         self.cache = KVCache.for_model(head)  # between rounds: 0 .. len(seq) - 2
         self.features = torch.zeros(target.config.block_size, target.config.n_embd,
                                     device=target.device, dtype=target.dtype)
-        self.last: tuple[int, torch.Tensor] | None = None  # the target's last pass
+        self.last: tuple[int, torch.Tensor] | None = None  # the target's last pass: start, f
         self.last_tree: tuple[list[int], list[int]] | None = None  # tokens, parents
+
+    def take_features(self, start: int, features: torch.Tensor) -> None:
+        self.last = (start, features)
 
     def verify(self, rows: list[int], cache: KVCache, positions: list[int] | None = None,
                attention=causal_attention) -> torch.Tensor:
-        """The target's pass: logits (len(rows), vocab); its rows' features are kept."""
-        start = cache.get_seq_length()
-        ids = torch.tensor([rows], device=self.target.device)
-        pos = None if positions is None else torch.tensor(positions, device=ids.device)
-        f = self.target.features(ids, cache=cache, positions=pos, attention=attention)[0]
-        self.last = (start, f)
-        return self.target.lm_head(f)
+        """The target's pass, its features handed to this proposer: speculative.scores."""
+        return scores(self.target, rows, cache, positions, attention, proposer=self)
 
-    def __call__(self, seq: list[int], k: int) -> Proposal:
+    def max_tokens(self, k: int) -> int:
+        return k if self.tree is None else tree_size(k, *self.tree)
+
+    def fresh(self) -> FeatureProposer:
+        return FeatureProposer(self.target, self.head, self.sampling,
+                               torch.Generator(self.target.device), self.tree)
+
+    def propose(self, seq: list[int], k: int) -> Proposal:
         # 1. Keep the target's features of the tokens committed since the last round.
         self._take_features(seq)
         if k == 0:
@@ -226,6 +234,15 @@ def feature_generate(target, head: FeatureHead, ids, max_new_tokens: int, gamma:
     `tree=(width, branch)`) and `target` verifying them in one pass. Greedy output is
     exactly the target's own; sampled output follows the target's distribution."""
     sp = SamplingParams(temperature, top_k, seed, eos_id)
+    int_at_least("gamma", gamma)
+    generator = torch.Generator(device=target.device).manual_seed(sp.seed)
+    propose = FeatureProposer(target, head, sp, generator, tree)
+    return speculate(target, ids, max_new_tokens, sp, propose, gamma=gamma,
+                     generator=generator, tree_size=propose.max_tokens(gamma) if tree else None,
+                     trace=trace)
+
+
+def _check_head(target, head, tree) -> None:
     check_model("target", target)
     if not isinstance(head, FeatureHead) or head.config != FeatureHead.config_for(target):
         raise ValueError("head must be a FeatureHead made for this target: "
@@ -234,16 +251,9 @@ def feature_generate(target, head: FeatureHead, ids, max_new_tokens: int, gamma:
     if head.device != target.device or head.dtype != target.dtype:
         raise ValueError("the head must be on the target's device, in its dtype: "
                          "head.to(target.device, target.dtype)")
-    size = None
     if tree is not None:
         if not (isinstance(tree, tuple) and len(tree) == 2):
             raise ValueError("tree must be (width, branch), e.g. (2, 2); None: a chain")
         int_at_least("tree width", tree[0])
         int_at_least("tree branch", tree[1], hint=" (children of each growing node)",
                      below=target.config.vocab_size + 1)
-        size = tree_size(int_at_least("gamma", gamma), *tree)
-    generator = torch.Generator(device=target.device).manual_seed(sp.seed)
-    propose = FeatureProposer(target, head, sp, generator, tree)
-    return speculate(target, ids, max_new_tokens, sp, propose, gamma=gamma,
-                     generator=generator, verifier=propose.verify, tree_size=size,
-                     trace=trace)

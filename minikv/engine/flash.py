@@ -37,7 +37,7 @@ def splits_of(n_blocks: int, page_size: int, n_splits: int) -> tuple[int, int, i
     return tile, per_split, -(-n_tiles // per_split)
 
 
-# --- the online softmax ------------------------------------------------------------------
+# --- the online softmax ---------------------------------------------------------------
 def online_softmax(x: torch.Tensor, tile: int = KEYS_PER_TILE) -> tuple[torch.Tensor, ...]:
     """softmax over x's last dimension from ONE pass over its tiles for the max m and the
     denominator, the sum of exp(x - m) (a larger max met later rescales the sum so far by
@@ -93,7 +93,7 @@ def merge(a: Partial, b: Partial) -> Partial:
                                                        (a.sum, b.sum))), dim=0)
 
 
-# --- what a kernel moves ----------------------------------------------------------------
+# --- what a kernel moves --------------------------------------------------------------
 @dataclass
 class IO:
     """What an attention kernel moves between the GPU's main memory (HBM) and its fast
@@ -140,7 +140,7 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return out
 
 
-# --- FlashAttention: queries and keys in tiles ------------------------------------------
+# --- FlashAttention: queries and keys in tiles ----------------------------------------
 def tile_kind(i: int, j: int, block_q: int, block_k: int, T: int, L: int) -> str:
     """Query tile i against key tile j under the causal mask, the T queries being the last T
     of L positions: "skipped" if every key is after every query, "full" if every key is at or

@@ -16,15 +16,15 @@ from .validate import check_flags, check_room, one_of, prompt_of_call
 
 def generate(model, ids, max_new_tokens: int, mode: str = "cached", temperature: float = 0.0,
              top_k: int | None = None, seed: int = 0, eos_id: int | None = None, *,
-             cache: KVCache | None = None, trace: bool = False, return_logits: bool = False,
-             position_offset_bug: bool = False) -> GenerationOutput:
+             cache: KVCache | None = None, trace: bool = False,
+             return_logits: bool = False) -> GenerationOutput:
     """Up to `max_new_tokens` after `ids`, stopping after `eos_id`; greedy at temperature
     0, else sampled with `seed`. A `cache` passed in is extended in place (`fork()` to
-    keep it). `position_offset_bug`: the classic mistake, positions restart at 0."""
+    keep it)."""
     sp = SamplingParams(temperature, top_k, seed, eos_id)
     prompt = prompt_of_call(model, ids, max_new_tokens, sp)
-    check_flags(trace=trace, return_logits=return_logits, position_offset_bug=position_offset_bug)
-    needed = _check_call(model, prompt, max_new_tokens, mode, cache, position_offset_bug)
+    check_flags(trace=trace, return_logits=return_logits)
+    needed = _check_call(model, prompt, max_new_tokens, mode, cache)
     if mode == "cached" and cache is None and max_new_tokens > 0:
         cache = KVCache.for_model(model, max_len=needed)
     device = model.device
@@ -41,13 +41,11 @@ def generate(model, ids, max_new_tokens: int, mode: str = "cached", temperature:
                 inputs, past = prompt + out.tokens, 0
             else:
                 inputs, past = (prompt if step == 0 else out.tokens[-1:]), cache.get_seq_length()
-            first = 0 if position_offset_bug else past  # the bug: positions restart at 0
-            positions = list(range(first, first + len(inputs)))
+            positions = list(range(past, past + len(inputs)))
             # 2. One forward pass; with a cache, positions continue where the cache ends.
             kv_before = counter.count
-            given = torch.tensor(positions, device=device) if position_offset_bug else None
-            logits = model(torch.tensor([inputs], device=device), cache=cache, last_only=True,
-                           positions=given)[0, -1]  # (vocab,)
+            logits = model(torch.tensor([inputs], device=device), cache=cache,
+                           last_only=True)[0, -1]  # (vocab,)
             # 3. Pick the next token from the last position's logits.
             token = int(sp.sample(logits, generator))
             out.tokens.append(token)
@@ -81,13 +79,13 @@ def _finish(out: GenerationOutput, kv_computed: int) -> GenerationOutput:
     return out
 
 
-def _check_call(model, prompt, max_new_tokens, mode, cache, position_offset_bug) -> int:
+def _check_call(model, prompt, max_new_tokens, mode, cache) -> int:
     """The positions the call needs: cached, prompt and new (the last new token is never
     fed back)."""
     one_of("mode", mode, ("naive", "cached"))
     check_cache(cache)
-    if mode == "naive" and (cache is not None or position_offset_bug):
-        raise ValueError("cache= and position_offset_bug= only apply to mode='cached'")
+    if mode == "naive" and cache is not None:
+        raise ValueError("cache= only applies to mode='cached'")
     past = 0 if cache is None else cache.get_seq_length()
     needed = past + len(prompt) + max_new_tokens - 1
     check_room(needed, model.config.block_size, f"{past} cached + {len(prompt)} prompt + "

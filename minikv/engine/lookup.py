@@ -5,11 +5,9 @@ pays on text that repeats its own context (code edits, quoted documents, lists) 
 costs a little where it proposes wrong."""
 from __future__ import annotations
 
-from functools import partial
-
 from .records import GenerationOutput
 from .sampling import SamplingParams
-from .speculative import speculate
+from .speculative import Proposer, speculate
 from .validate import int_at_least
 
 
@@ -24,13 +22,21 @@ def propose_by_lookup(seq: list[int], gamma: int, ngram: int) -> list[int]:
     return []
 
 
+class PromptLookup(Proposer):
+    """propose_by_lookup as a Proposer: it keeps nothing, so one serves every request."""
+
+    def __init__(self, ngram: int = 3):
+        self.ngram = int_at_least("ngram", ngram, hint=" (tokens of context the lookup matches)")
+
+    def propose(self, seq: list[int], k: int) -> list[int]:
+        return propose_by_lookup(seq, k, self.ngram)
+
+
 def lookup_generate(target, ids, max_new_tokens: int, gamma: int = 4, ngram: int = 3,
                     eos_id: int | None = None, *,
                     trace: bool = False) -> GenerationOutput:
     """Greedy generation with prompt-lookup proposals, verified by `target`: the output
     is exactly the target's own greedy output. A round with nothing to propose is a plain
     decode step."""
-    int_at_least("ngram", ngram, hint=" (tokens of context the lookup matches)")
-    propose = partial(propose_by_lookup, ngram=ngram)  # (seq, k): no model, no cache
-    return speculate(target, ids, max_new_tokens, SamplingParams(eos_id=eos_id), propose,
-                     gamma=gamma, trace=trace)
+    return speculate(target, ids, max_new_tokens, SamplingParams(eos_id=eos_id),
+                     PromptLookup(ngram), gamma=gamma, trace=trace)

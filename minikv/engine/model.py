@@ -156,12 +156,13 @@ class GPT(nn.Module):
                  attention: Attention = causal_attention) -> torch.Tensor:
         """The last hidden states (B, T, n_embd), after the final norm: what lm_head reads,
         and what a feature-level draft head (eagle.py) learns to predict."""
-        _check_inputs(self, idx, cache, positions)
+        check_cache(cache)
         # One thread at a time in a cache: another's pass would interleave its positions.
         with cache.in_use() if cache is not None else nullcontext():
+            _check_inputs(self, idx, cache, positions)  # once, for every layer of the pass
             T = idx.shape[1]
             if positions is None:
-                past = 0 if cache is None else cache.get_seq_length()  # an int, or (B, 1) per row
+                past = 0 if cache is None else cache.get_seq_length()
                 positions = past + torch.arange(T, device=idx.device)  # KV-CACHE: go on from past
             x, rope = self.transformer.wte(idx), None  # (B, T, C)
             if self.config.positions == "learned":
@@ -226,28 +227,38 @@ class GPT(nn.Module):
 
 # --- checks: bad input raises before any cache slot is written -------------------------
 def _check_inputs(model: GPT, idx, cache, positions) -> None:
+    """Shapes, types and devices, read off the tensors; their values too, but only on a CPU:
+    a GPU would stall on every read back, so the decoders check token ids once, as Python
+    ints, where they come in."""
     cfg = model.config
     if not is_int_tensor(idx):
         raise TypeError(f"idx must be an integer tensor (torch.tensor([ids])), not {idx!r:.30}")
     if idx.dim() != 2 or idx.shape[1] == 0 or idx.device != model.device:
         raise ValueError(f"idx must have shape (batch, T >= 1), on {model.device}: try idx[None]")
-    outside = idx[(idx < 0) | (idx >= cfg.vocab_size)]
-    if outside.numel():
-        raise ValueError(f"token id {int(outside[0])} is outside the vocabulary "
-                         f"[0, {cfg.vocab_size}); encode with the model's own tokenizer")
     B, T = idx.shape
-    check_cache(cache)
     if cache is not None:
         cache.check_fits(cfg, B, T, model.device, model.dtype)
     if positions is None:
         past = 0 if cache is None else cache.get_seq_length()
-        longest = int(past.max()) if isinstance(past, torch.Tensor) else past
-        if longest + T > cfg.block_size:
-            raise ValueError(f"{longest + T} positions exceeds block_size={cfg.block_size}; "
+        if past + T > cfg.block_size:
+            raise ValueError(f"{past + T} positions exceeds block_size={cfg.block_size}; "
                              f"shorten the prompt")
-    elif not (is_int_tensor(positions) and positions.shape in ((T,), (B, T))
-              and 0 <= positions.min() and positions.max() < cfg.block_size):
+    elif not (is_int_tensor(positions) and positions.shape in ((T,), (B, T))):
         raise ValueError("positions must be an integer (T,) or (B, T) tensor in [0, block_size)")
+    if idx.device.type == "cpu":
+        _check_values(cfg, idx, positions)
+
+
+def _check_values(cfg, idx: torch.Tensor, positions: torch.Tensor | None) -> None:
+    low, high = torch.aminmax(idx)
+    if low < 0 or high >= cfg.vocab_size:
+        raise ValueError(f"token id {int(low if low < 0 else high)} is outside the vocabulary "
+                         f"[0, {cfg.vocab_size}); encode with the model's own tokenizer")
+    if positions is not None and positions.numel():
+        low, high = torch.aminmax(positions)
+        if low < 0 or high >= cfg.block_size:
+            raise ValueError("positions must be an integer (T,) or (B, T) tensor in "
+                             "[0, block_size)")
 
 
 def _take(sd: dict, name: str) -> torch.Tensor:

@@ -1,19 +1,14 @@
 """A paged KV cache (vLLM's PagedAttention): every layer's keys and values live in one
-pool of fixed-size blocks, and each sequence owns a block table, the list of blocks that
-hold its positions in order. Blocks are taken when a sequence needs room and given back
-when it ends, so no sequence reserves memory for tokens it may never produce; reference
-counts let sequences share blocks (a common prefix), and a shared block that must be
-written is copied first.
+pool of fixed-size blocks, and each sequence owns a block table, the blocks that hold its
+positions in order: position p in block table[p // page_size], slot p % page_size. Blocks
+are taken as a sequence grows and given back when it ends, so nobody reserves memory for
+tokens it may never produce; reference counts let sequences share blocks (a common
+prefix), and a shared block about to be written is copied first.
 
-A block holds page_size positions of every head, (nh, page_size, hs) per layer, as in
-vLLM's PagedAttention kernel: position p of a sequence lives in block table[p //
-page_size], slot p % page_size. The pool keeps the books (which blocks are free, who
-holds them, which prompt blocks can be shared); a PagedCache is the view one pass writes
-through. A single sequence's attention gathers its blocks into one (1, nh, L, hs) tensor
-and runs the ordinary kernel; a decode batch's attention (paged_attention) reads each
-row's blocks through its table instead, one block at a time, never padding a row to the
-longest. (A fused GPU kernel reads the blocks in place; here the blocks a batch reads are
-copied once.)
+The pool keeps the books; a pass writes through a view, one contract each: a PagedCache
+gathers its sequences' blocks into one (1, nh, L, hs) tensor for an ordinary kernel, a
+PagedBatch (a decode batch) hands attention the pool itself, read through each row's
+table.
 """
 from __future__ import annotations
 
@@ -29,9 +24,8 @@ from .validate import int_at_least
 
 
 def block_hash(previous: str, tokens: list[int]) -> str:
-    """A full block is known by its tokens and everything before them (the previous
-    block's hash): two sequences with the same first k blocks of tokens get the same k
-    hashes."""
+    """A full block is known by its tokens and the previous block's hash: two sequences
+    with the same first k blocks of tokens get the same k hashes."""
     text = f"{previous}|{','.join(map(str, tokens))}".encode()
     return hashlib.sha256(text).hexdigest()[:16]
 
@@ -47,10 +41,9 @@ class BlockTable:
 class BlockPool:
     """num_blocks blocks of page_size positions, per layer keys and values (num_blocks,
     K/V heads, page_size, hs), and their books: reference counts, the free list, the
-    hashes of full prompt blocks that may be shared (prefix caching: a freed block keeps
-    its K/V and hash until it is reallocated, so a later prompt can still reuse it), and
-    a log of (what, block, owner) for traces. Block tables change only through its
-    methods."""
+    hashes of full prompt blocks (prefix caching: a freed block keeps its K/V and hash
+    until it is reallocated) and a log of (what, block, owner). Tables change only
+    through it."""
 
     def __init__(self, cfg, num_blocks: int, page_size: int, *, device="cpu",
                  dtype=torch.float32):
@@ -61,11 +54,10 @@ class BlockPool:
         shape = (num_blocks, cfg.kv_heads, page_size, cfg.head_dim)
         self.keys = zeros(cfg.n_layer, shape, device, dtype)
         self.values = zeros(cfg.n_layer, shape, device, dtype)
-        self.page_size = page_size
-        self.num_blocks = num_blocks
+        self.page_size, self.num_blocks = page_size, num_blocks
         self.ref = [0] * num_blocks
         self.free: deque[int] = deque(range(num_blocks))
-        self.by_hash: dict[str, int] = {}
+        self.by_hash: dict[str, int] = {}  # and its inverse, hash_of
         self.hash_of: dict[int, str] = {}
         self.log: list[tuple[str, int, int]] = []
 
@@ -112,8 +104,8 @@ class BlockPool:
         return max(0, -(-(table.length + n_new) // self.page_size) - len(table.blocks))
 
     def reserve(self, table: BlockTable, n_new: int) -> None:
-        """Blocks for n_new more positions in `table`; a shared, partly filled last block
-        is copied first (copy-on-write), so the tables that share it keep their K/V."""
+        """Blocks for n_new more positions in `table`, a shared, partly filled last block
+        copied first (copy-on-write), so the tables that share it keep their K/V."""
         last = table.length // self.page_size
         shared = table.length % self.page_size and self.ref[table.blocks[last]] > 1
         needed = self.blocks_needed(table, n_new) + bool(shared)
@@ -132,127 +124,119 @@ class BlockPool:
             self.release(table.blocks.pop(), table.owner)
 
     def free_table(self, table: BlockTable, preempted: bool = False) -> None:
-        """Give back every block of `table`, last first (so a prompt's first blocks, free
-        the longest, stay findable the longest); a preemption is logged first."""
+        """Give back every block of `table`, last first (a prompt's first blocks then
+        stay findable the longest); a preemption is logged first."""
         if preempted:
             self.log.append(("preempt", -1, table.owner))
         for block in reversed(table.blocks):
             self.release(block, table.owner)
-        table.blocks = []
-        table.length = 0
+        table.blocks, table.length = [], 0
 
     # --- prefix caching ---------------------------------------------------------------
+    def hashes(self, prompt: list[int], n_blocks: int):
+        """The hashes of the prompt's first n_blocks full blocks, in order."""
+        h, ps = "", self.page_size
+        for i in range(n_blocks):
+            h = block_hash(h, prompt[i * ps:(i + 1) * ps])
+            yield h
+
     def cached_prefix(self, prompt: list[int]) -> list[int]:
         """The blocks that already hold the prompt's first full blocks, up to the first
-        one not found; at least one prompt token is left to compute (its logits give the
-        first token)."""
+        one not found; one prompt token at least is left, whose logits give the first
+        token."""
         blocks = []
-        h = ""
-        for i in range((len(prompt) - 1) // self.page_size):
-            h = block_hash(h, prompt[i * self.page_size:(i + 1) * self.page_size])
+        for h in self.hashes(prompt, (len(prompt) - 1) // self.page_size):
             if h not in self.by_hash:
                 break
             blocks.append(self.by_hash[h])
         return blocks
 
     def publish(self, prompt: list[int], table: BlockTable, upto: int | None = None) -> None:
-        """Make the prompt's full blocks (the first ones of `table`; with `upto`, only
-        those within its first `upto` positions, the ones computed so far) findable by
-        their hashes, for the prompts to come; a hash already known keeps its block."""
-        h = ""
+        """Make the prompt's full blocks (those within `table`'s first `upto` positions:
+        the ones computed so far) findable by their hashes; a hash already known keeps
+        its block."""
         end = len(prompt) if upto is None else min(len(prompt), upto)
-        for i in range(end // self.page_size):
-            h = block_hash(h, prompt[i * self.page_size:(i + 1) * self.page_size])
+        for i, h in enumerate(self.hashes(prompt, end // self.page_size)):
             if h not in self.by_hash:
-                self.by_hash[h] = table.blocks[i]
-                self.hash_of[table.blocks[i]] = h
+                self.by_hash[h], self.hash_of[table.blocks[i]] = table.blocks[i], h
 
 
 class PagedCache(Cache):
-    """The caches of a batch of sequences in one BlockPool, through their block tables.
-    Call `reserve(n)` before a pass that adds n positions per row: it takes the blocks
-    they need (and copies a shared block about to be written); `crop` gives back what a
-    rollback forgets.
+    """The cache of one sequence in a BlockPool, through its block table; or of several,
+    for a packed pass of ONE row whose first counts[0] tokens continue tables[0], the
+    next counts[1] tables[1], and so on (prompts, chunks or proposals side by side, no
+    padding). `update` writes each new position's K/V into its slot and gives back every
+    table's positions gathered in order, (1, nh, sum of lengths, hs), for a dense
+    attention (packed: one that keeps the tables apart, attention.packed_causal_mask, and
+    explicit positions). `reserve(n)` before a pass takes the blocks it needs; `crop`
+    gives back what a rollback forgets."""
 
-    What a pass reads back: one sequence gets its positions gathered, (1, nh, L, hs). A
-    batch (several tables, or `batched=True`) gets the layer's whole pool, which
-    paged_attention reads through `block_tables()`. `packed=[n_0, n_1, ...]` makes the
-    pass one row of sum(n) tokens: the first n_0 continue tables[0], the next n_1
-    tables[1], and so on; it reads back every sequence's positions one after another.
-    Prompts of different lengths then share a pass with no padding (attention must keep
-    them apart: attention.packed_causal_mask)."""
+    def __init__(self, pool: BlockPool, tables: list[BlockTable], counts: list[int] | None = None):
+        if counts is None and len(tables) != 1:
+            raise ValueError("a pass over several tables says how many tokens each takes: "
+                             "PagedCache(pool, tables, counts=[...])")
+        self.pool, self.tables, self.counts = pool, tables, counts
 
-    def __init__(self, pool: BlockPool, tables: list[BlockTable],
-                 packed: list[int] | None = None, batched: bool = False):
-        self.pool = pool
-        self.tables = tables
-        self.packed = packed
-        self.batched = packed is None and (batched or len(tables) > 1)
-
-    def get_seq_length(self, layer_idx: int = 0):
-        """An int for one sequence; (B, 1) lengths for a batch, each row its own."""
-        int_at_least("layer_idx", layer_idx, 0, below=len(self.pool.keys))
-        if len(self.tables) == 1:
-            return self.tables[0].length
-        return torch.tensor([[t.length] for t in self.tables],
-                            device=self.pool.keys[0].device)
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if len(self.tables) > 1:  # each table goes on from its own length
+            raise ValueError("a packed pass over several tables needs model(..., positions=)")
+        return self.tables[0].length
 
     def reserve(self, n_new: int) -> None:
-        """Blocks for n_new more positions in every row (BlockPool.reserve per table)."""
+        """Blocks for n_new more positions in every table (BlockPool.reserve)."""
         int_at_least("n_new", n_new, 0, " (positions to make room for)")
         for t in self.tables:
             self.pool.reserve(t, n_new)
 
     def crop(self, max_length: int) -> None:
-        """Roll one sequence back to max_length positions, giving back the blocks it no
-        longer needs (the verify-and-rollback core calls this, as on a KVCache)."""
-        length = self.tables[0].length
-        int_at_least("crop length", max_length, 0, " (the positions kept)", length + 1)
+        """Roll the sequence back to max_length positions (the verify core calls
+        this)."""
+        int_at_least("crop length", max_length, 0, " (the positions kept)",
+                     self.tables[0].length + 1)
         self.pool.crop(self.tables[0], max_length)
 
-    def block_tables(self) -> torch.Tensor:
-        """(B, nb) block ids of every row, -1 past a row's last block."""
-        width = max(len(t.blocks) for t in self.tables)
-        rows = [t.blocks + [-1] * (width - len(t.blocks)) for t in self.tables]
-        return torch.tensor(rows, device=self.pool.keys[0].device)
+    def compact(self, slots: list[int], start: int) -> None:
+        """Keep the positions in `slots` (a token tree's accepted path) as start, start +
+        1, ..., and forget the rest: KVCache.compact, through the table."""
+        t = self.tables[0]
+        src = self._slots([(t, slots)])
+        dst = self._slots([(t, range(start, start + len(slots)))])
+        with torch.no_grad():
+            for layer in self.pool.keys + self.pool.values:  # a gather copies: overlaps safe
+                layer[dst[0], :, dst[1]] = layer[src[0], :, src[1]]
+        self.pool.crop(t, start + len(slots))
 
     def update(self, key: torch.Tensor, value: torch.Tensor,
                layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the pass's new K/V into their slots and return what attention reads (see
-        the class docstring): 2 x (1, nh, L, hs) gathered, or a batch's 2 x (num_blocks,
-        nh, ps, hs)."""
-        B, nh, T, hs = key.shape
         if layer_idx == 0:  # where it writes and what it reads: alike in every layer
-            self._write, self._read = self._indices(T, key.device)
+            spans = list(zip(self.tables, self.counts or [key.shape[2]]))
+            self._write = self._slots([(t, range(t.length, t.length + n)) for t, n in spans])
+            self._read = self._slots([(t, range(t.length + n)) for t, n in spans])
+        keys, values = self._store(key, value, layer_idx)
+        block, slot = self._read  # (L,) each: every position the pass reads, in order
+        return tuple(src[block, :, slot].transpose(0, 1)[None] for src in (keys, values))
+
+    def _store(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple:
+        """Write (B, nh, T, hs) K/V into their slots, row after row; once the last layer
+        is written, the pass's positions live. The layer's pool, 2 x (num_blocks, nh, ps,
+        hs)."""
+        B, nh, T, hs = key.shape
         keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
         block, slot = self._write
         with torch.no_grad():  # (block, slot) of every new position gets its (nh, hs)
             keys[block, :, slot] = key.transpose(1, 2).reshape(B * T, nh, hs)
             values[block, :, slot] = value.transpose(1, 2).reshape(B * T, nh, hs)
-        if layer_idx == len(self.pool.keys) - 1:  # the pass is whole: its positions live
-            for t, n in zip(self.tables, self._counts(T)):
+        if layer_idx == len(self.pool.keys) - 1:
+            for t, n in zip(self.tables, self.counts or [T]):
                 t.length += n
-        if self.batched:
-            return keys, values
-        block, slot = self._read  # (L,) each: every position the pass reads, in order
-        return tuple(src[block, :, slot].transpose(0, 1)[None] for src in (keys, values))
+        return keys, values
 
-    def _counts(self, T: int) -> list[int]:
-        """New positions per table: the packed counts, or T in every row."""
-        return self.packed or [T] * len(self.tables)
-
-    def _indices(self, T: int, device) -> tuple:
-        """(blocks, slots) of every new position, in the pass's order, and of every
-        position it reads back (one sequence, or a packed pass; a batch reads the whole
-        pool): the two rows of a (2, N) tensor."""
+    def _slots(self, spans) -> tuple[torch.Tensor, torch.Tensor]:
+        """(blocks, slots) of the positions in spans, [(table, positions)], in order."""
         ps = self.pool.page_size
-        spans = [(t, t.length + n) for t, n in zip(self.tables, self._counts(T))]
-        new = [(t.blocks[p // ps], p % ps) for t, end in spans
-               for p in range(t.length, end)]
-        read = [(t.blocks[p // ps], p % ps) for t, end in spans for p in range(end)
-                if not self.batched]
-        return tuple(torch.tensor(pairs, dtype=torch.long, device=device).view(-1, 2).T
-                     for pairs in (new, read))
+        pairs = [(t.blocks[p // ps], p % ps) for t, positions in spans for p in positions]
+        index = torch.tensor(pairs, dtype=torch.long, device=self.pool.keys[0].device)
+        return tuple(index.view(-1, 2).T)
 
     # --- checks: raise before anything is written -------------------------------------
     def check_fits(self, cfg, batch_size: int, n_new: int, device, dtype) -> None:
@@ -261,11 +245,34 @@ class PagedCache(Cache):
         want = (cfg.n_layer, cfg.kv_heads, cfg.head_dim, dtype, device)
         if have != want:
             raise ValueError(f"the pool is {have}, the model {want}: use BlockPool(model.config)")
-        rows = (1, sum(self.packed)) if self.packed else (len(self.tables), n_new)
+        rows = (len(self.tables), 1) if isinstance(self, PagedBatch) else (1, sum(
+            self.counts or [n_new]))
         if (batch_size, n_new) != rows:
-            raise ValueError(f"the pass is {batch_size} x {n_new} tokens, the block tables take "
-                             f"{rows[0]} x {rows[1]} (a row per table; packed: one row of all)")
-        short = [t.owner for t, n in zip(self.tables, self._counts(n_new))
-                 if len(t.blocks) * self.pool.page_size < t.length + n]
-        if short:
-            raise ValueError(f"sequences {short} have no room: call cache.reserve({n_new}) first")
+            raise ValueError(f"the pass is {batch_size} x {n_new} tokens, the tables take "
+                             f"{rows[0]} x {rows[1]} (PagedCache: a row; PagedBatch: one each)")
+        counts = self.counts or [n_new]
+        if any(len(t.blocks) * self.pool.page_size < t.length + n
+               for t, n in zip(self.tables, counts)):
+            raise ValueError("a sequence has no room for the pass: call cache.reserve(n) first")
+
+
+class PagedBatch(PagedCache):
+    """A decode batch in a BlockPool: one row per block table, one new position each (B,
+    1). `update` writes each row's K/V into its slot and gives back the layer's whole
+    pool, (num_blocks, nh, page_size, hs), which attention.paged_attention reads through
+    `block_tables()`, each row only its own blocks, none padded to the longest."""
+
+    def __init__(self, pool: BlockPool, tables: list[BlockTable]):
+        super().__init__(pool, tables, [1] * len(tables))
+
+    def update(self, key: torch.Tensor, value: torch.Tensor,
+               layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx == 0:
+            self._write = self._slots([(t, [t.length]) for t in self.tables])
+        return self._store(key, value, layer_idx)
+
+    def block_tables(self) -> torch.Tensor:
+        """(B, nb) block ids of every row, -1 past a row's last block."""
+        width = max(len(t.blocks) for t in self.tables)
+        rows = [t.blocks + [-1] * (width - len(t.blocks)) for t in self.tables]
+        return torch.tensor(rows, device=self.pool.keys[0].device)

@@ -66,8 +66,9 @@ class QuantizedKVCache(KVCache):
                layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize and store (B, n_head, T, head_dim) keys and values; return every live
         position dequantized, (B, n_head, past + T, head_dim)."""
-        check_kv(self, key, value, layer_idx)
-        self._check_room(key.shape[2])
+        if not self.checked:  # a call of one's own; a model's pass was checked up front
+            check_kv(self, key, value, layer_idx)
+            self._check_room(key.shape[2])
         start = self._length
         end = start + key.shape[2]
         stores = ((key, self.keys, self.key_scales), (value, self.values, self.value_scales))

@@ -163,3 +163,25 @@ class GenerationOutput:
     @property
     def sequence(self) -> list[int]:
         return self.prompt + self.tokens
+
+
+@dataclass
+class RequestOutput:
+    """What the server returns for one request (serving.serve)."""
+    request: object                  # the minikv.Request it answers
+    tokens: list[int]                # committed new tokens
+    stats: ServeStats
+    trace: list[TraceEvent] | None   # with trace=True
+    fast_logits: list[torch.Tensor] = field(default_factory=list)  # with record_logits=True
+
+
+class ServeOutputs(list):
+    """The list of RequestOutputs, one per request in order, with the block pool they
+    were served from (its `log` holds (what, block, request) for every block allocated,
+    shared, copied, freed or unshared, and every preemption) and, when traced, the pool
+    after every engine step."""
+
+    def __init__(self, outputs: list[RequestOutput], pool, pool_steps: list[PoolStep]):
+        super().__init__(outputs)
+        self.pool = pool
+        self.pool_steps = pool_steps

@@ -68,3 +68,22 @@ class SamplingParams:
             return int(logits.argmax())
         seed = (self.seed * 1_000_003 + position) % 2**63
         return int(self.sample(logits, torch.Generator(logits.device).manual_seed(seed)))
+
+
+@dataclass
+class Request:
+    """What one request asks a server for (serving.serve, serving.Engine): its prompt, how
+    many new tokens at most, how to choose them, whether it must be deterministic (the same
+    tokens in any batch), and the engine step at which it arrives."""
+    prompt: list[int]
+    max_new_tokens: int
+    deterministic: bool = False
+    temperature: float = 0.0
+    top_k: int | None = None
+    seed: int = 0               # seeded per position: the same request, the same draws
+    eos_id: int | None = None
+    arrival: int = 0            # the engine step at which it arrives
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.seed, self.eos_id)

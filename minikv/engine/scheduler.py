@@ -1,60 +1,48 @@
-"""Who runs, step by step: the server's scheduler (nano-vllm's `Scheduler`) and its
-policies.
+"""Who runs, step by step: the server's scheduler (nano-vllm's and vLLM's) and its
+policy.
 
-The `Scheduler` owns the queues, `waiting` (in arrival order) and `running` (in admission
-order), and the engine step `now`. Each `step()` asks the runner (serving.py) for four
-things, in order: the newcomers' prefill, the verification of deterministic requests
-whose window is full, one batched decode pass, and the release of what finished. It keeps
-the books through the pool: a newcomer's blocks are taken at admission, so the next
-admission sees them gone.
+The `Scheduler` owns the requests (the queues `waiting`, in arrival order, and `running`,
+in admission order), the pool's books and the engine step `now`. A step is three calls:
+`schedule()` gives every running request one piece of work and admits newcomers while
+they fit; the runner (serving.py) runs the plan; `postprocess()` commits, lets the
+finished go and frees their blocks at once.
 
-With chunked prefill (`ChunkedPrefill`, Sarathi-Serve's stall-free batching, the default
-of vLLM and SGLang) a step is instead ONE pass: a row for each decoding request's newest
-token, then the next chunk of each prompt still being prefilled, as many tokens as the
-step's budget has left. A long prompt then neither waits for an emptier step nor stalls
-the decodes running beside it: every step costs about the same.
+A deterministic request (LLM-42's replay) is one policy: its prompt is computed alone,
+never from shared blocks nor in chunks, and its fast-path tokens wait as proposals until
+its `replay_window` is full; then the window is replayed alone, at a fixed shape.
 
-The policy answers three questions (`FirstComeFirstServed`, vLLM's default; a new policy
-subclasses it and overrides any of them):
-- `next_waiting`: which waiting request is considered next (admission stops at None);
-- `fits`: may it be admitted now (room in the pool, caps, budgets);
-- `victim`: which running request is preempted when the pool cannot give every row its
-  slot.
-
-`TokenBudget` adds a per-step token budget (vLLM's max_num_batched_tokens), and
-`ChunkedPrefill` spends what a step has left of it on chunks of the prompts; a policy
-says how many of a prompt's tokens a step computes (`chunk`).
+The policy (`FirstComeFirstServed`, vLLM's default) answers four questions; a new policy
+subclasses it: `next_waiting`, `fits`, `victim`, `chunk`. Its knobs are vLLM's: a budget
+of `max_tokens` a step (max_num_batched_tokens) and `chunked_prefill` (Sarathi-Serve: the
+budget a step's decodes leave goes to chunks of the prompts, so a long prompt neither
+waits for an emptier step nor stalls the decodes beside it).
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-
-import torch
 
 from .paged import BlockPool, BlockTable
-from .records import PoolStep, ServeStats, TraceEvent
-from .validate import int_at_least
+from .records import PoolStep, RequestOutput, ServeStats, TraceEvent
+from .validate import check_flags, check_room, int_at_least, token_ids
 
 
 class Sequence:
     """One request inside the server: its tokens, its block table and its progress."""
 
-    def __init__(self, index: int, request, prompt: list[int], deterministic: bool):
-        self.index = index
-        self.request = request
-        self.prompt = prompt
-        self.deterministic = deterministic  # verified: the same tokens in any batch
+    def __init__(self, index: int, request, prompt: list[int], replay: bool, proposer=None):
+        self.index, self.request, self.prompt = index, request, prompt
         self.sampling = request.sampling
-        self.tokens = list(prompt)          # the prompt, then every committed new token
-        self.proposals: list[int] = []      # fast-path tokens awaiting verification
+        self.replay = replay            # deterministic: replayed alone, window by window
+        self.tokens = list(prompt)      # the prompt, then every committed new token
+        self.proposals: list[int] = []  # a replayed request's fast-path tokens, unjudged
         self.table = BlockTable(owner=index)
-        self.prefill_end = 0                # positions its prefill computes before a token
-        self.chunk = 0                      # of them, how many this step computes
+        self.prefill_end = 0            # positions computed before its next token
+        self.chunk = 0                  # of them, how many this step computes
+        self.proposer = proposer        # a speculating server's proposer, its own
+        self.sent = 0                   # new tokens handed out so far (-1: finished)
         self.stats = ServeStats(prompt_len=len(prompt))
         self.events: list[TraceEvent] = []
-        self.fast_logits: list[torch.Tensor] = []
-        self.proposer = None                # a speculative server's (propose, its caches)
+        self.fast_logits: list = []     # with record_logits: each fast-path row's logits
 
     @property
     def new_tokens(self) -> list[int]:
@@ -62,38 +50,14 @@ class Sequence:
 
     @property
     def prefilling(self) -> bool:
-        """Admitted, its prompt (or a preempted request's tokens) not all computed yet: it
-        samples no token until the chunk that ends it."""
+        """Admitted, its prompt (or a preempted request's tokens) not all computed
+        yet."""
         return self.table.length < self.prefill_end
 
     @property
     def done(self) -> bool:
         return (len(self.new_tokens) >= self.request.max_new_tokens
                 or self.sampling.eos_id in self.new_tokens)
-
-    def window_start(self, window: int) -> int:
-        """First position of the fixed window holding the last committed token."""
-        last = len(self.tokens) - 1 - len(self.prompt)  # counted from the prompt's end
-        return len(self.prompt) + last // window * window
-
-    def ready_to_verify(self, window: int) -> bool:
-        """Its window is full, or it proposed all it may, or an EOS: verify it now."""
-        if self.done:  # nothing to judge (say max_new_tokens=1: the prefill's token)
-            return False
-        rows = len(self.tokens) - self.window_start(window) + len(self.proposals)
-        # the proposals it may still make: the verifier adds a token of its own
-        budget = self.request.max_new_tokens - len(self.new_tokens) - 1
-        return (rows == window or len(self.proposals) >= budget
-                or self.sampling.eos_id in self.proposals)
-
-    def prefill_positions(self, window: int) -> int:
-        """Positions its table holds once prefilled: its tokens (a preempted request's
-        too, to be recomputed); a deterministic one replays its prompt, then its new
-        tokens in whole padded windows."""
-        if not self.deterministic:
-            return len(self.tokens)
-        replayed = max(0, len(self.tokens) - 1 - len(self.prompt))
-        return len(self.prompt) + -(-replayed // window) * window
 
     @property
     def committed(self) -> list[int]:
@@ -103,234 +67,283 @@ class Sequence:
             new = new[: new.index(self.sampling.eos_id) + 1]
         return new
 
-    def finish(self) -> None:
-        """Cut what was produced past max_new_tokens or the EOS."""
-        self.tokens = self.prompt + self.committed
+    # --- deterministic replay: where its windows start, when one is due ---------------
+    def window_start(self, window: int) -> int:
+        """First position of the replay window holding the last committed token."""
+        last = len(self.tokens) - 1 - len(self.prompt)  # counted from the prompt's end
+        return len(self.prompt) + last // window * window
+
+    def due(self, window: int) -> bool:
+        """Its window is full, or it proposed all it may, or an EOS: replay it now."""
+        if not self.replay or self.done:  # nothing to judge (its last token came first)
+            return False
+        rows = len(self.tokens) - self.window_start(window) + len(self.proposals)
+        budget = self.request.max_new_tokens - len(self.new_tokens) - 1  # + the replay's
+        return (rows == window or len(self.proposals) >= budget
+                or self.sampling.eos_id in self.proposals)
+
+    def prefill_positions(self, window: int) -> int:
+        """Positions its table holds once prefilled: its tokens (to be recomputed, after
+        a preemption); a replayed one's prompt, then its tokens in whole windows."""
+        if not self.replay:
+            return len(self.tokens)
+        replayed = max(0, len(self.tokens) - 1 - len(self.prompt))
+        return len(self.prompt) + -(-replayed // window) * window
 
 
-@dataclass(frozen=True)
-class Admission:
-    """What admitting a request takes: the cached blocks its prompt reuses, the free
-    blocks it takes (its positions' blocks, less the shared ones a running request
-    holds), the positions its table then holds, and the tokens its prefill computes."""
-    shared: list[int]
-    blocks: int
-    positions: int
-    tokens: int
+def fit(request, cfg, page_size: int, ahead: int, num_blocks: int | None) -> tuple:
+    """THE fit rule, for serve, Engine.add and the HTTP server alike: the request's
+    prompt as token ids and the pool blocks it needs alone. Its prompt, max_new_tokens
+    and `ahead` (the replay window, or what a speculative round writes past its last
+    token) must fit the model's context; a block each page_size positions and one more (a
+    shared block copied on write) must fit `num_blocks` (None: a pool still to be sized).
+    ValueError otherwise."""
+    prompt = token_ids(request.prompt, cfg.vocab_size)
+    int_at_least("max_new_tokens", request.max_new_tokens)
+    int_at_least("arrival", request.arrival, 0, hint=" (an engine step)")
+    check_flags(deterministic=request.deterministic)
+    request.sampling.check_vocab(cfg.vocab_size)
+    positions = len(prompt) + request.max_new_tokens + ahead
+    check_room(positions, cfg.block_size, f"{len(prompt)} prompt + {request.max_new_tokens} "
+               f"new + {ahead} ahead", "max_new_tokens")
+    blocks = -(-positions // page_size) + 1
+    if num_blocks is not None and blocks > num_blocks:
+        raise ValueError(f"it needs more than the pool: {blocks} blocks of {page_size} "
+                         f"positions, num_blocks={num_blocks}; lower max_new_tokens")
+    return prompt, blocks
 
 
 class FirstComeFirstServed:
-    """Admit in arrival order while the request at the head fits; preempt the newest."""
+    """Admit in arrival order while the request at the head fits; preempt the newest.
+    With `max_tokens`, no step computes more tokens than that (a request that would
+    overrun it waits, unless nothing runs); with `chunked_prefill` too, what a step's
+    decodes leave of the budget goes to chunks of the prompts, oldest first (a replayed
+    prompt is still computed whole: its bits must not depend on the chunking)."""
 
-    chunked_prefill = False  # a step: the newcomers' whole prompts, then a decode pass
+    def __init__(self, max_tokens: int | None = None, chunked_prefill: bool = False):
+        if max_tokens is not None:
+            int_at_least("max_tokens", max_tokens, hint=" (tokens per step)")
+        check_flags(chunked_prefill=chunked_prefill)
+        if chunked_prefill and max_tokens is None:
+            raise ValueError("chunked_prefill needs max_tokens, the budget it cuts to")
+        self.max_tokens, self.chunked_prefill = max_tokens, chunked_prefill
+
+    def __repr__(self) -> str:
+        chunked = f", chunked_prefill={self.chunked_prefill}"
+        return f"{type(self).__name__}({self.max_tokens}{chunked})"
 
     def next_waiting(self, sched: Scheduler) -> Sequence | None:
         """The head of the queue, once it has arrived: nobody overtakes it."""
         arrived = sched.waiting and sched.waiting[0].request.arrival <= sched.now
         return sched.waiting[0] if arrived else None
 
-    def fits(self, sched: Scheduler, s: Sequence, admission: Admission) -> bool:
-        """Fewer than max_running run, and the pool has its blocks plus a block of
-        headroom for it and for each running request (each may start one at its next
-        decode)."""
+    def fits(self, sched: Scheduler, s: Sequence, blocks: int, tokens: int) -> bool:
+        """May `s` come in, taking `blocks` blocks and computing `tokens` tokens? Fewer
+        than max_running run; the blocks the running rows leave hold its own, plus one of
+        headroom for it and each running request; the budget has room (a token, for a
+        chunked one)."""
         if sched.max_running is not None and len(sched.running) >= sched.max_running:
             return False
-        return sched.pool.n_free >= admission.blocks + 1 + len(sched.running)
+        if sched.free_blocks() < blocks + 1 + len(sched.running):
+            return False
+        if self.max_tokens is None or not sched.running:  # alone, it runs however long
+            return True
+        if self.chunked_prefill and not s.replay:
+            return sched.step_tokens < self.max_tokens
+        return sched.step_tokens + tokens <= self.max_tokens
 
     def victim(self, sched: Scheduler, keep: Sequence) -> Sequence:
-        """The newest running request but `keep`: it has waited least, and it costs
-        least to recompute."""
+        """The newest running request but `keep`: it waited least, costs least to
+        redo."""
         return next(s for s in reversed(sched.running) if s is not keep)
 
     def chunk(self, sched: Scheduler, s: Sequence) -> int:
-        """How many of the positions `s` has still to prefill this step computes: all."""
-        return s.prefill_end - s.table.length
-
-
-class TokenBudget(FirstComeFirstServed):
-    """First come, first served under a budget of `max_tokens` tokens per engine step
-    (vLLM's max_num_batched_tokens): one for each running request's decode, and each
-    newcomer's prefill tokens. A request that would overrun the step waits for a later
-    one, unless nothing runs (then it runs alone, however long, so that no request waits
-    forever). Chunked prefill would instead spend what is left of the budget on a chunk
-    of its prompt."""
-
-    def __init__(self, max_tokens: int):
-        self.max_tokens = int_at_least("max_tokens", max_tokens, hint=" (per step)")
-
-    def fits(self, sched: Scheduler, s: Sequence, admission: Admission) -> bool:
-        # its prefill's tokens and its decode row, on top of the step's
-        within = sched.step_tokens + admission.tokens + 1 <= self.max_tokens
-        return (within or not sched.running) and super().fits(sched, s, admission)
-
-
-class ChunkedPrefill(TokenBudget):
-    """Chunked prefill under a budget of `max_tokens` tokens per step (Sarathi-Serve;
-    vLLM's enable_chunked_prefill): each step is one pass that spends the budget on a
-    token for every decoding request first, then on the next chunk of each prompt being
-    prefilled, oldest first; a newcomer is admitted while the step has a token left (and
-    the pool its blocks), its prompt computed a chunk a step. A deterministic request's
-    prompt is still computed whole and alone (its bits must not depend on the chunking),
-    so it is admitted as under TokenBudget."""
-
-    chunked_prefill = True
-
-    def fits(self, sched: Scheduler, s: Sequence, admission: Admission) -> bool:
-        if s.deterministic:
-            return super().fits(sched, s, admission)
-        room = sched.step_tokens < self.max_tokens
-        return (room or not sched.running) and FirstComeFirstServed.fits(self, sched, s,
-                                                                         admission)
-
-    def chunk(self, sched: Scheduler, s: Sequence) -> int:
-        """What the step's budget has left, up to the rest of its prompt (none when the
-        decodes took it all: they finish, and the prompt goes on)."""
-        left = self.max_tokens - sched.step_tokens
-        return max(0, min(s.prefill_end - s.table.length, left))
+        """How many positions of its prefill `s` computes this step: all, or (chunked)
+        what the budget has left."""
+        rest = s.prefill_end - s.table.length
+        if not self.chunked_prefill or s.replay:
+            return rest
+        return max(0, min(rest, self.max_tokens - sched.step_tokens))
 
 
 class Scheduler:
-    """The queues, the engine step, and the step's order; the policy decides who."""
+    """The requests, their queues and the engine step; the policy decides who."""
 
-    def __init__(self, pool: BlockPool, seqs=(),
-                 policy: FirstComeFirstServed | None = None, *, verify_window: int = 4,
-                 prefix_caching: bool = True, max_running: int | None = None,
-                 trace: bool = False):
-        self.pool = pool
+    def __init__(self, pool: BlockPool, cfg, policy: FirstComeFirstServed | None = None, *,
+                 replay_window: int = 4, ahead: int | None = None,
+                 prefix_caching: bool = True,
+                 max_running: int | None = None, trace: bool = False):
+        self.pool, self.cfg = pool, cfg
         self.policy = policy or FirstComeFirstServed()
-        self.verify_window = verify_window
-        self.prefix_caching = prefix_caching
-        self.max_running = max_running
-        self.waiting = deque(sorted(seqs, key=lambda s: (s.request.arrival, s.index)))
+        self.replay_window = replay_window
+        self.ahead = ahead    # speculating: what a round writes past its last token
+        self.prefix_caching, self.max_running = prefix_caching, max_running
+        self.seqs: dict[int, Sequence] = {}  # every request not yet forgotten
+        self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.now = 0          # the engine step (a request arrives at one)
-        self.step_tokens = 0  # tokens this step computes, as admission counts them
+        self.step_tokens = 0  # tokens this step computes, as they are planned
+        self.promised = 0     # free blocks this step's running rows will take
         self.pool_steps: list[PoolStep] | None = [] if trace else None
+
+    # --- the requests -----------------------------------------------------------------
+    def check(self, request, pool: bool = True) -> tuple[list[int], int]:
+        """fit() for this server: the prompt and the blocks it needs (within the
+        pool)."""
+        ahead = max(self.replay_window, 1 + (self.ahead or 0))
+        return fit(request, self.cfg, self.pool.page_size, ahead,
+                   self.pool.num_blocks if pool else None)
+
+    def add(self, request, index: int | None, replay: bool, proposer=None) -> int:
+        """Queue `request` as request `index` (None: the first unused) behind those that
+        arrive no later; its index."""
+        if index is None:
+            index = next(i for i in range(len(self.seqs) + 1) if i not in self.seqs)
+        elif index in self.seqs:
+            raise ValueError(f"request {index} is already in this engine: give another")
+        prompt, _ = self.check(request)
+        s = Sequence(index, request, prompt, replay and request.deterministic, proposer)
+        later = [k for k, w in enumerate(self.waiting)
+                 if w.request.arrival > request.arrival]
+        self.waiting.insert(later[0] if later else len(self.waiting), s)
+        self.seqs[index] = s
+        return index
+
+    def abort(self, index: int) -> None:
+        """Out of the queue, or its blocks back at once; a finished request stays as it
+        is."""
+        if index not in self.seqs:
+            raise ValueError(f"no request {index} in this engine")
+        s = self.seqs[index]
+        s.sent = -1  # nobody waits for it any more
+        if s in self.waiting:
+            self.waiting.remove(s)
+        elif s in self.running:
+            self.pool.free_table(s.table)
+            self.running.remove(s)
+
+    def forget(self, index: int) -> None:
+        """Drop a finished or aborted request's record (a long-running server's
+        memory)."""
+        if index in self.seqs and self.seqs[index].sent >= 0:
+            raise ValueError(f"request {index} is still running: abort it first")
+        self.seqs.pop(index, None)
+
+    def block_table(self, index: int) -> list[int]:
+        return list(self.seqs[index].table.blocks)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def step(self, runner) -> None:
-        """One engine step: schedule, run (the runner's passes), postprocess."""
-        logged = len(self.pool.log)
-        # 1. Admit what has arrived and fits; the newcomers' prompts are computed.
-        new = self.admit()
+    def stats(self) -> dict:
+        return {"running": len(self.running), "waiting": len(self.waiting),
+                "step": self.now,
+                "free_blocks": self.pool.n_free, "num_blocks": self.pool.num_blocks}
+
+    def outputs(self) -> dict[int, RequestOutput]:
+        """{index: RequestOutput} of every request not forgotten, in index order."""
+        outs = {}
+        for i in sorted(self.seqs):
+            s = self.seqs[i]
+            s.stats.new_tokens = len(s.committed)
+            trace = s.events if self.pool_steps is not None else None
+            outs[i] = RequestOutput(s.request, s.committed, s.stats, trace, s.fast_logits)
+        return outs
+
+    # --- 1. schedule ------------------------------------------------------------------
+    def schedule(self) -> dict[str, list[Sequence]]:
+        """The step's plan, in vLLM's order: the running requests' work first, room made
+        for it (preempting the newest), then newcomers in what is left. One piece of work
+        each: "replay" (a replayed prompt alone, or a full window), "prefill" (whole
+        prompts, one packed pass), "chunks" (`s.chunk` tokens each, in the decode pass),
+        "decode" (a token each) or "speculate" (a token and its proposals)."""
+        self.logged, window, ahead = len(self.pool.log), self.replay_window, self.ahead
+        ready = [s for s in self.running if not s.prefilling]
+        due = [s for s in ready if s.due(window)]
+        decode = [s for s in ready if s not in due]
+        rows = ([(s, len(s.tokens) + window - s.table.length) for s in due]
+                + [(s, 1 + (ahead or 0) * (not s.replay)) for s in decode])
+        self.make_room(rows)  # the preempted wait: nothing of theirs runs this step
+        due, decode = ([s for s in group if s in self.running] for group in (due, decode))
+        self.promised = sum(self.pool.blocks_needed(s.table, n) for s, n in rows
+                            if s in self.running)
+        self.step_tokens = len(due) + len(decode)  # a decode row each
+        for s in self.running:
+            if s.prefilling:  # a prompt being computed in chunks: its next one
+                self.plan_chunk(s)
+        self.admit()
         if not self.running and self.waiting[0].request.arrival <= self.now:
-            raise RuntimeError(f"{self.policy} admits nothing while nothing runs: let one in")
+            raise RuntimeError(f"{self.policy} admits nothing while nothing runs")
+        prompts = [s for s in self.running if s.prefilling and s.chunk]
+        whole = [s for s in prompts if not s.replay]
         chunked = self.policy.chunked_prefill
-        runner.prefill([s for s in new if s.deterministic or not chunked], self.now)
-        # 2. Verify the deterministic requests whose window is full: alone, fixed shapes.
-        for s in self.to_verify():
-            runner.verify(s, self.now)
-        # 3. One batched decode pass for every other running request; with chunked
-        #    prefill, the same pass also computes the step's prompt chunks.
-        if chunked:
-            decoding = self.to_decode()  # may preempt: chunks only for those still here
-            runner.mixed(decoding, [s for s in self.running if s.prefilling and s.chunk],
-                         self.now)
-        elif runner.speculation is not None:  # room for the last token and γ proposals
-            batch = self.to_decode(1 + runner.speculation.gamma)
-            runner.decode([s for s in batch if s.deterministic], self.now)
-            runner.speculate([s for s in batch if not s.deterministic], self.now)
-        else:
-            runner.decode(self.to_decode(), self.now)
-        # 4. Finished requests leave; their blocks go back to the pool at once.
-        for s in [s for s in self.running if s.done]:
-            self.pool.free_table(s.table)
-            self.running.remove(s)
-        if self.pool_steps is not None:
-            self.pool_steps.append(self.snapshot(logged))
-        self.now += 1
-        if not self.running and self.waiting:  # idle until the next arrival
-            self.now = max(self.now, self.waiting[0].request.arrival)
+        plan = {"replay": [s for s in prompts if s.replay] + due,
+                "prefill": [] if chunked else whole, "chunks": whole if chunked else [],
+                "decode": [s for s in decode if ahead is None or s.replay],
+                "speculate": [s for s in decode if ahead is not None and not s.replay]}
+        return plan
 
-    # --- admission --------------------------------------------------------------------
-    def admit(self) -> list[Sequence]:
-        """Move waiting requests to `running` while the policy picks one that fits,
-        taking their blocks at once (held until their prefill runs). The step's tokens
-        are counted as they are planned: a decode row for each running request, then the
-        chunk each prompt being prefilled computes."""
-        prefilling = [s for s in self.running if s.prefilling]
-        self.step_tokens = len(self.running) - len(prefilling)  # a decode row each
-        for s in prefilling:
-            self.plan_chunk(s)
-        new = []
+    def admission(self, s: Sequence) -> tuple[list[int], int, int]:
+        """What admitting `s` takes, the pool unchanged: the cached blocks its prompt
+        shares (none for a replayed one: another pass, of another shape, computed them),
+        the free blocks it takes (a shared block a running request holds costs none) and
+        the tokens its prefill computes."""
+        positions = s.prefill_positions(self.replay_window)
+        reuse = not (s.replay or getattr(s.proposer, "wants_features", False))
+        shared = self.pool.cached_prefix(s.prompt) if reuse and self.prefix_caching else []
+        held = sum(self.pool.ref[b] > 0 for b in shared)
+        tokens = positions - len(shared) * self.pool.page_size
+        return shared, -(-positions // self.pool.page_size) - held, tokens
+
+    def admit(self) -> None:
+        """Newcomers to `running` while the policy picks one that fits, their blocks
+        taken at once."""
         while (s := self.policy.next_waiting(self)) is not None:
-            admission = self.admission(s)
-            if not self.policy.fits(self, s, admission):
+            shared, blocks, tokens = self.admission(s)
+            if not self.policy.fits(self, s, blocks, tokens):
                 break
-            self.take(s, admission)
-            new.append(s)
-        return new
+            self.waiting.remove(s)
+            for block in shared:
+                self.pool.share(block, s.index)
+            s.table.blocks, s.table.length = list(shared), len(shared) * self.pool.page_size
+            s.stats.reused += s.table.length
+            self.pool.reserve(s.table, tokens)
+            self.running.append(s)
+            # Its prefill ends where its next token is chosen: after all its tokens, or, for
+            # a replayed one, before the last, which its next window feeds.
+            s.prefill_end = (max(len(s.prompt), len(s.tokens) - 1) if s.replay
+                             else s.table.length + tokens)
+            if self.policy.chunked_prefill and not s.replay:
+                self.plan_chunk(s)  # its blocks are published as its chunks compute them
+            else:
+                self.pool.publish(s.prompt, s.table)  # findable now: its prefill runs first
+                s.chunk = s.prefill_end - s.table.length
+                self.step_tokens += s.chunk
 
-    def admission(self, s: Sequence) -> Admission:
-        """What admitting `s` would take, the pool unchanged. A deterministic request
-        shares no block: another request's pass, of another shape, computed those."""
-        page = self.pool.page_size
-        positions = s.prefill_positions(self.verify_window)
-        reuse = self.prefix_caching and not s.deterministic
-        shared = self.pool.cached_prefix(s.prompt) if reuse else []
-        held = sum(self.pool.ref[b] > 0 for b in shared)  # cost no free block
-        return Admission(shared, -(-positions // page) - held, positions,
-                         positions - len(shared) * page)
-
-    def take(self, s: Sequence, admission: Admission) -> None:
-        self.waiting.remove(s)
-        for block in admission.shared:  # K/V another prompt with these tokens computed
-            self.pool.share(block, s.index)
-        s.table.blocks = list(admission.shared)
-        s.table.length = len(admission.shared) * self.pool.page_size
-        s.stats.reused += s.table.length
-        self.pool.reserve(s.table, admission.positions - s.table.length)
-        self.running.append(s)  # counted in the next admission's headroom
-        if self.policy.chunked_prefill and not s.deterministic:
-            s.prefill_end = len(s.tokens)  # computed a chunk a step, then its first token
-            self.plan_chunk(s)  # its blocks are published as its chunks fill them
-        else:  # its whole prefill this step, and a decode row after it
-            self.pool.publish(s.prompt, s.table)  # findable now: its prefill runs first
-            self.step_tokens += admission.tokens + 1
+    def free_blocks(self) -> int:
+        """Free blocks that this step's running rows were not promised."""
+        return self.pool.n_free - self.promised
 
     def plan_chunk(self, s: Sequence) -> None:
-        """The chunk of its prompt `s` computes this step, as the policy allots it."""
         s.chunk = self.policy.chunk(self, s)
         self.step_tokens += s.chunk
 
-    # --- what runs --------------------------------------------------------------------
-    def to_verify(self):
-        """The deterministic requests whose window is full, each once the pool has room
-        for its replay (lazily: the one before may free blocks, or preempt it)."""
-        window = self.verify_window
-        due = [s for s in self.running if s.deterministic and s.ready_to_verify(window)]
-        for s in due:
-            if s in self.running:
-                self.make_room([s], len(s.tokens) + window - s.table.length, keep=s)
-                yield s
-
-    def to_decode(self, n_new: int = 1) -> list[Sequence]:
-        """Every other unfinished running request, once the pool has `n_new` slots for
-        each one's next positions (the oldest always goes on)."""
-        window = self.verify_window
-        batch = [s for s in self.running if not s.done and not s.prefilling
-                 and not (s.deterministic and s.ready_to_verify(window))]
-        if batch:
-            self.make_room(batch, n_new, keep=batch[0])
-        return [s for s in batch if s in self.running]
-
-    # --- preemption -------------------------------------------------------------------
-    def make_room(self, seqs: list[Sequence], n_new: int, keep: Sequence) -> None:
-        """Preempt the policy's victims (never `keep`) until the pool has the blocks for
-        n_new more positions in each of `seqs` still running."""
+    def make_room(self, rows: list[tuple[Sequence, int]]) -> None:
+        """Preempt the policy's victims (never the first row's) until the pool has the
+        blocks for every row's new positions."""
         def needed() -> int:
-            return sum(self.pool.blocks_needed(s.table, n_new) for s in seqs
+            return sum(self.pool.blocks_needed(s.table, n) for s, n in rows
                        if s in self.running)
         while self.pool.n_free < needed():
-            self.preempt(self.policy.victim(self, keep))
+            self.preempt(self.policy.victim(self, rows[0][0]))
 
     def preempt(self, s: Sequence) -> None:
-        """Its blocks go back and it waits first in line; its committed tokens are kept,
-        to be recomputed on readmission, its unverified proposals dropped."""
+        """Its blocks go back and it waits first in line, its committed tokens kept (to
+        be recomputed on readmission), its unjudged proposals dropped."""
         s.proposals.clear()
         s.prefill_end = s.chunk = 0
+        if s.proposer is not None:  # its caches follow the target's: it starts over too
+            s.proposer = s.proposer.fresh()
         s.events.append(TraceEvent(kind="preempt", step=self.now, cache_len_after=0,
                                    cache_len_before=len(s.tokens) - 1))
         self.pool.free_table(s.table, preempted=True)
@@ -338,10 +351,32 @@ class Scheduler:
         self.running.remove(s)
         self.waiting.appendleft(s)
 
-    def snapshot(self, logged: int) -> PoolStep:
-        """The pool after this step, and what the step did to it (the log from `logged`
-        on)."""
-        return PoolStep(self.now, {s.index: tuple(s.table.blocks) for s in self.running},
-                        {s.index: s.table.length for s in self.running},
-                        tuple(self.pool.ref),
-                        tuple((self.now, *entry) for entry in self.pool.log[logged:]))
+    # --- 3. postprocess ---------------------------------------------------------------
+    def postprocess(self, plan: dict, produced: dict) -> dict[int, tuple[list[int], bool]]:
+        """Commit what each row produced (a replayed request's fast-path tokens wait as
+        proposals); the finished leave, their blocks back at once. For each request that
+        moved on: the tokens it committed this step, and whether it is done."""
+        for s, tokens in produced.items():
+            if s.replay and s in plan["decode"]:
+                s.proposals += tokens
+            else:  # committed; a replay has judged every proposal
+                s.tokens += tokens
+                s.proposals.clear()
+        for s in [s for s in self.running if s.done]:
+            self.pool.free_table(s.table)
+            self.running.remove(s)
+        if self.pool_steps is not None:
+            self.pool_steps.append(PoolStep(
+                self.now, {s.index: tuple(s.table.blocks) for s in self.running},
+                {s.index: s.table.length for s in self.running}, tuple(self.pool.ref),
+                tuple((self.now, *entry) for entry in self.pool.log[self.logged:])))
+        self.now += 1
+        if not self.running and self.waiting:  # idle until the next arrival
+            self.now = max(self.now, self.waiting[0].request.arrival)
+        moved = {}
+        for s in produced:
+            new = s.committed
+            if s.sent >= 0 and (len(new) > s.sent or s.done):
+                moved[s.index] = (new[s.sent:], s.done)
+                s.sent = -1 if s.done else len(new)
+        return moved

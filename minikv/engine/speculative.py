@@ -3,9 +3,10 @@ them in one pass. Greedy output is exactly the target's own; with temperature > 
 rejection rule keeps the target's distribution. It pays when scoring γ + 1 positions
 costs the target about one decode step and the proposer is cheap and usually right.
 
-`speculate` is the one round loop; a proposer is any `propose(seq, k)`: a draft model
+`speculate` is the one round loop; a `Proposer` is who proposes: a draft model
 (`DraftProposer`, below), prompt lookup (lookup.py), a head on the target's own features
-(eagle.py), or the next one. A proposal is a chain or a token tree (tree.py)."""
+(eagle.py), or the next one. A proposal is a chain or a token tree (tree.py). The same
+proposers serve inside the server (`Speculation`, serving.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -30,7 +31,7 @@ from .verify import (
 )
 
 
-# --- the seam: propose(seq, k) -> at most k tokens to follow seq ----------------------
+# --- the seam: who proposes, and what a proposal is -----------------------------------
 @dataclass
 class Proposal:
     """A proposer's answer, when a plain list of token ids is not enough."""
@@ -45,38 +46,89 @@ class Proposal:
     parents: list[int] | None = None
 
 
-# It must not change `seq` (the committed tokens). Caches it keeps go to
-# speculate(other_caches=...): every round rolls them back with the target's. A tree may
-# be at most k deep (and hold at most speculate's `tree_size` tokens).
-Proposer = Callable[[list[int], int], "Proposal | list[int]"]
+class Proposer:
+    """Who proposes the tokens a round verifies. A new proposer subclasses this and writes
+    `propose`; the rest have defaults. (A plain function propose(seq, k) works too.)
+
+    - propose(seq, k): at most k tokens to follow `seq`, a list of ids or a `Proposal` (a
+      tree at most k deep), leaving `seq` (the committed tokens) as it was.
+    - caches: {name: cache} it keeps; every round rolls them back with the target's.
+    - wants_features, take_features(start, features): a proposer that reads the target's
+      last hidden states (eagle.py) is handed those of every row of every target pass,
+      (rows, n_embd) for positions start, start + 1, ..., before it proposes again.
+    - max_tokens(k): the most tokens a proposal k deep holds (a chain: k): the positions a
+      round writes past the last committed token.
+    - fresh(): one like it with nothing cached, for another request (a server gives each
+      running request its own).
+    """
+    wants_features = False
+
+    @property
+    def caches(self) -> dict:
+        return {}
+
+    def propose(self, seq: list[int], k: int) -> Proposal | list[int]:
+        raise NotImplementedError
+
+    def __call__(self, seq: list[int], k: int) -> Proposal | list[int]:
+        return self.propose(seq, k)
+
+    def take_features(self, start: int, features: torch.Tensor) -> None:
+        pass
+
+    def max_tokens(self, k: int) -> int:
+        return k
+
+    def fresh(self) -> Proposer:
+        return self  # nothing cached: one may serve every request
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Speculative decoding inside the server (serve(speculative=...), vLLM's
+    speculative_config): every running request proposes up to `gamma` tokens a step with a
+    proposer of its own: `proposer.fresh()` (any Proposer: a feature head's chains or
+    trees, say), else a `draft` model's greedy tokens (one draft cache per request), else
+    prompt lookup over `ngram` tokens."""
+    gamma: int = 4
+    draft: object = None
+    ngram: int = 3
+    proposer: Proposer | None = None
+
+    def __post_init__(self) -> None:
+        int_at_least("Speculation gamma", self.gamma, hint=" (tokens proposed per step)")
+        int_at_least("Speculation ngram", self.ngram, hint=" (tokens the lookup matches)")
+        if not isinstance(self.proposer, (Proposer, type(None))):
+            raise TypeError(f"Speculation proposer must be a minikv Proposer (e.g. "
+                            f"FeatureProposer(target, head)), not {self.proposer!r:.40}")
 
 
 # --- the round loop -------------------------------------------------------------------
 def speculate(target, ids, max_new_tokens: int, sampling: SamplingParams,
-              propose: Proposer, *, gamma: int = 4, max_gamma: int | None = None,
+              propose: Proposer | Callable, *, gamma: int = 4, max_gamma: int | None = None,
               other_caches: dict[str, KVCache] | None = None,
               generator: torch.Generator | None = None, verifier: Verifier | None = None,
               tree_size: int | None = None, trace: bool = False) -> GenerationOutput:
     """Up to `max_new_tokens` after `ids`, `propose` offering up to γ tokens a round and
-    `target` verifying them in ONE pass. With `max_gamma`, γ adapts in [1, max_gamma].
-    Pass the proposer's `generator` so that both draw from one seeded stream. `verifier`
-    replaces the target's pass (eagle.py's keeps the features); with `tree_size` a
-    proposal may be a token tree of that many tokens, γ deep."""
+    `target` verifying them in ONE pass (`verifier`: another pass). With `max_gamma`, γ
+    adapts in [1, max_gamma]; the proposer's `generator` makes one seeded stream of both;
+    with `tree_size`, a proposal may be a token tree of that many tokens, γ deep."""
     prompt = prompt_of_call(target, ids, max_new_tokens, sampling)
     check_flags(trace=trace)
+    other_caches = {**getattr(propose, "caches", {}), **(other_caches or {})}
     needed = _check_call(target, prompt, max_new_tokens, sampling, gamma, max_gamma,
                          other_caches, tree_size)
-    if generator is None:
-        generator = torch.Generator(device=target.device).manual_seed(sampling.seed)
-    seq = list(prompt)
-    out = GenerationOutput(prompt, [], SpeculativeStats(prompt_len=len(prompt)), [], None)
+    if verifier is None and getattr(propose, "wants_features", False):
+        verifier = partial(scores, target, proposer=propose)  # it reads the target's features
+    generator = generator or torch.Generator(target.device).manual_seed(sampling.seed)
+    seq, out = list(prompt), GenerationOutput(prompt, [], SpeculativeStats(len(prompt)), [], None)
     if max_new_tokens == 0:
         return _finish(out, seq, trace)
     cache = KVCache.for_model(target, max_len=needed)
     with torch.inference_mode():
         # 0. Prefill the target with the prompt: its last logits give the first token.
         out.trace.append(_prefill(target, cache, seq, sampling, generator, verifier))
-        verifier = verifier or partial(_scores, target)
+        verifier = verifier or partial(scores, target)
         out.stats.target_passes += 1
         while len(seq) - len(prompt) < max_new_tokens and seq[-1] != sampling.eos_id:
             # 1. Propose up to γ tokens (a tree γ deep); the round adds the target's own.
@@ -112,15 +164,19 @@ def _prefill(target, cache, seq: list[int], sampling, generator, verifier) -> Tr
                       positions=tuple(range(n)), cache_len_after=n, kv_computed=n)
 
 
-def _scores(model, rows: list[int], cache: KVCache, positions: list[int] | None = None,
-            attention=causal_attention) -> torch.Tensor:
+def scores(model, rows: list[int], cache: KVCache, positions: list[int] | None = None,
+           attention=causal_attention, proposer: Proposer | None = None) -> torch.Tensor:
     """The verifier: `model`'s logits at every row, (len(rows), vocab); a tree's pass
-    gives its rows' positions and mask."""
+    gives its rows' positions and mask. A proposer that reads the target's features
+    (Proposer.wants_features) is handed them."""
+    start = cache.get_seq_length()
     ids = torch.tensor([rows], device=model.device)
-    if positions is None:
-        return model(ids, cache=cache)[0]
-    return model(ids, cache=cache, positions=torch.tensor(positions, device=model.device),
-                 attention=attention)[0]
+    pos = None if positions is None else torch.tensor(positions, device=model.device)
+    if proposer is None or not proposer.wants_features:
+        return model(ids, cache=cache, positions=pos, attention=attention)[0]
+    f = model.features(ids, cache=cache, positions=pos, attention=attention)[0]
+    proposer.take_features(start, f)
+    return model.lm_head(f)
 
 
 # A proposer's answer as a Proposal, checked: at most k tokens (a tree: at most tree_size, k deep)
@@ -193,17 +249,25 @@ def _check_call(target, prompt, max_new_tokens, sampling, gamma, max_gamma,
 
 
 # --- proposer 1: a draft model --------------------------------------------------------
-class DraftProposer:
+class DraftProposer(Proposer):
     """A small model of the same vocabulary proposes, one pass per token, each chosen as
     the target chooses (argmax, or a draw from the shared `generator`)."""
 
-    def __init__(self, draft, sampling: SamplingParams, generator: torch.Generator):
+    def __init__(self, draft, sampling: SamplingParams | None = None,
+                 generator: torch.Generator | None = None):
         self.draft = draft
-        self.sampling = sampling
-        self.generator = generator
+        self.sampling = sampling or SamplingParams()
+        self.generator = generator or torch.Generator(draft.device)
         self.cache = KVCache.for_model(draft)  # as long as the draft can see
 
-    def __call__(self, seq: list[int], k: int) -> Proposal:
+    @property
+    def caches(self) -> dict:
+        return {"draft": self.cache}
+
+    def fresh(self) -> DraftProposer:
+        return DraftProposer(self.draft, self.sampling, torch.Generator(self.draft.device))
+
+    def propose(self, seq: list[int], k: int) -> Proposal:
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         events: list[TraceEvent] = []
@@ -243,11 +307,9 @@ def speculative_generate(target, draft, ids, max_new_tokens: int, gamma: int = 4
     int_at_least("max_gamma", max_gamma)  # checked even when unused: a typo is not ignored
     # One seeded stream for the draft's draws and the target's: same seed, same tokens.
     generator = torch.Generator(device=target.device).manual_seed(sp.seed)
-    propose = DraftProposer(draft, sp, generator)
-    return speculate(target, ids, max_new_tokens, sp, propose, gamma=gamma,
-                     max_gamma=max_gamma if adaptive_gamma else None,
-                     other_caches={"draft": propose.cache}, generator=generator,
-                     trace=trace)
+    return speculate(target, ids, max_new_tokens, sp, DraftProposer(draft, sp, generator),
+                     gamma=gamma, max_gamma=max_gamma if adaptive_gamma else None,
+                     generator=generator, trace=trace)
 
 
 def check_draft(target, draft) -> None:

@@ -30,7 +30,7 @@ class Verdict:
         return tuple(range(self.accepted)) if self.path is None else self.path
 
 
-# --- accept rules: (logits of the proposed positions + 1, proposals) -> Verdict ----------------
+# --- accept rules: (logits of the proposed positions + 1, proposals) -> Verdict -------
 def accept_matching(logits: torch.Tensor, proposals: list[int], sampling: SamplingParams,
                     first_position: int, parents: list[int] | None = None) -> Verdict:
     """Keep proposals while each equals the authority's own choice at its position: its
@@ -102,7 +102,7 @@ def accept_tree_by_rejection_sampling(logits: torch.Tensor, proposals: list[int]
             return Verdict(len(path), token, tuple(path))
 
 
-# --- the core ----------------------------------------------------------------------------------
+# --- the core -------------------------------------------------------------------------
 # (rows of token ids, cache[, positions=, attention=]) -> logits (len(rows), vocab): the
 # authority's single pass (a tree's pass also gives its positions and mask).
 Verifier = Callable[..., torch.Tensor]

@@ -92,13 +92,15 @@ class SinkWindowCache(Cache):
                              if cfg.positions == "learned" else "no position past the trained "
                              "block_size: start a new cache, or number by slot (rope='reindex')")
         check_matches(self, cfg, batch_size, device, dtype)
+        self.checked = True
 
     def update(self, key: torch.Tensor, value: torch.Tensor,
                layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Append this pass's K/V and return everything held; once the last layer is
         written, evict all but the first `sinks` and the last `window` positions, in
         every layer."""
-        check_kv(self, key, value, layer_idx)
+        if not self.checked:  # a call of one's own; a model's pass was checked up front
+            check_kv(self, key, value, layer_idx)
         held, T = len(self.positions), key.shape[2]
         slots = torch.arange(held, held + T, device=key.device)
         if self.rope == "reindex":  # the model turned it for its slot: kept as made instead

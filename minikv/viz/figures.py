@@ -13,6 +13,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
+from ..course.bugs import PositionsFromZero
 from ..course.corpus import CoinFlip
 from ..course.files import check_writable, write_atomically
 from ..engine import (
@@ -108,10 +109,13 @@ def seed_003_kv_cache_guide(target, tok, counted: dict[int, tuple[int, int]] | N
     ax.set(xlabel="cached tokens", ylabel="MiB", title="GPT-2 small KV cache, fp16, batch 1")
 
     ax = axes[1, 1]  # the position-offset bug
-    buggy = generate(target, prompt, 5, trace=True, position_offset_bug=True)
-    for out, color, name in ((cached, SERIES["cached"], "positions from the cache length"),
-                             (buggy, SERIES["naive"], "positions from 0 (bug)")):
-        ax.plot(range(1, 6), [e.positions[-1] for e in out.trace], "o-", color=color,
+    wrapped = PositionsFromZero(target)
+    buggy = generate(wrapped, prompt, 5)
+    for used, out, color, name in (
+            ([e.positions for e in cached.trace], cached, SERIES["cached"],
+             "positions from the cache length"),
+            (wrapped.given, buggy, SERIES["naive"], "positions from 0 (bug)")):
+        ax.plot(range(1, 6), [p[-1] for p in used], "o-", color=color,
                 label=f"{name}: …{tok.decode(out.tokens)!r}")
     ax.set(xlabel="generation step", ylabel="position id of the last token fed",
            title="Seed 003's position bug", ylim=(-1, len(prompt) + 12))  # room for the legend
@@ -222,7 +226,7 @@ def seed_001_no_rollback(target, tok) -> plt.Figure:
               for s, t in enumerate(["Once upon a time", "A coin's state is heads. Alice flips",
                                      "The color"])]
     det = Request(tok.encode("The color of dog"), 12, deterministic=True)
-    trace = serve(target, [det] + others, window=4, trace=True)[0].trace
+    trace = serve(target, [det] + others, replay_window=4, trace=True)[0].trace
     i = _round(trace, accepted=3, proposed=3)
     if i is None:
         raise RuntimeError("no fully accepted window in this run")

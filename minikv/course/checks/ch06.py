@@ -164,7 +164,7 @@ def check_gather_keys(gather_keys) -> None:
                 f"table={table}, length={length}")
         want = engine_read(pool_keys, table, length)
         given, given_table = pool_keys.clone(), list(table)
-        with forbid(name, PagedCache.update, PagedCache._indices):
+        with forbid(name, PagedCache.update, PagedCache._slots):
             got = call_hinted(name, case, lambda e: OUT_OF_RANGE if isinstance(e, IndexError)
                               else "your function raised on this input", gather_keys, given,
                               given_table, length)
@@ -564,9 +564,10 @@ def engine_admits(pool: _Pool, n_tokens: int, shared: list[int], n_running: int)
     """The server's answer: its scheduler's admission rule on the case's pool."""
     s = Sequence(99, Request(list(pool.prompt), 1), list(pool.prompt), False)
     s.tokens = list(pool.tokens)
-    scheduler = Scheduler(copy.deepcopy(pool))
+    scheduler = Scheduler(copy.deepcopy(pool), None)
     scheduler.running = [object()] * n_running
-    return scheduler.policy.fits(scheduler, s, scheduler.admission(s))
+    _, blocks, tokens = scheduler.admission(s)
+    return scheduler.policy.fits(scheduler, s, blocks, tokens)
 
 
 def _held(pool, shared) -> int:
@@ -937,12 +938,14 @@ def _schedule_cases() -> list[tuple[_Labelled, int]]:
 
 
 def engine_schedule(prompt_lens: list[int], budget: int) -> list[list[int]]:
-    """The server's answer: serve the prompts (all arriving at step 0) under ChunkedPrefill(budget)
-    and read from the trace the prompt tokens each request computed in each step."""
-    from ...engine.scheduler import ChunkedPrefill
+    """The server's answer: serve the prompts (all arriving at step 0) under chunked prefill
+    (FirstComeFirstServed(budget, chunked_prefill=True)) and read from the trace the prompt
+    tokens each request computed in each step."""
+    from ...engine.scheduler import FirstComeFirstServed
     requests = [Request([1 + (7 * i + k) % 500 for k in range(n)], SCHEDULE_NEW)
                 for i, n in enumerate(prompt_lens)]
-    outs = serve(_tiny_model(), requests, policy=ChunkedPrefill(budget), trace=True)
+    policy = FirstComeFirstServed(budget, chunked_prefill=True)
+    outs = serve(_tiny_model(), requests, policy=policy, trace=True)
     steps: dict[int, list[int]] = {}
     for i, o in enumerate(outs):
         for e in o.trace:
