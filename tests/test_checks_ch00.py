@@ -95,7 +95,8 @@ def load_gpt2_untied(state_dict, config):
           (lambda tok, docs: 7, "return a list of ints, not a int")),
     *each(ch00.check_forward_by_hand,
           (lambda model, idx: model(idx), "called minikv's own minikv.engine.model.GPT.forward"),
-          *[(partial(ch00._forward, mistake=m), hint) for m, hint in ch00.FORWARD_MISTAKES.items()],
+          *[(partial(ch00._forward, mistake=m), ch00.H["forward_by_hand"][m])
+            for m in ch00.FORWARD_MISTAKES],
           (partial(forward_spelled_out, causal=False), "without the causal mask"),
           (partial(ch00._forward, blocks=2), "run only 2 of the model's 3 blocks"),
           (lambda model, idx: ch00._forward(model, idx)[:, -1], "return only the last position"),

@@ -28,6 +28,8 @@ The recipe, for writing or converting a chapter's checkers (chapter 05 is the mo
 3. An exercise that drives a model or a stateful object stays code, built from the same pieces
    (`call`, `fail`/`expect`, `diagnose`, `kind`, `forbid`, `prediction`, `guarded`); its mutants
    stay in tests/test_checks_chNN.py.
+4. The hints may live in checks/hints/chNN.toml, a table per exercise and a key per mistake
+   (`hints(chapter)`; `named(table, key=wrong implementation, ...)` makes `mistakes`).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ import importlib.util
 import inspect
 import operator
 import sys
+import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -387,9 +390,13 @@ def expect_tensor(exercise: str, case: str, got, want: torch.Tensor, *, shape_wo
         fail(exercise, case, f"a torch tensor of shape {tuple(want.shape)}{shape_words}",
              kind(got), hints.get("tensor", "return one torch tensor")
              + (" (did you forget to return it?)" if got is None else ""))
-    if got.shape != want.shape:
+    if got.shape != want.shape:  # a mistake with these wrong values (size-1 dims aside): its
+        #                            hint; else one with this shape, else the shape's hint
+        values = not same(got.squeeze(), want.squeeze()) and named("", lambda a, b: isinstance(
+            a, torch.Tensor) and same(a.squeeze(), b.squeeze()))
         fail(exercise, case, f"shape {tuple(want.shape)}{shape_words}", f"shape {tuple(got.shape)}",
-             named("shape", lambda a, b: isinstance(a, torch.Tensor) and a.shape == b.shape))
+             values or named("shape", lambda a, b: isinstance(a, torch.Tensor)
+                             and a.shape == b.shape))
     if got.dtype != want.dtype:
         fail(exercise, case, f"dtype {want.dtype}", f"dtype {got.dtype}", hints.get("dtype", ""))
     if got.is_floating_point() and bool(got.isnan().any()):
@@ -398,6 +405,20 @@ def expect_tensor(exercise: str, case: str, got, want: torch.Tensor, *, shape_wo
         off = (got.double() - want.double()).abs().max() if got.is_floating_point() else "-"
         fail(exercise, case, "the reference's values", f"values off by up to {off:.4g}"
              if got.is_floating_point() else got, named("close", same))
+
+
+def hints(chapter: str) -> dict[str, dict[str, str]]:
+    """A chapter's hints, checks/hints/<chapter>.toml: one table per exercise, one key per named
+    mistake (or refusal), its hint as students read it; "{name}" marks a value the checker fills
+    in with str.format."""
+    with (HERE / "hints" / f"{chapter}.toml").open("rb") as f:
+        return tomllib.load(f)
+
+
+def named(table: dict[str, str], **wrong: Callable) -> dict[str, Callable]:
+    """An Exercise's `mistakes` (hint -> wrong implementation), each wrong implementation given
+    under its hint's key in `table` (hints(chapter)[exercise]), in order."""
+    return {table[key]: fn for key, fn in wrong.items()}
 
 
 def _unchanged(before, after) -> bool:

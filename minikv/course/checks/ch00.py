@@ -1,12 +1,7 @@
-"""Checkers for chapter 00 (setup and a tiny GPT).
-
-- count_params (a table): against sum(p.numel()) of models built on the meta device, an int;
-- encode_documents (a table): against the course tokenizer, one flat list of ints;
-- forward_by_hand: against model(idx) on tiny random models and the target, no GPT.forward;
-- predict_generation (predict, then measure): one greedy generation's passes and K/V vectors;
-- load_gpt2_fixed (debug): the shipped Hugging Face-layout loader fixed, logits against the source;
-- choose_width (design): the widest n_embd whose float32 weights fit 24 MiB, measured on meta.
-"""
+"""Checkers for chapter 00 (setup and a tiny GPT): count_params and encode_documents (tables,
+against models built on the meta device and the course tokenizer), forward_by_hand (against
+model(idx), no GPT.forward), predict_generation (predict, then measure), load_gpt2_fixed (debug:
+logits against the source) and choose_width (design). The hints are in hints/ch00.toml."""
 from __future__ import annotations
 
 import bisect
@@ -25,16 +20,21 @@ from . import (
     as_int,
     call,
     call_hinted,
-    diagnose,
+    close,
+    expect_tensor,
     fail,
     forbid,
     guarded,
+    hints,
     int_list,
     kind,
+    named,
     passed,
     prediction,
     tiny_model,
 )
+
+H = hints("ch00")
 
 
 # --- exercise 1: count the parameters -----------------------------------------------------------
@@ -51,11 +51,10 @@ def _off_by(extra):
 
 
 def _a_count(got, cfg) -> int:
+    h, floats = H["count_params"], isinstance(got, float) or "float" in type(got).__name__
     if as_int(got) is None:
-        raise Refused(f"return an int, not a {type(got).__name__}: a parameter count is a whole "
-                      f"number" + (" (count with integers: // not /, no float(), no math.pow)"
-                                   if isinstance(got, float) or "float" in type(got).__name__
-                                   else ""))
+        raise Refused(h["refused"].format(type=type(got).__name__)
+                      + (h["refused_float"] if floats else ""))
     return as_int(got)
 
 
@@ -67,45 +66,32 @@ COUNT_PARAMS = Exercise(
     describe=lambda cfg: (f"GPTConfig(vocab_size={cfg.vocab_size}, block_size={cfg.block_size}, "
                           f"n_layer={cfg.n_layer}, n_embd={cfg.n_embd})"),
     reference=_num_params, returns=_a_count,
-    mistakes={
-        "this is what you get when you count the LM head as well: it is tied to wte (the same "
-        "tensor), so it adds nothing": _off_by(lambda C, L, V, P: V * C),
-        "this is what you get when you forget the final LayerNorm ln_f (2·C)":
-            _off_by(lambda C, L, V, P: -2 * C),
-        "this is what you get when you forget the biases of the four linears in each block (3C + "
-        "C + 4C + C = 9·C per block)": _off_by(lambda C, L, V, P: -L * 9 * C),
-        "this is what you get when you forget the two LayerNorms of each block (a weight and a "
-        "bias of C each: 4·C per block)": _off_by(lambda C, L, V, P: -L * 4 * C),
-        "this is what you get when you forget every block's biases and LayerNorms (13·C per "
-        "block)": _off_by(lambda C, L, V, P: -L * 13 * C),
-        "this is what you get when you count only the weight matrices: every bias and LayerNorm "
-        "is missing": _off_by(lambda C, L, V, P: -L * 13 * C - 2 * C),
-        "this is what you get when you forget the position embeddings wpe (block_size × C)":
-            _off_by(lambda C, L, V, P: -P * C),
-        "this is what you get when you forget the attention's output projection c_proj (C × C + "
-        "C per block)": _off_by(lambda C, L, V, P: -L * (C * C + C)),
-        "this is what you get when the MLP's hidden width is C instead of 4·C":
-            _off_by(lambda C, L, V, P: -L * (6 * C * C + 3 * C)),
-    },
-    otherwise="count every parameter section 2 lists, each shape as it follows from the config: "
-              "per block two LayerNorms and four linears (weights and biases), then wte, wpe and "
-              "ln_f; the tied head adds nothing")
+    mistakes=named(H["count_params"],
+                   lm_head=_off_by(lambda C, L, V, P: V * C),
+                   ln_f=_off_by(lambda C, L, V, P: -2 * C),
+                   biases=_off_by(lambda C, L, V, P: -L * 9 * C),
+                   layernorms=_off_by(lambda C, L, V, P: -L * 4 * C),
+                   biases_and_layernorms=_off_by(lambda C, L, V, P: -L * 13 * C),
+                   matrices_only=_off_by(lambda C, L, V, P: -L * 13 * C - 2 * C),
+                   wpe=_off_by(lambda C, L, V, P: -P * C),
+                   c_proj=_off_by(lambda C, L, V, P: -L * (C * C + C)),
+                   mlp_width=_off_by(lambda C, L, V, P: -L * (6 * C * C + 3 * C))),
+    otherwise=H["count_params"]["otherwise"])
 check_count_params = COUNT_PARAMS.check
 
 
 # --- exercise 2: documents as one token stream --------------------------------------------------
 def _a_stream(got, tok, docs) -> list[int]:
+    h = H["encode_documents"]
     if isinstance(got, torch.Tensor) or type(got).__module__ == "numpy":
-        raise Refused(f"return a Python list of ints, not a {type(got).__module__}."
-                      f"{type(got).__name__} (use .tolist())")
+        raise Refused(h["array"].format(type=f"{type(got).__module__}.{type(got).__name__}"))
     if not isinstance(got, (list, tuple)):
-        raise Refused(f"return a list of ints, not a {type(got).__name__}")
+        raise Refused(h["not_list"].format(type=type(got).__name__))
     if any(isinstance(t, (list, tuple)) for t in got):
-        raise Refused("this is what you get when you return one list per document: return ONE "
-                      "flat list (the stream), e.g. ids += ... for each document")
+        raise Refused(h["nested"])
     if int_list(got) is None:
         bad = next(t for t in got if as_int(t) is None)
-        raise Refused(f"every token id must be an int, got {bad!r} ({type(bad).__name__})")
+        raise Refused(h["not_int"].format(bad=bad, type=type(bad).__name__))
     return int_list(got)
 
 
@@ -123,76 +109,47 @@ ENCODE_DOCUMENTS = Exercise(
         ("a", "b", "a b"), ("",))],
     describe=lambda tok, docs: f"docs={list(docs)!r}",
     reference=lambda tok, docs: _each(tok, docs, after=[tok.eot_token]), returns=_a_stream,
-    mistakes={
-        "this is what you get when you forget <|endoftext|>: append tok.eot_token after every "
-        "document": _each,
-        "this is what you get when <|endoftext|> goes only BETWEEN documents: the last one needs "
-        "one too (every document is followed by it)":
-            lambda tok, docs: tok.encode("<|endoftext|>".join(docs), allowed_special="all"),
-        "this is what you get when you put one <|endoftext|> at the very end: every document is "
-        "followed by its own": lambda tok, docs: _each(tok, docs) + [tok.eot_token],
-        "this is what you get when you join the documents into one text: encode each one on its "
-        "own and follow each by tok.eot_token":
-            lambda tok, docs: tok.encode(" ".join(docs)) + [tok.eot_token],
-        "this is what you get when <|endoftext|> goes BEFORE each document: it ends a document, "
-        "it goes after": lambda tok, docs: _each(tok, docs, before=[tok.eot_token]),
-        "this is what you get when you skip the empty document: an empty text is still a "
-        "document, followed by <|endoftext|>":
-            lambda tok, docs: _each(tok, docs, after=[tok.eot_token], skip_empty=True),
-        "this is what you get when you encode the text '<|endoftext|>' as ordinary characters "
-        "(disallowed_special=()): it becomes several byte tokens; the special token is the one "
-        "id tok.eot_token": lambda tok, docs: [t for d in docs for t in tok.encode(
+    mistakes=named(
+        H["encode_documents"], no_eot=_each,
+        between=lambda tok, docs: tok.encode("<|endoftext|>".join(docs), allowed_special="all"),
+        one_at_end=lambda tok, docs: _each(tok, docs) + [tok.eot_token],
+        joined=lambda tok, docs: tok.encode(" ".join(docs)) + [tok.eot_token],
+        before=lambda tok, docs: _each(tok, docs, before=[tok.eot_token]),
+        skip_empty=lambda tok, docs: _each(tok, docs, after=[tok.eot_token], skip_empty=True),
+        as_text=lambda tok, docs: [t for d in docs for t in tok.encode(
             d + "<|endoftext|>", disallowed_special=())],
-        "50256 is GPT-2's <|endoftext|>, not the course tokenizer's: use tok.eot_token (1023)":
-            lambda tok, docs: _each(tok, docs, after=[50256]),
-    },
-    otherwise="encode each document on its own and put tok.eot_token after every one (an empty "
-              "one included)")
+        gpt2_eot=lambda tok, docs: _each(tok, docs, after=[50256])),
+    otherwise=H["encode_documents"]["otherwise"])
 check_encode_documents = ENCODE_DOCUMENTS.check
 EXERCISES = (COUNT_PARAMS, ENCODE_DOCUMENTS)
 
 
 # --- exercise 3: the forward pass by hand -------------------------------------------------------
-FORWARD_MISTAKES = {
-    "no wpe": "this is what you get without the position embeddings: add "
-              "model.transformer.wpe(torch.arange(T)) to the token embeddings",
-    "positions from 1": "this is what you get when positions start at 1: the first token is at "
-                        "position 0 (torch.arange(T))",
-    "no ln_f": "this is what you get when you forget the final LayerNorm: "
-               "model.transformer.ln_f comes after the last block, before the LM head",
-    "no mask": "this is what you get without the causal mask: a position may attend only to "
-               "itself and the positions before it (call each block with causal_attention)",
-    "head first": "this is what you get when you apply the LM head before the final LayerNorm: "
-                  "ln_f normalises the C-wide hidden states, then lm_head maps them to the "
-                  "vocabulary",
-}
+FORWARD_MISTAKES = ("no_wpe", "positions_from_1", "no_ln_f", "no_mask", "head_first")
 
 
 def _forward(model: GPT, idx: torch.Tensor, mistake: str = "", blocks: int | None = None):
     """GPT.forward spelled out, or with a usual `mistake` or only the first `blocks` blocks."""
     tr = model.transformer
     x = tr.wte(idx)
-    if mistake != "no wpe":
-        x = x + tr.wpe(torch.arange(idx.shape[1]) + (mistake == "positions from 1"))
-    attention = F.scaled_dot_product_attention if mistake == "no mask" else causal_attention
+    if mistake != "no_wpe":
+        x = x + tr.wpe(torch.arange(idx.shape[1]) + (mistake == "positions_from_1"))
+    attention = F.scaled_dot_product_attention if mistake == "no_mask" else causal_attention
     for i, block in enumerate(tr.h[:blocks]):
         x = block(x, None, i, attention)
-    if mistake == "head first":
+    if mistake == "head_first":
         return tr.ln_f(model.lm_head(x))
-    return model.lm_head(x if mistake == "no ln_f" else tr.ln_f(x))
+    return model.lm_head(x if mistake == "no_ln_f" else tr.ln_f(x))
 
 
 def _forward_mistakes(model: GPT) -> dict:
     """hint -> wrong forward_by_hand, for this model (its number of blocks)."""
-    n = len(model.transformer.h)
-    return ({h: functools.partial(_forward, mistake=m) for m, h in FORWARD_MISTAKES.items()}
-            | {f"this is what you get when you run only {k} of the model's {n} blocks: loop over "
-               f"model.transformer.h, whatever its length": functools.partial(_forward, blocks=k)
+    h, n = H["forward_by_hand"], len(model.transformer.h)
+    return ({h[m]: functools.partial(_forward, mistake=m) for m in FORWARD_MISTAKES}
+            | {h["blocks"].format(k=k, n=n): functools.partial(_forward, blocks=k)
                for k in range(1, n)}
-            | {"this is what you get when you return only the last position: return all T "
-               "positions (B, T, vocab)": lambda model, idx: _forward(model, idx)[:, -1],
-               "you dropped the batch dimension: keep shape (B, T, vocab)":
-                   lambda model, idx: _forward(model, idx)[0]})
+            | named(h, last=lambda model, idx: _forward(model, idx)[:, -1],
+                    batch=lambda model, idx: _forward(model, idx)[0]))
 
 
 def _crash(fn, *args) -> str:
@@ -204,14 +161,10 @@ def _crash(fn, *args) -> str:
     return ""
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-5)
-
-
 @guarded
 def check_forward_by_hand(forward_by_hand) -> None:
     """forward_by_hand(model, idx) == model(idx) (within 1e-5), without GPT.forward."""
-    name = "forward_by_hand"
+    name, h = "forward_by_hand", H["forward_by_hand"]
     target, tok = load_course_model("target", "cpu")
     g = torch.Generator().manual_seed(0)
     cases = [(model, torch.randint(0, 512, shape, generator=g), label) for model, shape, label in (
@@ -221,88 +174,56 @@ def check_forward_by_hand(forward_by_hand) -> None:
          "tiny random model, 1 layer, batch of 3, one token each"),
         (tiny_model(3, n_layer=4), (1, 40), "tiny random model, 4 layers, 40 tokens"))]
     cases.append((target, torch.tensor([tok.encode("The color of dog can vary widely.")]),
-                   "the course target"))
+                  "the course target"))
     for model, idx, label in cases:
-        shape = (*idx.shape, model.config.vocab_size)
+        shape, mistakes = (*idx.shape, model.config.vocab_size), _forward_mistakes(model)
         case = f"{label}, idx of shape {tuple(idx.shape)}"
         with torch.inference_mode():  # computed before the learner's function runs
             want = model(idx)
         with forbid(name, GPT.forward):
             got = call_hinted(name, case, lambda e: next(
-                (h for m, h in FORWARD_MISTAKES.items() if _crash(_forward, model, idx, m) ==
+                (h[m] for m in FORWARD_MISTAKES if _crash(mistakes[h[m]], model, idx) ==
                  f"{type(e).__name__}: {e}"), "your function raised on this input"),
                 forward_by_hand, model, idx.clone())
-        refused = ("return the logits as a torch.Tensor, not a numpy array (no .numpy())"
-                   if type(got).__module__ == "numpy" else
-                   "return the logits tensor itself, of shape (B, T, vocab)"
+        refused = (h["numpy"] if type(got).__module__ == "numpy" else h["not_tensor"]
                    if not isinstance(got, torch.Tensor) else
-                   "" if got.is_floating_point() else "return the logits, not the argmax ids")
+                   "" if got.is_floating_point() else h["ids"])
         if refused:
             fail(name, case, f"a float tensor of shape {shape}", kind(got), refused)
-        got = got.detach().cpu()
-        if _close(got, want):
-            continue
-        with torch.inference_mode():
-            hint = diagnose(_forward_mistakes(model), [((model, idx), got)],
-                            same=lambda a, b: _close(a.squeeze(), b.squeeze()))
-        if tuple(got.shape) != shape:
-            fail(name, case, f"shape {shape}", f"shape {tuple(got.shape)}", hint or
-                 f"return logits for every position: shape (B, T, vocab) = {shape}")
-        error = float((got.double() - want.double()).abs().max())
-        fail(name, case, "model(idx), within 1e-5", f"logits off by up to {error:.3g}", hint or
-             "wte(idx) + wpe(positions 0..T-1), every block in order with causal_attention, "
-             "then ln_f, then lm_head")
+        with torch.inference_mode():  # float64 logits are as right as float32 ones
+            expect_tensor(name, case, got.detach().cpu().to(want.dtype), want, mistakes=mistakes,
+                          inputs=(model, idx), hints={"shape": h["shape"].format(shape=shape),
+                                                      "close": h["otherwise"]})
     passed(name, len(cases))
 
 
 # --- exercise 4: predict, then measure: what one generation costs -------------------------------
 PREDICT_QUESTION = "A coin's state is tails. Alice doesn't flip, then Bob flips, then Carol flips."
-FORGOT_PROMPT = ("you forgot the prompt: the prefill computes the K/V of every prompt token, in "
-                 "one pass")
 
 
 def _generation_mistakes(P: int, words: int, chars: int, n_new: int, limit: int) -> list:
     """((passes, kv) or None for any, hint): n_new tokens after P, stopped by EOS before limit."""
-    return [
-        ((limit, P + limit - 1), f"you predicted all {limit} tokens (max_new_tokens): generation "
-         f"stops right after <|endoftext|>, and the target ends its answer quickly (chapter "
-         f"section 3 shows how it answers a coin question)"),
-        ((None, P + limit - 1), f"that K/V count is for all {limit} tokens (max_new_tokens): "
-         f"generation stops right after <|endoftext|>"),
-        ((limit, None), f"{limit} passes is max_new_tokens: generation stops right after "
-         f"<|endoftext|>"),
-        ((None, P + n_new), "you counted the last new token as fed: <|endoftext|> is returned, "
-         "never fed back (no pass computes its K/V)"),
-        ((n_new + 1, None), "you counted the last new token as fed (or the prefill as a pass "
-         "of its own): the prefill's pass already yields the first new token, and the last one "
-         "is never fed"),
-        ((None, n_new - 1), FORGOT_PROMPT), ((None, n_new), FORGOT_PROMPT),
-        ((None, P), "that is the prefill alone: every decode pass after it computes the K/V "
-         "of the token it feeds"),
-        ((P + n_new - 1, None), "that is one pass per token: the prompt goes through the model "
-         "in ONE pass (the prefill), then one pass per new token but the last"),
-        ((None, sum(P + i for i in range(n_new))), "that is what the naive decoder computes "
-         "(every pass feeds the whole sequence again); generate's default mode keeps a KV "
-         "cache: each pass computes only the K/V of the tokens it feeds"),
-        ((None, words + n_new - 1), f"{words} is the prompt's word count: the cache holds one "
-         f"K/V per TOKEN (len(tok.encode(prompt)) = {P})"),
-        ((None, chars + n_new - 1), f"{chars} is the prompt's character count: the cache "
-         f"holds one K/V per TOKEN"),
-    ]
+    h = {k: v.format(limit=limit, words=words, chars=chars, P=P, n_new=n_new)
+         for k, v in H["predict_generation"].items()}
+    return [((limit, P + limit - 1), h["all"]), ((None, P + limit - 1), h["all_kv"]),
+            ((limit, None), h["all_passes"]), ((None, P + n_new), h["last_fed_kv"]),
+            ((n_new + 1, None), h["last_fed"]), ((None, n_new - 1), h["no_prompt"]),
+            ((None, n_new), h["no_prompt"]), ((None, P), h["prefill"]),
+            ((P + n_new - 1, None), h["per_token"]),
+            ((None, sum(P + i for i in range(n_new))), h["naive"]),
+            ((None, words + n_new - 1), h["words"]), ((None, chars + n_new - 1), h["chars"])]
 
 
 @guarded
 def check_predict_generation(predict_generation) -> None:
     """predict_generation() -> (forward passes, K/V vectors per layer), measured by generate."""
-    name = "predict_generation"
+    name, h = "predict_generation", H["predict_generation"]
     predicted = prediction(name, f"{name}()", predict_generation, GPT.forward, generate,
-                           why="a prediction is committed BEFORE the measurement; reason from "
-                               "the chapter and return the numbers (counting the prompt's tokens "
-                               "with the tokenizer is fine)")
+                           why=h["ran"])
     values = int_list(predicted)
     if values is None or len(values) != 2:
         fail(name, "predict_generation()", "a pair of ints (forward_passes, kv_computed)",
-             predicted, "return the two numbers you predict, as ints, e.g. return 7, 9")
+             predicted, h["refused"])
     target, tok = load_course_model("target", "cpu")
     prompt = PREDICT_QUESTION + " What's the state? A:"
     ids, limit = tok.encode(prompt), 40
@@ -321,8 +242,7 @@ def check_predict_generation(predict_generation) -> None:
          f"wrote {[tok.decode([t]) for t in out.tokens]}",
          f"{want[0]} forward passes, {want[1]} K/V vectors per layer (measured)",
          f"you predicted {values[0]} passes, {values[1]} K/V vectors",
-         hint or f"the prompt is {len(ids)} tokens, fed once; the model wrote "
-                 f"{len(out.tokens)} tokens, the last of them never fed")
+         hint or h["otherwise"].format(P=len(ids), n_new=len(out.tokens)))
 
 
 # --- exercise 5: debug a GPT-2 checkpoint loader ------------------------------------------------
@@ -351,27 +271,17 @@ def shipped_load(state_dict, config, transpose=lambda name, t, ours: t.shape != 
 
 
 def _loader_error_hint(e: Exception) -> str:
-    text = f"{type(e).__name__}: {e}"
-    if isinstance(e, KeyError) and "attn.bias" in text:
-        return ("'attn.bias' is GPT-2's causal-mask buffer, not a weight: minikv builds its mask "
-                "in causal_attention, so skip it (and 'attn.masked_bias')")
-    if isinstance(e, KeyError) and "lm_head" in text:
-        return ("some GPT-2 checkpoints have no 'lm_head.weight' (the head is tied to wte): "
-                "do not require it")
-    if "wte" in text or "wpe" in text:
-        return ("the embeddings (wte, wpe) are stored the same way in both layouts, one row per "
-                "token or position: transpose only the four Conv1D weights")
-    if "size" in text or "shape" in text:
-        return ("a shape mismatch: GPT-2 stores the four Conv1D weights (attn.c_attn, attn.c_proj, "
-                "mlp.c_fc, mlp.c_proj) as (in, out), nn.Linear as (out, in): transpose all four, "
-                "and nothing else")
-    return "your loader raised on this checkpoint"
+    text, h = f"{type(e).__name__}: {e}", H["load_gpt2_fixed"]
+    return (h["mask_buffer"] if isinstance(e, KeyError) and "attn.bias" in text else
+            h["no_head"] if isinstance(e, KeyError) and "lm_head" in text else
+            h["embeddings"] if "wte" in text or "wpe" in text else
+            h["shape"] if "size" in text or "shape" in text else h["raised"])
 
 
 @guarded
 def check_load_gpt2(load_gpt2_fixed) -> None:
     """load_gpt2_fixed(state_dict, config) -> a tied minikv.GPT with the source model's logits."""
-    name = "load_gpt2_fixed"
+    name, h = "load_gpt2_fixed", H["load_gpt2_fixed"]
     target, tok = load_course_model("target", "cpu")
     g = torch.Generator().manual_seed(5)
     cases = [(tiny_model(11), "a tiny random model (2 layers, n_embd 64)", True),
@@ -388,35 +298,23 @@ def check_load_gpt2(load_gpt2_fixed) -> None:
             got = call_hinted(name, case, _loader_error_hint, load_gpt2_fixed,
                               _hf_layout(model, head), model.config)
         if not isinstance(got, GPT):
-            fail(name, case, "a minikv.GPT", type(got).__name__,
-                 "return the model you loaded the weights into"
+            fail(name, case, "a minikv.GPT", type(got).__name__, h["not_model"]
                  + (" (did you forget to return it?)" if got is None else ""))
         if got.eval().lm_head.weight is not got.transformer.wte.weight:
             fail(name, case, "lm_head.weight IS transformer.wte.weight (tied)",
-                 "two different tensors", "GPT-2 ties the LM head to the token embedding: load "
-                 "the weights into the tensors GPT(config) made (copy_ into them), do not replace "
-                 "a parameter with a new one")
+                 "two different tensors", h["untied"])
         with torch.inference_mode():
             logits = got(idx)
-        if _close(logits, want):
+        if close(logits, want):
             continue
         with torch.inference_mode():
             buggy = shipped_load(_hf_layout(model, head), model.config)(idx)
         ours = model.state_dict()
         wrong = [n for n, t in got.state_dict().items() if not torch.equal(t, ours.get(n, t))]
-        hint = f"weights that differ from the checkpoint's model: {wrong[:4]}" + (
-            " ..." if len(wrong) > 4 else "") + ". "
-        if _close(logits, buggy):
-            hint = ("these are the shipped loader's logits: the bug is still there. It loads "
-                    "without an error and the model runs, but some weight is still in GPT-2's "
-                    "(in, out) layout: one whose shape is the same in both layouts, so the "
-                    "shape test cannot tell it needs transposing")
-        elif wrong and all(n.endswith("attn.c_proj.weight") for n in wrong):
-            hint += ("attn.c_proj.weight is a Conv1D weight too, and square (C x C): the shape "
-                     "cannot tell you it needs transposing, its name can")
-        elif wrong:
-            hint += ("load each tensor under its own name, transposing exactly the four Conv1D "
-                     "weights")
+        hint = h["shipped"] if close(logits, buggy) else h["differ"].format(
+            wrong=wrong[:4], more=" ..." if len(wrong) > 4 else "") + (
+            h["c_proj"] if wrong and all(n.endswith("attn.c_proj.weight") for n in wrong) else
+            h["otherwise"] if wrong else "")
         error = float((logits.double() - want.double()).abs().max())
         fail(name, case, "the checkpoint's model's logits (within 1e-5)",
              f"logits off by up to {error:.3g}", hint)
@@ -441,34 +339,26 @@ def _widest(budget: int) -> int:
 @guarded
 def check_choose_width(choose_width) -> None:
     """choose_width() -> the widest n_embd (a multiple of 8) whose float32 weights fit 24 MiB."""
-    name = "choose_width"
+    name, h = "choose_width", H["choose_width"]
     got = call(name, "choose_width()", choose_width)
     width = as_int(got)
     case = (f"GPTConfig(vocab_size=1024, block_size=256, n_layer=12, n_head=8, n_embd=your "
             f"choice), float32 weights within 24 MiB = {WIDTH_BUDGET:,} bytes")
     if width is None or width <= 0:
-        fail(name, case, "a positive int n_embd", got, "return the width you choose, an int")
+        fail(name, case, "a positive int n_embd", got, h["refused"])
     if width % WIDTH_SHAPE["n_head"]:
         fail(name, case, "an n_embd that 8 heads split evenly", width,
-             f"GPTConfig refuses n_embd={width} with n_head=8 (each head gets n_embd / n_head "
-             f"dimensions): choose a multiple of 8")
+             h["heads"].format(width=width))
     used = _weight_bytes(width)
     shown = f"n_embd={width}: {used:,} bytes ({used / 2**20:.2f} MiB)"
     if used > WIDTH_BUDGET:
         embeddings = (WIDTH_SHAPE["vocab_size"] + WIDTH_SHAPE["block_size"]) * width  # wte, wpe
-        fail(name, case, f"at most {WIDTH_BUDGET:,} bytes", shown,
-             f"over budget: you left out the embeddings; wte and wpe hold {embeddings:,} "
-             f"parameters at n_embd={width} ({4 * embeddings / 2**20:.1f} MiB)"
-             if used - 4 * embeddings <= WIDTH_BUDGET else
-             "over budget: you counted 2 bytes per parameter; the budget is for float32 weights, "
-             "4 bytes each" if used // 2 <= WIDTH_BUDGET else
-             "over budget: count every parameter (section 2 lists them), the tied head once, 4 "
-             "bytes each (float32)")
+        fail(name, case, f"at most {WIDTH_BUDGET:,} bytes", shown, h["embeddings"].format(
+            embeddings=embeddings, width=width, mib=4 * embeddings / 2**20)
+            if used - 4 * embeddings <= WIDTH_BUDGET else
+            h["two_bytes"] if used // 2 <= WIDTH_BUDGET else h["over"])
     if width != _widest(WIDTH_BUDGET):
-        hint = (f"n_embd={width} fits ({used / 2**20:.2f} MiB), but a wider model fits too, and "
-                f"the goal is the widest")
-        if width == _widest(24 * 10**6):
-            hint += (": 24 MiB is 24 x 2**20 bytes, not 24 x 10**6 (the widest for 24 MB "
-                     "is the one you chose)")
-        fail(name, case, "the widest n_embd whose weights fit", shown, hint)
+        fail(name, case, "the widest n_embd whose weights fit", shown,
+             h["wider"].format(width=width, mib=used / 2**20)
+             + (h["mb"] if width == _widest(24 * 10**6) else ""))
     print(f"✓ {name}: n_embd={width} is the widest that fits ({used / 2**20:.2f} MiB of 24)")

@@ -1,46 +1,42 @@
 """Checkers for chapter 02 (seed 003, the KV-cache visual guide), compared with the engine at run
 time: cache_bytes and kv_work (tables), cached_attention, MyKVCache (driven directly, then in the
-model against `generate`, with rollbacks), predict_attention_pairs, FixedCache and choose_kv_heads.
-Every checker leaves the caller's random state alone."""
+model as the engine's cache, with rollbacks), predict_attention_pairs, FixedCache and
+choose_kv_heads. The hints are in hints/ch02.toml."""
 from __future__ import annotations
 
 import math
 
 import torch
 
-from ...engine import (
-    GPT,
-    Cache,
-    GPTConfig,
-    KVCache,
-    KVCounter,
-    causal_attention,
-    generate,
-    kv_cache_bytes,
-)
+from ...engine import GPT, Cache, GPTConfig, KVCache, causal_attention, generate, kv_cache_bytes
 from ..checkpoint import load_course_model
 from . import (
     CheckFailed,
     Exercise,
     as_int,
     call_hinted,
-    diagnose,
+    close,
     expect,
+    expect_tensor,
     fail,
     forbid,
     guarded,
+    hints,
     int_list,
     integer,
     ints,
     kind,
+    named,
     passed,
     prediction,
     same_cache_prefix,
     tiny_model,
 )
 
+H = hints("ch02")
 
-def _call(name: str, case: str, fn, *args, hint="your code raised on this input", **kw):
+
+def _call(name: str, case: str, fn, *args, hint=H["raised"], **kw):
     return call_hinted(name, case, hint if callable(hint) else (lambda e: hint), fn, *args, **kw)
 
 
@@ -75,36 +71,23 @@ CACHE_BYTES = Exercise(
     describe=lambda cfg, s, b, nb, kvh: "the tiny model's real cache holding 37 positions (fp32)"
     if cfg is _TINY_REAL.config else f"n_layer={cfg.n_layer}, n_head={cfg.n_head}, head_dim="
     f"{cfg.head_dim}, seq_len={s}, batch_size={b}, bytes_per_value={nb}, n_kv_head={kvh}",
-    reference=_real_bytes,
-    returns=integer(float_hint="a number of bytes is an int: a float (even 3686400.0) is refused; "
-                               "use integer arithmetic and do not convert to MB or MiB"),
-    mistakes={
-        "this is what you get when you count only the keys (or only the values): the cache "
-        "holds both, so x 2": lambda cfg, s, b, nb, kvh: _bytes(cfg, s, b, nb, kvh) // 2,
-        "this is what you get when you ignore n_kv_head: with grouped-query attention only "
-        "n_kv_head K/V heads are cached, not n_head":
-            lambda cfg, s, b, nb, kvh: _bytes(cfg, s, b, nb, None),
-        "this is what you get when you use the group size n_head // n_kv_head: n_kv_head is "
-        "itself the number of cached K/V heads":
-            lambda cfg, s, b, nb, kvh: _bytes(cfg, s, b, nb, cfg.n_head // kvh if kvh else None),
-        "this is what you get when you forget batch_size: every sequence has its own cache":
-            lambda cfg, s, b, nb, kvh: _bytes(cfg, s, 1, nb, kvh),
-        "this is what you get when you forget the layers: every layer caches its own K and V":
-            lambda cfg, s, b, nb, kvh: _bytes(cfg, s, b, nb, kvh) // cfg.n_layer,
-        "this is what you get when you count values, not bytes: multiply by bytes_per_value":
-            lambda cfg, s, b, nb, kvh: _bytes(cfg, s, b, 1, kvh),
-        "this is what you get when you count bits: the answer is in bytes":
-            lambda cfg, s, b, nb, kvh: _bytes(cfg, s, b, nb, kvh) * 8,
-        "this is what you get when you multiply by n_embd AND the heads: n_embd = n_head x "
-        "head_dim already counts every head":
-            lambda cfg, s, b, nb, kvh: _bytes(cfg, s, b, nb, kvh) * cfg.n_head},
-    otherwise=lambda answers: "compare with KVCache.nbytes" if all(  # only the real cache wrong
+    reference=_real_bytes, returns=integer(float_hint=H["cache_bytes"]["float"]),
+    mistakes=named(
+        H["cache_bytes"],
+        keys_only=lambda cfg, s, b, nb, kvh: _bytes(cfg, s, b, nb, kvh) // 2,
+        no_kv_heads=lambda cfg, s, b, nb, kvh: _bytes(cfg, s, b, nb, None),
+        group_size=lambda cfg, s, b, nb, kvh: _bytes(cfg, s, b, nb, cfg.n_head // kvh if kvh
+                                                     else None),
+        no_batch=lambda cfg, s, b, nb, kvh: _bytes(cfg, s, 1, nb, kvh),
+        no_layers=lambda cfg, s, b, nb, kvh: _bytes(cfg, s, b, nb, kvh) // cfg.n_layer,
+        bits=lambda cfg, s, b, nb, kvh: _bytes(cfg, s, b, nb, kvh) * 8,
+        embd_and_heads=lambda cfg, s, b, nb, kvh: _bytes(cfg, s, b, nb, kvh) * cfg.n_head)
+    | {hints("ch01")["pass_cost"]["elements"]:  # values, not bytes: chapter 01's hint
+       lambda cfg, s, b, nb, kvh: _bytes(cfg, s, b, 1, kvh)},
+    otherwise=lambda answers: H["cache_bytes"]["nbytes"] if all(  # only the real cache wrong
         got == _real_bytes(*case) for case, got in answers if case[0] is not _TINY_REAL.config
-    ) else (
-        "count what the cache holds: in every layer, for every sequence of the batch and every "
-        "cached position, a key and a value per cached head, each head_dim numbers of "
-        "bytes_per_value bytes"),
-    forbid=(kv_cache_bytes,), raised="your code raised on this input", solution=_bytes)
+    ) else H["cache_bytes"]["otherwise"],
+    forbid=(kv_cache_bytes,), raised=H["raised"], solution=_bytes)
 check_cache_bytes = CACHE_BYTES.check
 
 
@@ -123,25 +106,16 @@ def _kv_work_measured(p, n):
 KV_WORK = Exercise(  # each mistake as a student would write it, without a case for new_tokens = 0
     "kv_work", cases=[(3, 5), (1, 4), (1, 1), (4, 0), (1, 10), (6, 3), (2, 12), (10, 1), (5, 2)],
     describe=lambda p, n: f"prompt_len={p}, new_tokens={n}", reference=_kv_work_measured,
-    returns=ints(2, "return a pair (naive, cached) of two ints",
-                 float_hint="K/V vectors are counted in ints: a float is refused, 25.0 as much as "
-                            "25.5 (int() would turn 25.5 into 25); use // for the halves"),
-    mistakes={
-        "new_tokens=0 means no forward pass at all: (0, 0); the formula gives a nonzero count "
-        "there": lambda p, n: (n * p + n * (n - 1) // 2, p + n - 1),
-        "this is seed 003's N(N+1)/2 and N: right only for a 1-token prompt; here the prompt has "
-        "prompt_len tokens": lambda p, n: (n * (n + 1) // 2, n),
-        "this is what you get when you also feed the last new token: it is returned, never fed "
-        "back, so new_tokens tokens take new_tokens passes":
-            lambda p, n: (n * p + n * (n + 1) // 2, p + n),
-        "the naive count is right, but the cached prefill computes the prompt's prompt_len K/V "
-        "vectors, not 1": lambda p, n: (n * p + n * (n - 1) // 2, n),
-        "the cached count is right, but each naive step also recomputes the tokens generated so "
-        "far: step i feeds prompt_len + i tokens": lambda p, n: (n * p, p + n - 1),
-        "the pair is swapped: return (naive, cached)": lambda p, n: _kv_work(p, n)[::-1]},
-    otherwise="naive: step i feeds the prompt plus the i tokens made so far; cached: the prompt "
-              "once, then one token per later step; the last new token is never fed",
-    forbid=(generate,), raised="your code raised on this input", solution=_kv_work)
+    returns=ints(2, H["kv_work"]["refused"], float_hint=H["kv_work"]["float"]),
+    mistakes=named(H["kv_work"],
+                   no_tokens=lambda p, n: (n * p + n * (n - 1) // 2, p + n - 1),
+                   seed=lambda p, n: (n * (n + 1) // 2, n),
+                   last_fed=lambda p, n: (n * p + n * (n + 1) // 2, p + n),
+                   prefill_one=lambda p, n: (n * p + n * (n - 1) // 2, n),
+                   naive_prompt_only=lambda p, n: (n * p, p + n - 1))
+    | {H["swapped"]: lambda p, n: _kv_work(p, n)[::-1]},
+    otherwise=H["kv_work"]["otherwise"], forbid=(generate,), raised=H["raised"],
+    solution=_kv_work)
 check_kv_work = KV_WORK.check
 EXERCISES = (CACHE_BYTES, KV_WORK)
 
@@ -163,31 +137,15 @@ def _tril(q, k, shift: int = 0):
     return torch.ones(T, L, dtype=torch.bool).tril(L - T + shift)
 
 
-ATTENTION_MISTAKES = {  # hint -> a wrong cached_attention(q, k, v)
-    "this is what you get with is_causal=True (or a plain .tril()) over a cache: the triangle is "
-    "anchored at the top-left corner, as if nothing were cached, so new query 0 sees only key 0; "
-    "new query i may see keys 0 .. L - T + i":
-        lambda q, k, v: _attend(q, k, v, _tril(q, k, q.size(-2) - k.size(-2))),
-    "this is what you get with no mask for T > 1: the new queries see their future; new query i "
-    "may see keys 0 .. L - T + i only (no mask is right only when T == 1)": _attend,
-    "this is what you get when the scores are not divided by sqrt(head_dim)":
-        lambda q, k, v: _attend(q, k, v, _tril(q, k), scale=1.0),
-    "this is what you get when you divide by head_dim: divide by sqrt(head_dim)":
-        lambda q, k, v: _attend(q, k, v, _tril(q, k), scale=1 / q.size(-1)),
-    "this is what you get with softmax over the queries: take it over the keys (dim=-1)":
-        lambda q, k, v: _attend(q, k, v, _tril(q, k), dim=-2),
-    "this is what you get when the mask is applied after the softmax: mask the scores with -inf "
-    "first, so each row's weights still sum to 1":
-        lambda q, k, v: _attend(q, k, v, _tril(q, k), after=True),
-    "this is what you get when a new query may not see its own key: the mask's diagonal is off "
-    "by one": lambda q, k, v: _attend(q, k, v, _tril(q, k, -1)),
-    "this is what you get when each new query also sees the next one's key: the mask's diagonal "
-    "is off by one": lambda q, k, v: _attend(q, k, v, _tril(q, k, 1)),
-}
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and bool(torch.allclose(a, b, atol=1e-5, rtol=1e-5))
+ATTENTION_MISTAKES = named(  # hint -> a wrong cached_attention(q, k, v)
+    H["cached_attention"],
+    top_left=lambda q, k, v: _attend(q, k, v, _tril(q, k, q.size(-2) - k.size(-2))),
+    no_mask=_attend, no_scale=lambda q, k, v: _attend(q, k, v, _tril(q, k), scale=1.0),
+    head_dim=lambda q, k, v: _attend(q, k, v, _tril(q, k), scale=1 / q.size(-1)),
+    over_queries=lambda q, k, v: _attend(q, k, v, _tril(q, k), dim=-2),
+    mask_after=lambda q, k, v: _attend(q, k, v, _tril(q, k), after=True),
+    not_own=lambda q, k, v: _attend(q, k, v, _tril(q, k, -1)),
+    next_key=lambda q, k, v: _attend(q, k, v, _tril(q, k, 1)))
 
 
 def _ids(vocab: int, n: int, a: int, b: int) -> list[int]:
@@ -198,7 +156,7 @@ def _ids(vocab: int, n: int, a: int, b: int) -> list[int]:
 def check_cached_attention(cached_attention) -> None:
     """cached_attention(q, k, v) -> (B, n_head, T, head_dim) against the engine's kernel on random
     tensors, then inside the model with a real KVCache."""
-    name = "cached_attention"
+    name, h = "cached_attention", H["cached_attention"]
     gen = torch.Generator().manual_seed(2)
     # (B, n_head, T new queries, L keys, head_dim): prefills (T == L), decode steps (T == 1),
     # and chunks over a filled cache (1 < T < L), where a top-left triangle shows
@@ -212,99 +170,31 @@ def check_cached_attention(cached_attention) -> None:
         inputs = [t.clone() for t in (q, k, v)]
         with forbid(name, causal_attention):
             got = _call(name, case, cached_attention, *inputs)
-        want = causal_attention(q, k, v)  # what the engine runs
-        shape = tuple(want.shape)
-        if not isinstance(got, torch.Tensor):
-            fail(name, case, f"a torch tensor of shape {shape} (B, n_head, T, head_dim)", kind(got),
-                 "return the attention output as one torch tensor (not numpy, not a tuple)")
         for label, before, after in zip("qkv", (q, k, v), inputs):
             expect(torch.equal(before, after), name, case, f"{label} left unchanged",
-                   f"{label} changed in place",
-                   "compute on new tensors (q = q / ..., not q /= ...): inside the model k and v "
-                   "are the cache's own tensors, so changing them in place corrupts the cache")
-        if tuple(got.shape) != shape:
-            fail(name, case, f"a tensor of shape {shape} (B, n_head, T, head_dim)",
-                 f"shape {tuple(got.shape)}", "one output row per new query and head, heads in "
-                                              "dim 1")
-        if got.dtype != q.dtype:
-            fail(name, case, f"a {q.dtype} tensor, the dtype of q", f"a {got.dtype} tensor",
-                 "compute in q's dtype: the next layer multiplies the output with its weights")
-        if got.isnan().any():
-            fail(name, case, "no NaN", "NaN in the output",
-                 "a query row whose keys are all masked (softmax of all -inf): new query i must "
-                 "see keys 0 .. L - T + i, its own key included; is the mask inverted (True must "
-                 "mean 'may attend') or its diagonal off by one?")
-        if not _close(got.float(), want):
-            hint = diagnose(ATTENTION_MISTAKES, [((q, k, v), got.float())],
-                            same=lambda wrong, answer: _close(answer, wrong)) or (
-                "softmax(q kᵀ / sqrt(head_dim)) v over the keys, new query i seeing keys 0 .. "
-                "L - T + i")
-            fail(name, case, "the engine's attention output (to 1e-5)",
-                 f"an output off by up to {(got.float() - want).abs().max():.4g}", hint)
-    # plugged into the engine's model with its own KVCache: every pass's logits as the engine's
-    target, _ = load_course_model("target", "cpu")
+                   f"{label} changed in place", h["in_place"])
+        expect_tensor(name, case, got, causal_attention(q, k, v),  # what the engine runs
+                      shape_words=" (B, n_head, T, head_dim)", hints=dict(h, close=h["otherwise"]),
+                      mistakes=ATTENTION_MISTAKES, inputs=(q, k, v))
+    target, _ = load_course_model("target", "cpu")  # then in the model, with a KVCache
     models = [(tiny_model(5), "a tiny random model"), (target, "the course target")]
     for model, label in models:
-        vocab = model.config.vocab_size
-        prompt = _ids(vocab, 9, 37, 11)  # 5 tokens, 4 over them, then one token a pass
-        chunks = [prompt[:5], prompt[5:]] + [[t] for t in _ids(vocab, 12, 53, 7)]
-        ours, theirs = KVCache.for_model(model, max_len=32), KVCache.for_model(model, max_len=32)
-        with torch.no_grad():
-            for ids in chunks:
-                past = ours.get_seq_length()
-                want = model(torch.tensor([ids]), cache=ours)
-                case = (f"{label}, model(idx, cache=KVCache, attention=cached_attention): "
-                        f"{len(ids)} new token(s) over {past} cached")
-                with forbid(name, causal_attention):
-                    got = _call(name, case, model, torch.tensor([ids]), cache=theirs,
-                                attention=cached_attention)
-                expect(_close(got, want), name, case, "the engine's logits (to 1e-5)",
-                       f"logits off by up to {(got - want).abs().max():.4g}",
-                       "new query i of T sees keys 0 .. L - T + i; no mask when T == 1")
+        _against_engine(name, f"{label}, model(idx, cache=KVCache, attention=cached_attention)",
+                        model, 13, lambda m=model: KVCache.for_model(m, max_len=64),
+                        (causal_attention,), lambda kind, rows, want: H["raised"]
+                        if kind == "raised" else h["model"], cached_attention)
     passed(name, len(shapes) + len(models))
 
 
 # --- exercise 4: add the cache yourself -----------------------------------------------------------
 
-_POSITION_BUG = ("get_seq_length() returned 0 for a cache that holds positions: the model starts "
-                 "the new tokens' positions there, so they restart at 0 every pass (seed 003's "
-                 "position-offset bug); return the number of cached positions")
-_CROP_IGNORED = ("crop did not roll the cache back: a cache that grows but never crops cannot "
-                 "undo rejected tokens (speculative decoding, chapter 04); keep only the first "
-                 "max_length positions of every layer")
-_CROP_EMPTIED = ("crop emptied the cache: it rolls back TO max_length positions, keeping the "
-                 "first max_length of every layer")
-_CROP_LAST = ("crop kept the LAST max_length positions: keep the first ones, "
-              "[:, :, :max_length]; the rolled-back tokens are the newest")
-_APPEND_AFTER_CROP = ("update appended after the positions crop removed: crop must really "
-                      "discard them (slice every layer's keys and values to [:, :, :max_length]), "
-                      "not just move a counter")
-_ONLY_NEW = ("update returned only this step's keys and values: return ALL of the layer's "
-             "keys and values, cached + new, so attention sees the past")
-_WRONG_DIM = ("the keys grew along the wrong dimension: they are (B, n_head, T, head_dim), so "
-              "the positions are dim 2 (torch.cat([cached, new], dim=2))")
-_MIXED_LAYERS = ("more positions than this layer was given: keep one entry per layer, "
-                 "self.keys[layer_idx], and append only this step's T positions to it")
-_FIRST_UPDATE = ("the first update of a layer has nothing cached to append to: store its "
-                 "(B, n_head, T, head_dim) keys and values as the layer's first tensors")
-
-
-def _length_hint(got, want, passes, n_layer, shape) -> str:
+def _length_hint(got: int, want: int, passes: int) -> str:
     """The hint for a wrong get_seq_length(): the first usual mistake that gives `got`."""
-    return next(hint for wrong, hint in [
-        (got == 0, _POSITION_BUG),
-        (got == n_layer, "that is the number of layers (len(self.keys)), not of positions: read "
-                         "the positions dimension of one layer, self.keys[0].shape[2]"),
-        (got == n_layer * want, "this is what you get when every layer's update adds T: a pass "
-                                "adds its T positions once, not once per layer"),
-        (got == passes, "this counts passes (update calls), not positions: a pass may add "
-                        "several"),
-        (abs(got - want) == 1, "off by one: the model's next position is exactly the number of "
-                               "cached ones"),
-        (got in shape, "a wrong dimension of (B, n_head, L, head_dim) was read: the positions are "
-                       "dim 2"),
-        (True, "the number of cached positions: each pass adds its T positions to every layer")]
-        if wrong)
+    h, n_layer, shape = H["MyKVCache"], _Probe.n_layer, _Probe.shape
+    return (h["position_bug"] if got == 0 else h["n_layer"] if got == n_layer else
+            h["per_layer"] if got == n_layer * want else h["passes"] if got == passes else
+            h["off_by_one"] if abs(got - want) == 1 else h["dimension"] if got in shape else
+            h["length"])
 
 
 class _Probe:
@@ -315,230 +205,190 @@ class _Probe:
     n_layer, shape = 3, (2, 8, 0, 16)
 
     def __init__(self, name, MyKVCache):
-        self.name, self.passes, self.gen = name, 0, torch.Generator().manual_seed(4)
-        self.cache = _call(name, "MyKVCache()", MyKVCache,
-                           hint="MyKVCache() must work without arguments")
+        self.name, self.passes, self.gen, h = name, 0, torch.Generator().manual_seed(4), H[name]
+        self.cache = _call(name, "MyKVCache()", MyKVCache, hint=h["no_args"])
         expect(isinstance(self.cache, Cache), name, "MyKVCache()",
-               "an instance of minikv.engine.cache.Cache", kind(self.cache),
-               "subclass minikv.engine.cache.Cache: the model accepts no other cache")
+               "an instance of minikv.engine.cache.Cache", kind(self.cache), h["not_cache"])
         self.keys, self.values = ([torch.empty(self.shape) for _ in range(self.n_layer)]
                                   for _ in "kv")
 
-    @property
-    def length(self) -> int:
-        return self.keys[0].shape[2]
+    def get_length(self, case: str, hint=lambda got: "") -> None:
+        where, h, want = case + ": get_seq_length()", H[self.name], self.keys[0].shape[2]
+        got = _call(self.name, where, self.cache.get_seq_length, hint=h["empty"])
+        if as_int(got) is None:
+            fail(self.name, where, want, kind(got), h["not_int"])
+        expect(as_int(got) == want, self.name, where, want, as_int(got),
+               hint(as_int(got)) or _length_hint(as_int(got), want, self.passes))
 
-    def get_length(self, case: str, hint=None) -> None:
-        where = case + ": get_seq_length()"
-        got = _call(self.name, where, self.cache.get_seq_length,
-                    hint="an empty cache (before any update) holds 0 positions")
-        value = as_int(got)
-        if value is None:
-            fail(self.name, where, self.length, kind(got),
-                 "return a Python int: the model adds it to torch.arange(T) to get positions")
-        if value != self.length:
-            fail(self.name, where, self.length, value, (hint and hint(value)) or _length_hint(
-                value, self.length, self.passes, self.n_layer, self.shape))
-
-    def step(self, T: int, case: str, longer_hint: str = "") -> None:
+    def step(self, T: int, case: str, longer: str = "") -> None:
         """One pass: every layer updated with T new positions in turn, then all read back."""
-        B, nh, _, hs = self.shape
-        old = self.length
+        (B, nh, _, hs), h, old = self.shape, H[self.name], self.keys[0].shape[2]
         case = f"{case} ({T} new position(s) over {old} cached)"
-        def raised(e: Exception) -> str:
-            return _WRONG_DIM if "Sizes of tensors must match" in str(e) else _FIRST_UPDATE if (
-                old == 0 and isinstance(e, (IndexError, KeyError))) else "your update raised"
         for layer in range(self.n_layer):
             k, v = (torch.randn(B, nh, T, hs, generator=self.gen) for _ in "kv")
             self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
             self.values[layer] = torch.cat([self.values[layer], v], dim=2)
             where = f"{case}: update(key, value, layer_idx={layer})"
             out = _call(self.name, where, self.cache.update, k.clone(), v.clone(), layer,
-                        hint=raised)
-            self.check_pair(where, out, layer, T, longer_hint)
+                        hint=lambda e: h["wrong_dim"] if "Sizes of tensors must match" in str(e)
+                        else h["first_update"] if old == 0 and isinstance(e, LookupError)
+                        else h["update_raised"])
+            self.check_pair(where, out, layer, T, longer)
         self.passes += 1
         self.get_length(f"after {case}")
-        self.check_whole(f"after {case}", longer_hint)
+        self.check_whole(f"after {case}", longer)
 
-    def check_pair(self, where, out, layer, T, longer_hint) -> None:
-        want_k, want_v = self.keys[layer], self.values[layer]
+    def check_pair(self, where, out, layer, T, longer) -> None:
+        want_k, want_v, h = self.keys[layer], self.values[layer], H[self.name]
         shape = tuple(want_k.shape)
         if not (isinstance(out, (tuple, list)) and len(out) == 2
                 and all(isinstance(t, torch.Tensor) for t in out)):
             fail(self.name, where, f"a pair (keys, values) of tensors {shape}", kind(out),
-                 "update returns the layer's keys and values: return keys, values")
-        got_k, got_v = out
-        for label, got in (("keys", got_k), ("values", got_v)):
+                 h["not_pair"])
+        for label, got in zip(("keys", "values"), out):
             s = tuple(got.shape)
-            if s != shape:
-                fail(self.name, where, f"{label} of shape {shape} (B, n_head, L, head_dim)",
-                     f"shape {s}", _WRONG_DIM if got.dim() != 4 or s[:2] + s[3:] != shape[:2]
-                     + shape[3:] else _ONLY_NEW if s[2] == T != shape[2] else (
-                         longer_hint or _MIXED_LAYERS) if s[2] > shape[2] else
-                     "all of this layer's positions: the cached ones, then the new ones")
-        if torch.equal(got_k, want_v) and torch.equal(got_v, want_k):
-            fail(self.name, where, "(keys, values)", "(values, keys)", "the pair is swapped")
-        for label, got, want in (("keys", got_k, want_k), ("values", got_v, want_v)):
+            expect(s == shape, self.name, where, f"{label} of shape {shape} (B, n_head, L, "
+                   f"head_dim)", f"shape {s}", h["wrong_dim"] if got.dim() != 4
+                   or s[:2] + s[3:] != shape[:2] + shape[3:] else h["only_new"]
+                   if s[2] == T != shape[2] else (longer or h["mixed_layers"]) if s[2] > shape[2]
+                   else h["all_positions"])
+        expect(not (torch.equal(out[0], want_v) and torch.equal(out[1], want_k)), self.name,
+               where, "(keys, values)", "(values, keys)", h["pair_swapped"])
+        for label, got, want in zip(("keys", "values"), out, (want_k, want_v)):
             old = want.shape[2] - T
-            if not torch.equal(got, want):
-                fail(self.name, where, f"the layer's {label}: cached, then new",
-                     f"different {label}", "the new positions came first: append them after the "
-                     "cached ones, torch.cat([cached, new], dim=2)" if torch.equal(got, torch.cat(
-                         [want[:, :, old:], want[:, :, :old]], dim=2)) else
-                     "these are another layer's (or the other tensor's): each layer keeps its "
-                     "own keys and values, indexed by layer_idx" if any(
-                         torch.equal(got, other) for other in self.keys + self.values) else
-                     "the cached positions (as stored), then the new ones (as given)")
+            expect(torch.equal(got, want), self.name, where, f"the layer's {label}: cached, then "
+                   f"new", f"different {label}", h["new_first"] if torch.equal(got, torch.cat(
+                       [want[:, :, old:], want[:, :, :old]], dim=2)) else h["other_layer"] if any(
+                       torch.equal(got, other) for other in self.keys + self.values)
+                   else h["as_given"])
 
-    def check_whole(self, case: str, longer_hint: str = "", value_hint: str = "") -> None:
+    def check_whole(self, case: str, longer: str = "", value_hint: str = "") -> None:
         """Every layer's keys and values in the learner's self.keys and self.values."""
         keys, values = getattr(self.cache, "keys", None), getattr(self.cache, "values", None)
-        shape = (*self.shape[:2], self.length, self.shape[3])
-        where = case + ": self.keys and self.values"
+        h, length, where = H[self.name], self.keys[0].shape[2], case + ": self.keys and self.values"
+        shape = (*self.shape[:2], length, self.shape[3])
         if not (isinstance(keys, list) and isinstance(values, list)
                 and len(keys) == len(values) == self.n_layer
                 and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in keys + values)):
             fail(self.name, where, f"two lists of {self.n_layer} tensors (one per layer)",
-                 f"keys: {kind(keys)}, values: {kind(values)}",
-                 "keep layer i's keys and values in self.keys[i] and self.values[i] (the lists "
-                 "__init__ creates)")
+                 f"keys: {kind(keys)}, values: {kind(values)}", h["lists"])
         shapes = [tuple(t.shape) for t in keys + values]
-        if any(s != shape for s in shapes):
-            longer = [s[:2] + s[3:] == shape[:2] + shape[3:] and s[2] > shape[2] for s in shapes]
-            right = [s == shape for s in shapes]
-            fail(self.name, where, f"every layer {shape}", f"shapes {shapes}", (
-                longer_hint or "they hold more positions than get_seq_length() says") if all(
-                longer) else "some layers (or only the keys, or only the values) hold more "
-                "positions than get_seq_length() says: cut every layer's keys and values" if all(
-                a or b for a, b in zip(longer, right)) else
-                "exactly the cached positions of every layer, in dim 2")
-        expect(same_cache_prefix((self.length, self.keys + self.values), self.cache, self.length),
+        longer_ = [s[:2] + s[3:] == shape[:2] + shape[3:] and s[2] > shape[2] for s in shapes]
+        expect(all(s == shape for s in shapes), self.name, where, f"every layer {shape}",
+               f"shapes {shapes}", (longer or h["longer"]) if all(longer_) else h["some_longer"]
+               if all(a or s == shape for a, s in zip(longer_, shapes)) else h["exactly"])
+        expect(same_cache_prefix((length, self.keys + self.values), self.cache, length),
                self.name, where, "every layer's keys and values as given to update",
-               "different tensors", value_hint or "store exactly what update received, in "
-               "order, layer by layer")
+               "different tensors", value_hint or h["stored"])
 
     def crop(self, n: int) -> None:
-        before, old_keys = self.length, self.keys
+        before, old_keys, h = self.keys[0].shape[2], self.keys, H[self.name]
         case = f"crop({n}) of a cache holding {before} positions"
         _call(self.name, case, self.cache.crop, n)
         self.keys, self.values = ([t[:, :, :n] for t in ts] for ts in (self.keys, self.values))
-        self.get_length(f"after {case}", lambda got: _CROP_IGNORED if got == before != n else
-                        _CROP_EMPTIED if got == 0 else "")
+        self.get_length(f"after {case}", lambda got: h["crop_ignored"] if got == before != n
+                        else h["crop_emptied"] if got == 0 else "")
         if n:  # the lists after crop(0) may hold empty tensors or nothing
             keys = getattr(self.cache, "keys", None)
             last = (isinstance(keys, list) and keys and isinstance(keys[0], torch.Tensor)
                     and torch.equal(keys[0], old_keys[0][:, :, before - n:]))
-            self.check_whole(f"after {case}", _APPEND_AFTER_CROP, _CROP_LAST if last else "")
+            self.check_whole(f"after {case}", h["append_after_crop"],
+                             h["crop_last"] if last else "")
 
 
-def _grew(cache, want: int) -> bool:
-    keys = getattr(cache, "keys", None)
-    return (isinstance(keys, list) and bool(keys) and isinstance(keys[0], torch.Tensor)
-            and keys[0].dim() == 4 and keys[0].shape[2] > want)
+def _grew(tensors: list | None, length: int) -> bool:
+    """True when these keys (and values) of every layer hold more than `length` positions."""
+    return bool(tensors) and isinstance(tensors[0], torch.Tensor) and tensors[0].dim() == 4 \
+        and tensors[0].shape[2] > length
 
 
 _ENGINE_CACHE = (KVCache.__init__, KVCache.update, KVCache.crop, KVCache.get_seq_length,
                  KVCache.fork)  # the engine's own cache code, which MyKVCache must not call
 
 
-def _mine(name: str, case: str, fn, *args, **kwargs):
-    """Run the learner's code (or the model on the learner's cache), forbidding the engine's."""
-    with forbid(name, *_ENGINE_CACHE):
-        return _call(name, case, fn, *args, **kwargs)
-
-
-def _compare_caches(name, case, cache, ref: KVCache, length: int, hint: str) -> None:
-    """The learner's cache holds, in every layer, the engine's keys and values (to 1e-5)."""
-    hint = _APPEND_AFTER_CROP if _grew(cache, length) else hint
-    got = as_int(_mine(name, case + ": get_seq_length()", cache.get_seq_length))
-    expect(got == length, name, case + ": get_seq_length()", length, got, hint)
-    keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
-    want = [t[:, :, :length] for t in ref.keys + ref.values]
-    tensors = (keys + values) if isinstance(keys, list) and isinstance(values, list) else []
-    ok = len(tensors) == len(want) and all(
-        isinstance(a, torch.Tensor) and _close(a, b) for a, b in zip(tensors, want))
-    expect(ok, name, case + ": every layer's keys and values",
-           f"{ref.n_layer} layers of keys and values, each {tuple(want[0].shape)}, as the "
-           f"engine's cache holds them", "different", hint)
-
-
-def _rollbacks(model, seq: list[int]):
-    """Two rollbacks of the len(seq) - 1 cached positions (a third of the way, then 3 other tokens
-    and 1 more; by 1, then 1 and 1), each with the engine's fresh cache and new rows' logits."""
-    vocab, length, plan = model.config.vocab_size, len(seq) - 1, []
+def _script(model: GPT, n_new: int) -> list[tuple]:
+    """The passes a cache is driven through in the model, (ids, crop to first or None, what): a
+    prompt in two chunks, a greedy decode step for each new token but the last, then two
+    rollbacks (a third of the way back, 3 other tokens and 1 more; by 1, then 1 and 1)."""
+    vocab, prompt = model.config.vocab_size, _ids(model.config.vocab_size, 9, 37, 11)
+    seq = prompt + generate(model, prompt, n_new).tokens
+    steps = [(prompt[:5], None, "a prefill of 5 tokens"),
+             (prompt[5:], None, "the other 4 prompt tokens over 5 cached")]
+    steps += [([t], None, f"decode step {i}") for i, t in enumerate(seq[len(prompt):-1], 1)]
+    length = len(seq) - 1
     for n_other in (3, 1):
         keep = length // 3 if n_other == 3 else length - 1
         new = [(t + 1) % vocab for t in seq[keep:keep + n_other]] + [(seq[0] + 5) % vocab]
-        fresh = KVCache.for_model(model, max_len=keep + len(new))
-        with torch.no_grad():
-            rows = model(torch.tensor([seq[:keep] + new]), cache=fresh)[0, keep:]
-        plan.append((length, keep, new, fresh, rows))
+        steps += [(new[:-1], keep, f"crop({keep}), then {len(new) - 1} other tokens"),
+                  (new[-1:], None, "then one more token")]
         length, seq = keep + len(new), seq[:keep] + new
-    return plan
+    return steps
 
 
-def _drive(name, model, label, MyKVCache, attention, n_new: int, hint: str = "") -> None:
-    """Greedy generation with the learner's cache in the checker's own loop, then two rollbacks:
-    tokens, logits, K/V work and every layer of the cache as the engine's."""
-    hint = hint or ("update appends each pass's keys and values to every layer and returns all of "
-                    "them; get_seq_length() is the number of cached positions")
-    prompt = _ids(model.config.vocab_size, 9, 37, 11)
-    ref = KVCache.for_model(model, max_len=len(prompt) + n_new)
-    expected = generate(model, prompt, n_new, mode="cached", return_logits=True, cache=ref)
-    plan = _rollbacks(model, prompt + expected.tokens)
-    cache = _mine(name, "MyKVCache()", MyKVCache)
-    tokens: list[int] = []
-    with KVCounter(model) as counter, torch.no_grad():
-        # two prompt chunks give the first token; each later pass feeds the newest token
-        for i, ids in enumerate([prompt[:5], prompt[5:]] + [None] * (n_new - 1)):
-            ids = ids or tokens[-1:]
-            past = 0 if i == 0 else 5 if i == 1 else len(prompt) + i - 2
-            what = ("the prefill of 5 prompt tokens" if i == 0 else
-                    f"the other {len(ids)} prompt tokens over {past} cached" if i == 1 else
-                    f"decode step {i - 1}, over {past} cached")
-            case = f"{label}, model(idx, cache=MyKVCache(), attention=...), {what}"
-            logits = _mine(name, case, model, torch.tensor([ids]), cache=cache,
-                           attention=attention)
-            if i == 0:
-                continue
-            got, want = logits[0, -1], expected.logits[i - 1]
-            expect(_close(got, want), name, case, "generate's logits (to 1e-5)",
-                   f"logits off by up to {(got - want).abs().max():.4g}", hint)
-            tokens.append(int(got.argmax()))
-            expect(tokens[-1] == expected.tokens[i - 1], name, case,
-                   f"greedy token {expected.tokens[i - 1]}", tokens[-1], hint)
-    work = expected.stats.kv_computed
-    expect(counter.count == work, name, label, f"{work} K/V vectors computed per layer",
-           counter.count, "the cache must spare the model every recomputation")
-    _compare_caches(name, f"{label}, after {n_new} greedy tokens", cache, ref,
-                    len(prompt) + n_new - 1, hint)
-    # rollbacks: crop back, feed other tokens, compare with a fresh computation
-    for length, keep, new, fresh, rows in plan:
-        case = f"{label}, crop({keep}) of a cache holding {length} positions"
-        _mine(name, case, cache.crop, keep)  # its length after crop: tested by _Probe
-        for ids, want, past in ((new[:-1], rows[:-1], keep), (new[-1:], rows[-1:],
-                                                              keep + len(new) - 1)):
-            what = f"{case}, then {len(ids)} other token(s) over {past} cached"
-            with torch.no_grad():
-                logits = _mine(name, what, model, torch.tensor([ids]), cache=cache,
-                               attention=attention)[0]
-            expect(_close(logits, want), name, what, "the logits of a fresh computation (to 1e-5)",
-                   "different logits",
-                   _APPEND_AFTER_CROP if _grew(cache, keep + len(new)) else hint)
-        _compare_caches(name, f"{case}, then {len(new)} other tokens", cache, fresh,
-                        keep + len(new), hint)
+def _run(model: GPT, make, steps: list, attention=causal_attention):
+    """The steps through the model into the cache make(): ([(logits (T, vocab), its
+    get_seq_length() after, its keys + values lists cloned or None), ...], the exception that
+    stopped it or None)."""
+    rows = []
+    try:
+        cache = make()
+        with torch.no_grad():
+            for ids, crop_to, _ in steps:
+                if crop_to is not None:
+                    cache.crop(crop_to)
+                logits = model(torch.tensor([ids]), cache=cache, attention=attention)[0]
+                kv = [getattr(cache, "keys", None), getattr(cache, "values", None)]
+                rows.append((logits, cache.get_seq_length(), [t.clone() if isinstance(
+                    t, torch.Tensor) else t for t in kv[0] + kv[1]] if all(
+                    isinstance(x, list) for x in kv) else None))
+    except (NotImplementedError, CheckFailed):
+        raise
+    except Exception as e:  # noqa: BLE001 - a crash is a wrong answer, reported by the caller
+        return rows, e
+    return rows, None
+
+
+def _against_engine(name, label, model, n_new, make, forbidden, why, attention=causal_attention,
+                    kv=False) -> None:
+    """The cache make() in the model, through _script(model, n_new)'s passes, as the engine's
+    KVCache pass by pass: get_seq_length(), the logits and (if `kv`) every layer's keys and
+    values. A difference fails with the hint why(kind, rows so far, the engine's row or None),
+    kind one of "length", "logits", "kv" or "raised"."""
+    steps = _script(model, n_new)
+    want, _ = _run(model, lambda: KVCache.for_model(model, max_len=64), steps)
+    with forbid(name, *forbidden):
+        got, error = _run(model, make, steps, attention)
+    for k, ((logits, length, mine), (ref, ref_length, ours)) in enumerate(zip(got, want)):
+        ref_kv = [t[:, :, :ref_length] for t in ours]
+        wrong = ("length" if as_int(length) != ref_length else "logits" if not close(logits, ref)
+                 else "kv" if kv and not (mine is not None and len(mine) == len(ref_kv) and all(
+                     isinstance(a, torch.Tensor) and close(a, b) for a, b in zip(mine, ref_kv)))
+                 else "")
+        if wrong:
+            where, expected, shown = {
+                "length": (": get_seq_length() after it", ref_length, length),
+                "logits": ("", "the engine's logits (to 1e-5)",
+                           f"logits off by up to {(logits - ref).abs().max():.4g}"),
+                "kv": (": every layer's keys and values", f"{len(ref_kv) // 2} layers of keys "
+                       f"and values, each {tuple(ref_kv[0].shape)}, as the engine's cache holds "
+                       f"them", "different")}[wrong]
+            fail(name, f"{label}, pass {k + 1} ({steps[k][2]}){where}", expected, shown,
+                 why(wrong, got[:k + 1], want[k]))
+    if error is not None:
+        fail(name, f"{label}, pass {len(got) + 1} ({steps[len(got)][2]})" if len(got) < len(steps)
+             else label, "a result", f"{type(error).__name__}: {error}", why("raised", got, None))
 
 
 @guarded
 def check_my_kv_cache(MyKVCache, cached_attention) -> None:
     """MyKVCache (update, get_seq_length, crop) driven directly, then in the model with minikv's
     attention, then with cached_attention: greedy tokens and rollbacks, as the engine's."""
-    name = "MyKVCache"
+    name, h = "MyKVCache", H["MyKVCache"]
     if not isinstance(MyKVCache, type):
         fail(name, "MyKVCache", "a class (class MyKVCache(Cache): ...)", kind(MyKVCache),
-             "pass the class itself, not an instance")
+             H["not_class"])
     expect(not issubclass(MyKVCache, KVCache), name, "MyKVCache", "a subclass of Cache",
-           "a subclass of minikv's KVCache", "build it yourself on Cache, not on KVCache")
+           "a subclass of minikv's KVCache", h["on_kvcache"])
     with forbid(name, *_ENGINE_CACHE):
         probe = _Probe(name, MyKVCache)
         probe.get_length("an empty MyKVCache()")
@@ -546,24 +396,28 @@ def check_my_kv_cache(MyKVCache, cached_attention) -> None:
                 1, "another decode step"):
             probe.step(T, what)
         probe.crop(7)
-        probe.step(2, "a chunk after crop(7)", longer_hint=_APPEND_AFTER_CROP)
-        probe.crop(probe.length)
+        probe.step(2, "a chunk after crop(7)", longer=h["append_after_crop"])
+        probe.crop(probe.keys[0].shape[2])
         probe.crop(0)
-        probe.step(3, "a prefill after crop(0)", longer_hint=_APPEND_AFTER_CROP)
+        probe.step(3, "a prefill after crop(0)", longer=h["append_after_crop"])
         other = _call(name, "a second MyKVCache()", MyKVCache)
         got = as_int(_call(name, "a second MyKVCache(): get_seq_length()", other.get_seq_length))
         expect(got == 0, name, "a second MyKVCache() made after the first was filled", 0, got,
-               "two caches share their lists: create them in __init__, not as class attributes")
+               h["shared"])
     models = [(tiny_model(7), "a tiny random model"),
               (tiny_model(8, n_layer=3, n_head=2, n_embd=48), "a 3-layer, 2-head random model"),
               (load_course_model("target", "cpu")[0], "the course target")]
+
+    def why(hint):  # more positions kept than get_seq_length() says (after crop): crop's fault
+        return lambda kind, rows, want: h["append_after_crop"] if want and _grew(
+            rows[-1][2], want[1]) else hint
     for model, label in models:
-        _drive(name, model, label, MyKVCache, causal_attention, n_new=50)
+        _against_engine(name, f"{label}, model(idx, cache=MyKVCache(), attention=...)", model,
+                        50, MyKVCache, _ENGINE_CACHE, why(h["model"]), kv=True)
     try:
-        _drive(name, models[0][0], models[0][1] + " with your cached_attention", MyKVCache,
-               cached_attention, n_new=20, hint=(
-                   "your MyKVCache passed every test with minikv's own attention, so it is "
-                   "cached_attention (exercise 3) that differs"))
+        _against_engine(name, f"{models[0][1]} with your cached_attention, model(idx, cache="
+                        f"MyKVCache(), attention=...)", models[0][0], 20, MyKVCache,
+                        _ENGINE_CACHE, why(h["attention"]), cached_attention, kv=True)
     except NotImplementedError:
         print(f"{name} works with minikv's attention; now write cached_attention (exercise 3) "
               f"to plug both in")
@@ -592,49 +446,33 @@ def _attention_pairs(model, prompt: list[int], n: int, mode: str) -> int:
 
 def _pairs_mistakes(P: int, N: int, heads: int, layers: int) -> list[tuple[tuple, str]]:
     """The usual wrong predictions for a P-token prompt and N new tokens, and their hints."""
-    tri = [P + i for i in range(N)]  # the sequence length at each naive pass
+    h, tri = H["predict_attention_pairs"], [P + i for i in range(N)]  # naive passes' lengths
     naive = sum(t * (t + 1) // 2 for t in tri)
     cached = P * (P + 1) // 2 + sum(range(P + 1, P + N))
     return [  # ((naive or None, cached or None: any), hint)
-        ((N * (N + 1) * (N + 2) // 6, N * (N + 1) // 2), "that is the count for a 1-token prompt "
-         "(section 5's): here the prompt has P tokens, all fed in the first pass, and the "
-         "sequence is P + i tokens long at pass i"),
-        ((naive * layers, cached * layers), "per layer AND per head: you summed the layers"),
-        ((naive * heads, cached * heads), "per layer AND per head: you summed the heads"),
-        ((naive * layers * heads, cached * layers * heads),
-         "per layer and per head: you summed layers and heads"),
-        ((N * P + N * (N - 1) // 2, P + N - 1), "these are the K/V vectors computed (section 1), "
-         "not attention's work: a cached decode step computes one K/V, but its query still "
-         "scores every cached key"),
-        ((None, P + N - 1), "that is the cached decoder's K/V count: its decode step computes one "
-         "K/V, but its one query scores EVERY key in the cache"),
-        ((None, P * (P + 1) // 2 + N - 1), "one key per decode step? The new query scores every "
-         "cached key and its own: the whole row"),
-        ((sum(t * t for t in tri), None), "the causal mask: query i sees keys 0..i, a triangle, "
-         "not a square"),
-        ((None, P * P + sum(range(P + 1, P + N))), "the prefill's queries are masked too: query i "
-         "of the prompt sees keys 0..i, a triangle, not a square"),
-        ((naive + (P + N) * (P + N + 1) // 2, None), "the last new token is returned, never fed: "
-         "N tokens take N passes"),
-        ((None, cached + P + N), "the last new token is returned, never fed: no pass scores its "
-         "query"),
-        ((None, sum(range(P + 1, P + N))), "the prefill scores pairs too: its P queries over the P "
-         "prompt keys, under the mask"),
-        ((cached, naive), "the pair is swapped: return (naive, cached)"),
-        ((naive, naive), "the cache spares the naive decoder's recomputation of the earlier "
-         "queries too: a cached decode step has ONE query, not the whole sequence's")]
+        ((N * (N + 1) * (N + 2) // 6, N * (N + 1) // 2), h["one_token_prompt"]),
+        ((naive * layers, cached * layers), h["layers"]),
+        ((naive * heads, cached * heads), h["heads"]),
+        ((naive * layers * heads, cached * layers * heads), h["layers_and_heads"]),
+        ((N * P + N * (N - 1) // 2, P + N - 1), h["kv"]), ((None, P + N - 1), h["cached_kv"]),
+        ((None, P * (P + 1) // 2 + N - 1), h["one_key"]),
+        ((sum(t * t for t in tri), None), h["square"]),
+        ((None, P * P + sum(range(P + 1, P + N))), h["prefill_square"]),
+        ((naive + (P + N) * (P + N + 1) // 2, None), h["naive_last_fed"]),
+        ((None, cached + P + N), h["cached_last_fed"]),
+        ((None, sum(range(P + 1, P + N))), h["no_prefill"]), ((cached, naive), H["swapped"]),
+        ((naive, naive), h["one_query"])]
 
 
 @guarded
 def check_predict_attention_pairs(predict_attention_pairs) -> None:
     """predict_attention_pairs() -> (naive, cached): the (query, key) pairs per layer and head
     scored in the seed's run ("Once upon a", 5 new tokens), without and with a cache."""
-    name = "predict_attention_pairs"
+    name, h = "predict_attention_pairs", H["predict_attention_pairs"]
     got = prediction(name, f"{name}()", predict_attention_pairs, GPT.forward, generate)
     pair = int_list(got)
     if pair is None or len(pair) != 2:
-        fail(name, f"{name}()", "a pair of ints (naive, cached)", kind(got),
-             "return the two counts you predict, as ints: return naive, cached")
+        fail(name, f"{name}()", "a pair of ints (naive, cached)", kind(got), h["refused"])
     target, tok = load_course_model("target", "cpu")
     prompt, n = tok.encode("Once upon a"), 5
     want = naive, cached = [_attention_pairs(target, prompt, n, m) for m in ("naive", "cached")]
@@ -643,11 +481,9 @@ def check_predict_attention_pairs(predict_attention_pairs) -> None:
               f"with one, per layer and head: the cache makes K/V work linear, not attention's")
         return
     cfg = target.config
-    hint = next((h for (a, b), h in _pairs_mistakes(len(prompt), n, cfg.n_head, cfg.n_layer)
+    hint = next((m for (a, b), m in _pairs_mistakes(len(prompt), n, cfg.n_head, cfg.n_layer)
                  if (a is None or a == pair[0]) and (b is None or b == pair[1])
-                 and not (a in (None, naive) and b in (None, cached))),
-                "count pass by pass: each pass's new queries, each scoring the keys the causal "
-                "mask lets it see (cached ones included)")
+                 and not (a in (None, naive) and b in (None, cached))), h["otherwise"])
     fail(name, "generate(target, tok.encode('Once upon a'), 5) without and with a cache, "
                "(query, key) pairs per layer and head, counted in every pass",
          tuple(want), tuple(pair), hint)
@@ -684,40 +520,8 @@ class _Prealloc(Cache):
         self.length = max_length
 
 
-_PREALLOC_HINTS = {
-    "every": ("this is the shipped update's behaviour: the length moves on in EVERY layer's "
-              "update, so after a pass of T tokens the cache says n_layer x T, and layers 1.. "
-              "wrote their keys and values after layer 0's, at slots no query expects (with one "
-              "layer, like the draft, the bug hides). One pass adds T positions to every layer: "
-              "the length may move on only once all layers are written"),
-    "first": ("the length moved on after layer 0's update: layers 1.. then read it as their "
-              "start and write after layer 0's positions. Every layer of a pass writes at the "
-              "same slots: move the length on once the LAST layer is written"),
-    "never": ("the length never moves: every pass writes at slot 0 and its tokens get positions "
-              "from 0 again (seed 003's bug, section 7): move it on once per pass"),
-}
-
-
-def _run_prealloc(model, make, passes):
-    """`passes` ((ids, crop_to or None), ...) through the model into the cache make(): ([(logits,
-    length after), ...], the exception that stopped it or None)."""
-    rows = []
-    try:
-        cache = make()
-        with torch.no_grad():
-            for ids, crop_to in passes:
-                if crop_to is not None:
-                    cache.crop(crop_to)
-                rows.append((model(torch.tensor([ids]), cache=cache)[0], cache.get_seq_length()))
-    except (NotImplementedError, CheckFailed):
-        raise
-    except Exception as e:  # noqa: BLE001 - a crash is a wrong answer, reported below
-        return rows, e
-    return rows, None
-
-
 def _same_run(a, b) -> bool:
-    return len(a) == len(b) and all(as_int(x[1]) == y[1] and _close(x[0], y[0])
+    return len(a) == len(b) and all(as_int(x[1]) == y[1] and close(x[0], y[0])
                                     for x, y in zip(a, b))
 
 
@@ -725,53 +529,21 @@ def _same_run(a, b) -> bool:
 def check_fixed_cache(FixedCache) -> None:
     """FixedCache(model, max_len): every pass's logits as the engine's (prefill, chunk, decode
     steps, rollbacks) and get_seq_length() after it, on 1-, 2-, 3- and 12-layer models."""
-    name = "FixedCache"
+    name, h = "FixedCache", H["FixedCache"]
     if not isinstance(FixedCache, type):
         fail(name, "FixedCache", "a class (class FixedCache(PreallocatedCache): ...)",
-             kind(FixedCache), "pass the class itself, not an instance")
+             kind(FixedCache), H["not_class"])
     models = [(load_course_model("draft", "cpu")[0], "the course draft (1 layer)"),
               (tiny_model(7), "a tiny random model (2 layers)"),
               (tiny_model(8, n_layer=3, n_head=2, n_embd=48), "a 3-layer random model"),
               (load_course_model("target", "cpu")[0], "the course target (12 layers)")]
     for model, label in models:
-        prompt = _ids(model.config.vocab_size, 9, 37, 11)
-        expected = generate(model, prompt, 12, mode="cached", return_logits=True)
-        # the passes (ids, crop_to, logits, length after, what): two prompt chunks, then one
-        # token a pass, then the rollbacks' tokens
-        steps = [(prompt[:5], None, None, 5, "a prefill of 5 tokens"),
-                 (prompt[5:], None, expected.logits[0], 9, "the other 4 prompt tokens over 5 "
-                                                           "cached")]
-        steps += [([t], None, expected.logits[i], 9 + i, f"decode step {i}")
-                  for i, t in enumerate(expected.tokens[:-1], 1)]
-        for _, keep, new, _, rows in _rollbacks(model, prompt + expected.tokens):
-            steps += [(new[:-1], keep, rows[-2], keep + len(new) - 1,
-                       f"crop({keep}), then {len(new) - 1} other tokens"),
-                      (new[-1:], None, rows[-1], keep + len(new), "then one more token")]
-        passes = [step[:2] for step in steps]
-        with forbid(name, *_ENGINE_CACHE):
-            got, error = _run_prealloc(model, lambda m=model: FixedCache(m, 64), passes)
-
-        def bug(rows) -> str:  # the hint of the known bug whose run so far matches
-            return next((h for when, h in _PREALLOC_HINTS.items() if _same_run(rows, _run_prealloc(
-                model, lambda m=model: _Prealloc(m, 64, when), passes)[0][:len(rows)])), "")
-        for k, ((logits, length), (_, _, want, want_len, what)) in enumerate(zip(got, steps)):
-            ok_len = as_int(length) == want_len
-            if ok_len and (want is None or _close(logits[-1], want)):
-                continue
-            case = f"{label}, pass {k + 1} ({what})"
-            hint = bug(got[:k + 1])
-            if not ok_len:
-                fail(name, case + ": get_seq_length() after it", want_len, length,
-                     hint or "one pass of T tokens adds T positions, whatever the number of "
-                             "layers; crop(n) leaves n")
-            fail(name, case, "the engine's logits (to 1e-5)", "different logits",
-                 hint or "every layer of a pass writes its keys and values at the same slots, "
-                         "after the live ones, and returns all of its live ones")
-        if error is not None:
-            k = len(got)
-            case = f"{label}, pass {k + 1} ({steps[k][4]})" if k < len(steps) else label
-            fail(name, case, "a result", f"{type(error).__name__}: {error}",
-                 bug(got) or "your cache raised on this pass")
+        def why(kind, rows, want, model=model) -> str:  # the known bug whose run so far matches
+            return next((h[when] for when in ("every", "first", "never") if _same_run(rows, _run(
+                model, lambda: _Prealloc(model, 64, when), _script(model, 12))[0][:len(rows)])),
+                h[kind])
+        _against_engine(name, label, model, 12, lambda m=model: FixedCache(m, 64), _ENGINE_CACHE,
+                        why)
     passed(name, len(models))
 
 
@@ -785,37 +557,29 @@ SERVE_BATCH, SERVE_LEN, SERVE_BUDGET = 32, 8192, 40 * 2**30
 def check_choose_kv_heads(choose_kv_heads) -> None:
     """choose_kv_heads() -> the most K/V heads GPTConfig accepts whose fp16 cache for 32 requests
     of 8,192 positions fits 40 GiB, by kv_cache_bytes."""
-    name = "choose_kv_heads"
+    name, h = "choose_kv_heads", H["choose_kv_heads"]
     got = _call(name, f"{name}()", choose_kv_heads)
     heads = as_int(got)
     case = ("an 8B-like model (32 layers, 32 query heads of 128), fp16 cache, 32 requests of "
             "8,192 positions each, 40 GiB for the cache")
     if heads is None or heads < 1:
-        fail(name, case, "a number of K/V heads, a positive int", kind(got),
-             "return the n_kv_head you choose")
+        fail(name, case, "a number of K/V heads, a positive int", kind(got), h["refused"])
 
-    def cache(h: int) -> int:
-        return kv_cache_bytes(GPTConfig(**SERVE_SHAPE, n_kv_head=h), SERVE_LEN, SERVE_BATCH,
+    def cache(n: int) -> int:
+        return kv_cache_bytes(GPTConfig(**SERVE_SHAPE, n_kv_head=n), SERVE_LEN, SERVE_BATCH,
                               torch.float16)
     try:
         used = cache(heads)
     except ValueError as e:
-        fail(name, case, "an n_kv_head that GPTConfig accepts", heads,
-             f"GPTConfig refuses it ({e}): grouped-query attention splits the 32 query heads "
-             f"into equal groups, one per K/V head, so n_kv_head must divide 32")
-    best = max(h for h in range(1, 33) if 32 % h == 0 and cache(h) <= SERVE_BUDGET)
+        fail(name, case, "an n_kv_head that GPTConfig accepts", heads, h["divide"].format(error=e))
+    best = max(n for n in range(1, 33) if 32 % n == 0 and cache(n) <= SERVE_BUDGET)
     gib = used / 2**30
     if used > SERVE_BUDGET:
-        fail(name, case, f"at most {SERVE_BUDGET // 2**30} GiB", f"n_kv_head={heads}: "
-             f"{gib:g} GiB", ("over budget: you counted only the keys (or only the values); the "
-                              "cache holds both" if used // 2 <= SERVE_BUDGET else "over budget: "
-                              "count every layer, both K and V, every request and position")
-             + ("; 32 K/V heads is plain multi-head attention, the model's full cache"
-                if heads == 32 else ""))
+        fail(name, case, f"at most {SERVE_BUDGET // 2**30} GiB", f"n_kv_head={heads}: {gib:g} GiB",
+             (h["keys_only"] if used // 2 <= SERVE_BUDGET else h["over"])
+             + (h["mha"] if heads == 32 else ""))
     if heads != best:
         fail(name, case, "the most K/V heads whose cache fits", f"n_kv_head={heads}: {gib:g} GiB",
-             "it fits, but more K/V heads fit too, and the more K/V heads, the less the "
-             "query heads must share (chapter 07 measures what sharing costs): choose the most "
-             "that fit")
+             h["more"])
     print(f"✓ {name}: {heads} K/V heads, {gib:g} GiB of 40; the next larger choice GPTConfig "
           f"accepts would not fit")
