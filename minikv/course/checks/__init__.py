@@ -22,6 +22,8 @@ The recipe, for writing or converting a chapter's checkers (chapter 05 is the mo
    its hint as students read it (keep today's hints word for word): the checker runs it to name
    the mistake behind wrong answers, and tests/test_checks_table.py feeds it to the checker and
    expects exactly its hint back, so the cases must tell the mistakes apart.
+   The hint text may live in hints/chNN.toml (one table per exercise, one key per mistake,
+   `hints("chNN")` reads it; chapters 03 and 04 do so), each hint still written once.
 2. List the module's exercises in `EXERCISES` (the generic test finds them there) and delete
    their mutants from tests/test_checks_chNN.py, except the few a table cannot state: wrong
    types, crashes, inputs changed in place, two mistakes at once.
@@ -38,6 +40,7 @@ import importlib.util
 import inspect
 import operator
 import sys
+import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +54,13 @@ from ...engine import GPT, GPTConfig
 HERE = Path(__file__).resolve().parent
 CHAPTERS = ("ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07", "ch08", "ch09",
             "ch10")
+
+
+def hints(chapter: str) -> dict:
+    """A chapter's hints as students read them, from hints/<chapter>.toml: one table per
+    exercise, one key per named mistake."""
+    with open(HERE / "hints" / f"{chapter}.toml", "rb") as f:
+        return tomllib.load(f)
 
 
 class CheckFailed(AssertionError):
