@@ -1,4 +1,5 @@
-"""Checkers for chapter 04 (seed 004, speculative decoding: draft, verify, roll back).
+"""Checkers for chapter 04 (seed 004, speculative decoding: draft, verify, roll back), on the CPU,
+leaving the caller's random state alone; the hints students read are in hints/ch04.toml.
 
 - speculative_round: greedy rounds on tiny target/draft pairs, γ = 1..6, looped to 40+ tokens: each
   round's tokens against the chapter's, its passes, both caches whole; the engine's round forbidden.
@@ -8,7 +9,6 @@
 - predict_perfect_draft (predict, then measure): four counts of a run whose draft is the target.
 - accept_sampled (debug): one round of speculative sampling, by its outcomes' distribution.
 - choose_gamma (design, a table): γ (0: none) for a batch under the stated cost model.
-All on the CPU, in about a second, leaving the caller's random state alone.
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ from . import (
     fail,
     forbid,
     guarded,
+    hints,
     int_list,
     one_thread,
     passed,
@@ -43,6 +44,11 @@ from . import (
     same_cache_prefix,
     tiny_model,
 )
+
+H = hints("ch04")
+ROUND, RES, ALPHA_H, BEST, PERFECT, SAMPLED, DESIGN_H = (H[k] for k in (
+    "speculative_round", "residual", "alpha_from_trace", "best_gamma", "predict_perfect_draft",
+    "accept_sampled", "choose_gamma"))
 
 
 def _type(value) -> str:
@@ -90,84 +96,42 @@ def _matching(proposals, choices, shift=0):
 # hint -> what a wrong round commits, from the proposals and the target's choices: the ones it may
 # commit ([] where the mistake changes nothing)
 COMMIT_MISTAKES = {
-    "this is what you get when you commit the DRAFT's token at the first mismatch: the target "
-    "disagreed with it, so commit the target's own token there (its choice at that row)":
-        lambda p, c: [p[:_matching(p, c) + 1]] if _matching(p, c) < len(p) else [],
-    "this is what you get when you forget the bonus token: when all γ proposals are accepted, the "
-    "target's last row (row γ) still gives one more token of its own, for free":
-        lambda p, c: [list(p)] if _matching(p, c) == len(p) else [],
-    "this is what you get when you are off by one in the target's rows: the pass fed seq[-1] + "
-    "proposals, so row 0 (the output at the last committed token) scores proposal 1, row i scores "
-    "proposal i + 1, and row γ gives the bonus": lambda p, c: [
-        p[:_matching(p, c, 1)] + c[_matching(p, c, 1) + 1:][:1]] + (
-        [p[:_matching(p, c)] + c[_matching(p, c) + 1:][:1]] if _matching(p, c) < len(p) else []),
-    "this is what you get when you keep every proposal that matches: only the matching PREFIX is "
-    "accepted, everything after the first mismatch is thrown away":
-        lambda p, c: [[x for x, y in zip(p, c) if x == y] + [c[sum(map(operator.eq, p, c))]]],
+    ROUND["draft_token"]: lambda p, c: [p[:_matching(p, c) + 1]] if _matching(p, c) < len(p)
+    else [],
+    ROUND["no_bonus"]: lambda p, c: [list(p)] if _matching(p, c) == len(p) else [],
+    ROUND["rows_off_by_one"]: lambda p, c: [p[:_matching(p, c, 1)] + c[_matching(p, c, 1) + 1:][:1]]
+    + ([p[:_matching(p, c)] + c[_matching(p, c) + 1:][:1]] if _matching(p, c) < len(p) else []),
+    ROUND["every_match"]: lambda p, c: [[x for x, y in zip(p, c) if x == y]
+                                        + [c[sum(map(operator.eq, p, c))]]],
 }
-
-
-CROP_WITHOUT_MIN = _crash_hint(  # the engine's message names the crop
-    ValueError, "this is what you get when you roll back with crop(len(seq) - 1) without min(...): "
-    "after a fully accepted round the draft's cache is SHORTER than len(seq) - 1 (it never fed its "
-    "last proposal, nor the bonus token), and a cache cannot grow by a crop; crop each cache to "
-    "min(its length, len(seq) - 1)", says="crop")
 
 
 def _pass_hints(target_passes, draft_passes, gamma, first_draft_rows, seq_len):
     """(expected, got, hint) for the first wrong pass count or shape, or None."""
-    want_t = [(1, gamma + 1)]
+    want_t, want_d = [(1, gamma + 1)], [(1, first_draft_rows)] + [(1, 1)] * (gamma - 1)
     if target_passes != want_t:
-        hint = next(h for wrong, h in (
-            (len(target_passes) > 1,
-             "this is what you get when you score the proposals one target pass each: the point of "
-             "speculative decoding is ONE target pass over seq[-1:] + proposals (γ + 1 rows), "
-             "scoring every proposal at once"),
-            (target_passes == [(1, gamma)],
-             "this is what you get when you feed the target only the proposals: its cache holds "
-             "everything but the last committed token, so feed seq[-1:] + proposals"),
-            (target_passes == [(1, seq_len + gamma)],
-             "this is what you get when you feed the target the whole sequence again: its cache "
-             "already holds everything but the last committed token; feed seq[-1:] + proposals"),
-            (not target_passes,
-             "the target must score the proposals: one pass over seq[-1:] + proposals"),
-            (True, "one target pass over seq[-1:] + proposals: shape (1, γ + 1)")) if wrong)
-        return f"target passes of shape {want_t}", f"{target_passes}", hint
-    want_d = [(1, first_draft_rows)] + [(1, 1)] * (gamma - 1)
+        return f"target passes of shape {want_t}", f"{target_passes}", ROUND[next(
+            key for wrong, key in ((len(target_passes) > 1, "target_pass_each"),
+                                   (target_passes == [(1, gamma)], "target_proposals_only"),
+                                   (target_passes == [(1, seq_len + gamma)],
+                                    "target_whole_sequence"),
+                                   (not target_passes, "no_target_pass"), (True, "target_pass"))
+            if wrong)]
     if draft_passes != want_d:
-        hint = next(h for wrong, h in (
-            (len(draft_passes) != gamma,
-             f"one draft pass per proposal: γ = {gamma} passes, each feeding what the draft cache "
-             f"has not seen yet, then proposing one token"),
-            (draft_passes[:1] == [(1, 1)] and first_draft_rows > 1,
-             "this is what you get when the draft's first pass feeds only the last committed "
-             "token: it must feed everything its cache has not seen, "
-             "seq[d_cache.get_seq_length():] (after a fully accepted round the draft never fed "
-             "its last proposal, so that is 2 tokens)"),
-            (draft_passes[:1] == [(1, seq_len)],
-             "this is what you get when the draft re-feeds the whole sequence: feed only what its "
-             "cache has not seen yet, seq[d_cache.get_seq_length():]"),
-            (True, "pass 1 feeds seq[d_cache.get_seq_length():], then each pass feeds the previous "
-                   "proposal (one token)")) if wrong)
-        return f"draft passes of shape {want_d}", f"{draft_passes}", hint
+        return f"draft passes of shape {want_d}", f"{draft_passes}", ROUND["draft_passes"].format(
+            gamma=gamma) if len(draft_passes) != gamma else ROUND[next(
+                key for wrong, key in (
+                    (draft_passes[:1] == [(1, 1)] and first_draft_rows > 1, "draft_last_token"),
+                    (draft_passes[:1] == [(1, seq_len)], "draft_whole_sequence"),
+                    (True, "draft_pass")) if wrong)]
     return None
 
 
 def _cache_length_hint(name: str, got: int, want: int, after_pass: int, seq_len: int) -> str:
-    return next(hint for wrong, hint in (
-        (got == 0 and want > 0,
-         f"this is what you get when you reset the {name} cache (or crop it to 0): a rollback "
-         f"keeps everything up to the last committed token; only the rejected positions go"),
-        (got == after_pass > want,
-         f"this is what you get when you do not crop the {name} cache: it still holds K/V of "
-         f"rejected proposals; crop it to min(its length, len(seq) - 1)"),
-        (got == seq_len - 1 > want,
-         f"the {name} cache grew: after a fully accepted round it is shorter than len(seq) - 1 "
-         f"and must stay so; crop to min(its length, len(seq) - 1), never beyond its length"),
-        (got == seq_len,
-         "keep K/V up to the last committed token, not including it: the newest token has no K/V "
-         "yet (it is fed next round), so at most len(seq) - 1 positions"),
-        (True, "crop both caches to min(their length, len(seq) - 1) after committing")) if wrong)
+    return ROUND[next(key for wrong, key in (
+        (got == 0 and want > 0, "reset"), (got == after_pass > want, "no_crop"),
+        (got == seq_len - 1 > want, "grew"), (got == seq_len, "newest"), (True, "crop"))
+        if wrong)].format(cache=name)
 
 
 def _check_round(name, case, round_fn, target, draft, seq, t_cache, d_cache, gamma) -> None:
@@ -183,22 +147,20 @@ def _check_round(name, case, round_fn, target, draft, seq, t_cache, d_cache, gam
     n = _matching(proposals, choices)
     expected = proposals[:n] + [choices[n]]
     case = f"{case}, round at len(seq) = {len(before_seq)}"
+    crop_without_min = _crash_hint(ValueError, ROUND["crop_without_min"], says="crop")
     with forbid(name, speculative_generate, verify_and_commit, accept_matching), \
             PassCounter(target) as t_passes, PassCounter(draft) as d_passes:
-        got = call_hinted(name, case, CROP_WITHOUT_MIN, round_fn, target, draft, seq, t_cache,
-                           d_cache, gamma)
+        got = call_hinted(name, case, crop_without_min, round_fn, target, draft, seq, t_cache,
+                          d_cache, gamma)
     # what it returned, and what it did to seq
     tokens = int_list(got)
     if tokens is None:
-        fail(name, case, expected, got,
-             "your function returned None: return the tokens it appended to seq (a list of ints)"
-             if got is None else f"return the tokens the round appended to seq as a list of "
-             f"ints, not a {_type(got)}")
+        fail(name, case, expected, got, ROUND["returned_none"] if got is None else
+             ROUND["not_a_list"].format(type=_type(got)))
     expect(seq != before_seq, name, case, f"seq extended by {expected}", "seq unchanged",
-           "append the committed tokens to seq in place (seq.extend(...)), then return them")
+           ROUND["in_place"])
     expect(seq == before_seq + tokens, name, case, f"seq == seq before the round + the returned "
-           f"tokens ({tokens})", f"seq grew by {seq[len(before_seq):]}",
-           "append exactly the tokens you return, in place, and nothing else")
+           f"tokens ({tokens})", f"seq grew by {seq[len(before_seq):]}", ROUND["appended"])
     # the passes it made
     wrong = _pass_hints(t_passes.passes, d_passes.passes, gamma, len(before_seq) - d_before[0],
                         len(before_seq))
@@ -207,11 +169,8 @@ def _check_round(name, case, round_fn, target, draft, seq, t_cache, d_cache, gam
     # what it committed
     if tokens != expected:
         hints = [h for h, wrong in COMMIT_MISTAKES.items() if tokens in wrong(proposals, choices)]
-        hint = "; or ".join(hints) or ("commit the proposals up to the first one the target "
-                                       "disagrees with, then the target's own token there (or "
-                                       "its bonus token after all γ)")
         fail(name, case, f"{expected} (the draft proposed {proposals}; the target's rows chose "
-             f"{choices})", tokens, hint)
+             f"{choices})", tokens, "; or ".join(hints) or ROUND["commit"])
     # both caches, whole: lengths, then every layer's keys and values
     committed = len(seq)
     for label, cache, model, before, after_pass in (
@@ -225,15 +184,12 @@ def _check_round(name, case, round_fn, target, draft, seq, t_cache, d_cache, gam
         fresh = KVCache.for_model(model, max_len=max(want, 1))  # the committed tokens' K/V
         if want:
             model(torch.tensor([seq[:want]]), cache=fresh)
-        if not same_cache_prefix(before, cache, min(before[0], want)) or not all(
-                torch.allclose(a[:, :, :want], b[:, :, :want], atol=1e-4, rtol=1e-4)
-                for a, b in zip(cache.keys + cache.values, fresh.keys + fresh.values)):
-            fail(name, case, f"the {label} cache's K/V (every layer, keys and values) equal to a "
-                 f"fresh computation of the first {want} committed tokens",
-                 "different K/V",
-                 "this is what you get when you zero, reset or overwrite cache entries: a "
-                 "rollback only moves the length back (cache.crop), it never rewrites the K/V "
-                 "it keeps; and every token must be fed at its own position, once")
+        expect(same_cache_prefix(before, cache, min(before[0], want)) and all(
+            torch.allclose(a[:, :, :want], b[:, :, :want], atol=1e-4, rtol=1e-4)
+            for a, b in zip(cache.keys + cache.values, fresh.keys + fresh.values)), name, case,
+            f"the {label} cache's K/V (every layer, keys and values) equal to a fresh "
+            f"computation of the first {want} committed tokens", "different K/V",
+            ROUND["overwritten"])
 
 
 @one_thread
@@ -257,7 +213,7 @@ def check_speculative_round(speculative_round) -> None:
             new = seq[len(prompt):]
             alone = generate(target, prompt, len(new)).tokens
             expect(new == alone, name, case, f"target-only greedy decoding: {alone}", new,
-                   "greedy speculative decoding must give exactly the target's own tokens")
+                   ROUND["target_only"])
     passed(name, len(ROUND_CASES))
 
 
@@ -319,20 +275,15 @@ def _residual_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
 
 def _as_distribution(got, p, q, a):
     if not isinstance(got, torch.Tensor):
-        raise Refused(f"return a torch tensor (a probability vector like p), not a {_type(got)}")
+        raise Refused(RES["not_a_tensor"].format(type=_type(got)))
     if got.shape != p.shape or not got.is_floating_point():
-        raise Refused("one probability per token: the same shape as p",
-                      f"a float tensor of shape {tuple(p.shape)}")
+        raise Refused(RES["shape"], f"a float tensor of shape {tuple(p.shape)}")
     return got
 
 
 def _residual_otherwise(runs) -> str:
     p, q, a = next(case for case, got in runs if not RESIDUAL.same(got, reference_residual(*case)))
-    if a.label.startswith("one speculative step"):
-        return ("the residual decides where refused draws go; it must fill exactly what acceptance "
-                "leaves of p")
-    return ("what p(x) still lacks once acceptance has delivered its share of x (drafted, then "
-            "accepted), divided by its sum")
+    return RES["step"] if a.label.startswith("one speculative step") else RES["otherwise"]
 
 
 RESIDUAL = Exercise(
@@ -340,30 +291,16 @@ RESIDUAL = Exercise(
     describe=lambda p, q, a: f"{a.label}: p={_as_list(p)}, q={_as_list(q)}, a={_as_list(a)}",
     reference=reference_residual, returns=_as_distribution, show=_as_list,
     same=lambda got, want: torch.allclose(got.double(), want.double(), atol=1e-6),
-    unchanged="this is what you get with in-place operations (p.sub_, clamp_, /=): they change "
-              "the caller's tensors; compute a new tensor",
+    unchanged=RES["in_place"],
     mistakes={
-        "this is what you get with norm(max(0, p - q)) whatever a is: that is the residual of "
-        "section 5's rule only, a = min(1, p/q). Work out what acceptance delivers to each token "
-        "x under THIS a (drafted with probability q(x), then accepted with probability a(x)), and "
-        "what is left of p(x)": lambda p, q, a: _normalised((p - q).clamp(min=0)),
-        "this is what you get when you forget to normalise: divide what is left of p by its sum, "
-        "so the residual is a distribution": lambda p, q, a: (p - q * a).clamp(min=0),
-        "this is what you get with |p - q|: it puts mass where the draft proposed too MUCH "
-        "(q > p), which acceptance already over-serves; keep only what p still lacks":
-            lambda p, q, a: _normalised((p - q).abs()),
-        "this is what you get when you resample from p itself: the tokens the draft proposes "
-        "often are then over-represented (accepted AND resampled)": lambda p, q, a: p,
-        "this is what you get with max(0, q - p): that is where the draft over-proposes; the "
-        "residual is where the TARGET wants more than acceptance gave":
-            lambda p, q, a: _normalised((q - p).clamp(min=0)),
-        "this is what you get when you resample from the draft's q": lambda p, q, a: q,
-        "this is what you get with p(x)(1 - a(x)): a(x) is the chance of accepting x once the "
-        "DRAFT proposed it, so acceptance delivers q(x)a(x) of x, not p(x)a(x)":
-            lambda p, q, a: _normalised(p * (1 - a)),
-        "this is what you get with q(x)(1 - a(x)), where the refused drafts came from: drawing "
-        "there re-proposes the refused tokens instead of filling what p still lacks":
-            lambda p, q, a: _normalised(q * (1 - a)),
+        RES["any_rule"]: lambda p, q, a: _normalised((p - q).clamp(min=0)),
+        RES["unnormalised"]: lambda p, q, a: (p - q * a).clamp(min=0),
+        RES["absolute"]: lambda p, q, a: _normalised((p - q).abs()),
+        RES["p_itself"]: lambda p, q, a: p,
+        RES["reversed"]: lambda p, q, a: _normalised((q - p).clamp(min=0)),
+        RES["q_itself"]: lambda p, q, a: q,
+        RES["p_refused"]: lambda p, q, a: _normalised(p * (1 - a)),
+        RES["q_refused"]: lambda p, q, a: _normalised(q * (1 - a)),
     },
     otherwise=_residual_otherwise)
 check_residual = RESIDUAL.check
@@ -408,22 +345,13 @@ def _alpha_otherwise(runs) -> str:
     rounds, i = _rounds(trace), index or 0
     ok = sum(a > i for a, _, _ in rounds)
     mistakes = [] if index is None else [
-        (_ratio(ok, sum(n > i for _, _, n in rounds)),
-         f"this is what you get when every round that PROPOSED a proposal number {i} counts it as "
-         f"judged: after a rejection earlier in its round it was never judged (a round stops at "
-         f"its first rejection); count it only where every proposal before it was accepted"),
-        (_ratio(ok, len(rounds)),
-         "this is what you get when you divide by every round: only the rounds that judged this "
-         "proposal count"),
-        (reference_alpha(trace, None),
-         "this is α pooled over every proposal: index asks about one position in the round"),
-    ] + [(reference_alpha(trace, i + shift), f"this is the α of proposal {i + shift}: index "
-          f"counts from 0 (index=0 is the first proposal of a round)")
+        (_ratio(ok, sum(n > i for _, _, n in rounds)), ALPHA_H["proposed"].format(i=i)),
+        (_ratio(ok, len(rounds)), ALPHA_H["every_round"]),
+        (reference_alpha(trace, None), ALPHA_H["pooled"]),
+    ] + [(reference_alpha(trace, i + shift), ALPHA_H["index"].format(i=i + shift))
          for shift in (1, -1) if i + shift >= 0]
     hints = [h for wrong, h in mistakes if wrong is not None and _same(got, wrong)]
-    return "; or ".join(dict.fromkeys(hints)) or (
-        "α = accepted / judged: a proposal is judged when every proposal before it in its round "
-        "was accepted; the first rejection ends the round")
+    return "; or ".join(dict.fromkeys(hints)) or ALPHA_H["otherwise"]
 
 
 class _Trace(tuple):
@@ -492,12 +420,11 @@ def _same(got, want) -> bool:
 def _as_alpha(got, trace, index):
     if reference_alpha(trace, index) is None:
         if got is not None:
-            raise Refused("nothing was judged here: return None (n/a), not a number; 0.0 would "
-                          "read as 'every proposal was rejected'")
+            raise Refused(ALPHA_H["unjudged"])
         return None
     if isinstance(got, bool) or not isinstance(got, (int, float)):
-        raise Refused("a proposal was judged here, so α is a number: return a Python float"
-                      if got is None else f"return a Python float, not a {_type(got)} (float(...))")
+        raise Refused(ALPHA_H["none"] if got is None else
+                      ALPHA_H["not_a_float"].format(type=_type(got)))
     return got
 
 
@@ -505,22 +432,16 @@ ALPHA = Exercise(
     "alpha_from_trace", cases=_Lazy(_alpha_cases),
     describe=lambda trace, index: trace.label + ("" if index is None else f", index={index}"),
     reference=reference_alpha, returns=_as_alpha, same=_same,
-    raised=_crash_hint(ZeroDivisionError, "nothing was judged: return None (n/a) then, without "
-                       "dividing by zero"),
+    raised=_crash_hint(ZeroDivisionError, ALPHA_H["divided_by_zero"]),
     mistakes={
-        "this is what you get with accepted / proposed: it counts the proposals after a round's "
-        "first rejection, which the target never judged, as rejected, so it reads α too low (the "
-        "more so the longer γ)": _pooled(lambda r, ok: _ratio(ok, sum(n for _, _, n in r))),
-        "this is what you get when every round counts as a rejection: a fully accepted round ends "
-        "in the bonus token, not in a rejection": _pooled(lambda r, ok: _ratio(ok, ok + len(r))),
-        "this is what you get when you average each round's rate: pool the judgements of the "
-        "whole trace": _pooled(lambda r, ok: _ratio(sum(a / n for a, _, n in r if n),
-                                                    sum(n > 0 for _, _, n in r))),
-        "this is what you get when you count the target's own token as an accepted proposal: only "
-        "the draft's proposals are judged": _pooled(lambda r, ok: _ratio(
+        ALPHA_H["per_proposal"]: _pooled(lambda r, ok: _ratio(ok, sum(n for _, _, n in r))),
+        ALPHA_H["every_round_rejects"]: _pooled(lambda r, ok: _ratio(ok, ok + len(r))),
+        ALPHA_H["round_average"]: _pooled(lambda r, ok: _ratio(
+            sum(a / n for a, _, n in r if n), sum(n > 0 for _, _, n in r))),
+        ALPHA_H["own_token"]: _pooled(lambda r, ok: _ratio(
             ok + len(r), ok + len(r) + sum(j for _, j, _ in r))),
-        "this is the fraction of rounds without a rejection, not of judged proposals accepted":
-            _pooled(lambda r, ok: _ratio(len(r) - sum(j for _, j, _ in r), len(r))),
+        ALPHA_H["clean_rounds"]: _pooled(lambda r, ok: _ratio(
+            len(r) - sum(j for _, j, _ in r), len(r))),
     },
     otherwise=_alpha_otherwise)
 check_alpha_from_trace = ALPHA.check
@@ -545,13 +466,10 @@ def reference_best_gamma(alpha: float, c: float, max_gamma: int) -> int:
 
 def _as_gamma(got, *case):
     if as_int(got) is None:
-        raise Refused(f"return γ as an int, not a {_type(got)}: γ counts proposals (e.g. int(...) "
-                      f"of an index, never a float)")
+        raise Refused(BEST["not_an_int"].format(type=_type(got)))
     return as_int(got)
 
 
-ALPHA_1 = ("at α = 1 the formula is 0/0; its limit is γ + 1 tokens per round, so the speed-up is "
-           "(γ + 1) / (γc + 1)")
 BEST_GAMMA = Exercise(
     "best_gamma",
     # the chapter's measured numbers, edges (α = 0 and 1, c = 0, ties) and small max_gamma; every
@@ -563,30 +481,21 @@ BEST_GAMMA = Exercise(
            (0.9, 0.0, 16), (0.9, 0.0, 12), (1.0, 0.7, 16)],
     describe=lambda alpha, c, max_gamma: f"alpha={alpha}, c={c}, max_gamma={max_gamma}",
     reference=reference_best_gamma, returns=_as_gamma,
-    raised=_crash_hint(ZeroDivisionError, "at α = 1 the formula is 0/0: every proposal is "
-                       "accepted, so a round commits its γ proposals and the bonus, γ + 1 tokens "
-                       "(the formula's limit)"),
+    raised=_crash_hint(ZeroDivisionError, BEST["divided_by_zero"]),
     mistakes={
-        ALPHA_1: lambda alpha, c, m: 1 if alpha == 1 else reference_best_gamma(alpha, c, m),
-        "this is what you get when you return the index of the best value (counted from 0) or "
-        "loop over range(1, max_gamma), which stops before max_gamma: γ runs from 1 to max_gamma "
-        "inclusive": lambda alpha, c, m: reference_best_gamma(alpha, c, m) - 1,
-        "on a tie return the SMALLER γ: update the best only on a strictly larger speed-up (> not "
-        ">=)": lambda alpha, c, m: m + 1 - _argmax([speedup(alpha, c, g) for g in range(m, 0, -1)]),
-        "this is what you get when you maximise tokens per target pass alone: every proposal "
-        "costs a draft step, so divide by γc + 1": lambda alpha, c, m: reference_best_gamma(
-            alpha, 0.0, m),
-        "this is what you get with α^γ: a round of γ proposals commits (1 - α^(γ+1)) / (1 - α) "
-        "tokens, the exponent is γ + 1": lambda alpha, c, m: _argmax(
+        BEST["alpha_1"]: lambda alpha, c, m: 1 if alpha == 1 else reference_best_gamma(alpha, c, m),
+        BEST["from_0"]: lambda alpha, c, m: reference_best_gamma(alpha, c, m) - 1,
+        BEST["tie"]: lambda alpha, c, m: m + 1 - _argmax([speedup(alpha, c, g)
+                                                          for g in range(m, 0, -1)]),
+        BEST["no_draft_cost"]: lambda alpha, c, m: reference_best_gamma(alpha, 0.0, m),
+        BEST["exponent"]: lambda alpha, c, m: _argmax(
             [(g if alpha == 1 else (1 - alpha ** g) / (1 - alpha)) / (g * c + 1)
              for g in range(1, m + 1)]),
-        "one more than the best γ: this is what you get when you return the γ after the best one "
-        "(an index off by one)": lambda alpha, c, m: reference_best_gamma(alpha, c, m) + 1,
+        BEST["one_more"]: lambda alpha, c, m: reference_best_gamma(alpha, c, m) + 1,
     },
-    otherwise=lambda runs: ALPHA_1 if next(case for case, got in runs
-                                           if got != reference_best_gamma(*case))[0] == 1 else (
-        "compute (1 - α^(γ+1)) / ((1 - α)(γc + 1)) for every γ in 1..max_gamma and return the γ "
-        "of the largest"))
+    otherwise=lambda runs: BEST["alpha_1"] if next(
+        case for case, got in runs if got != reference_best_gamma(*case))[0] == 1 else
+    BEST["otherwise"])
 check_best_gamma = BEST_GAMMA.check
 
 
@@ -611,57 +520,20 @@ def perfect_draft_run() -> tuple[int, object, dict[str, int]]:
                            "target_kv": kv("prefill", "verify"), "draft_kv": kv("draft")}
 
 
-def _prediction_mistakes(P: int, N: int, gamma: int, rounds: int, proposed: int,
+def _prediction_mistakes(P: int, N: int, gamma: int, R: int, proposed: int,
                          draft_passes: int) -> dict[str, list[tuple[int, str]]]:
-    """For each quantity, (a usual wrong prediction, the reasoning that gives it)."""
-    R = rounds
-    return {
-        "target_passes": [
-            (R, "you counted the rounds only: the prefill is a target pass too (it reads the "
-                "prompt and commits the first new token by itself)"),
-            (1 + math.ceil((N - 1) / gamma),
-             "you let a round commit γ tokens: with every proposal accepted it commits γ + 1, "
-             "the target's last row giving a bonus token of its own, for free"),
-            (math.ceil(N / gamma), "you let a round commit γ tokens (it commits γ + 1: the "
-                                   "bonus) and forgot the prefill's pass"),
-            (N, "one target pass per token is target-only decoding: here each round commits "
-                "several"),
-        ],
-        "draft_passes": [
-            (R * gamma, "you gave every round γ proposals: the run stops at max_new_tokens, so "
-                        "the last round proposes only what the budget leaves (the tokens left, "
-                        "less the target's own token)"),
-            (N - 1, "you gave every token after the first a draft pass: the bonus tokens come "
-                    "from the target's verification pass, never from the draft"),
-            (N, "one draft pass per token: the first token comes from the prefill and the "
-                "bonus tokens from the target, so the draft proposes fewer"),
-            ((R + 1) * gamma, "the prefill is the target's alone: the draft proposes only in "
-                              "the rounds"),
-        ],
-        "target_kv": [
-            (P + N, "the last committed token is never fed to the target (it is produced by "
-                    "the last pass and nothing follows it), and the last round verifies fewer "
-                    "rows: P + N counts one K/V too many"),
-            (P + R * (gamma + 1), "you gave the last round γ + 1 rows: it has fewer proposals"),
-            (N - 1, "you forgot the prompt: the prefill computes its K/V, one per prompt token"),
-            (P + proposed, "a verification pass feeds the last committed token AND the "
-                           "proposals: γ + 1 rows, not γ"),
-            ((R + 1) * (gamma + 1), "the prefill feeds the prompt, not γ + 1 rows"),
-        ],
-        "draft_kv": [
-            (draft_passes, "you counted one row per draft pass: a round's first draft pass "
-                           "feeds everything the draft's cache has not seen: the prompt and the "
-                           "first token in round 1, then two tokens after each fully accepted "
-                           "round (its own last proposal, never fed, and the target's bonus)"),
-            (draft_passes - 1 + P + 1, "you caught the draft up once, in round 1: after every "
-                                       "fully accepted round its first pass feeds 2 tokens (its "
-                                       "own last proposal and the target's bonus)"),
-            (P + N - 1, "the draft's cache ends TWO behind the sequence, not one: after the "
-                        "last round it has fed neither its last proposal nor the target's bonus"),
-            (P + N, "the draft never sees the last two committed tokens (its last proposal and "
-                    "the bonus): its cache ends two behind the sequence"),
-        ],
-    }
+    """For each quantity, (a usual wrong prediction, the reasoning that gives it), from the
+    prompt's length P, the new tokens N, γ, the rounds R, the proposals and the draft's passes."""
+    return {quantity: [(value, PERFECT[key]) for value, key in wrong] for quantity, wrong in {
+        "target_passes": [(R, "rounds_only"), (1 + math.ceil((N - 1) / gamma), "gamma_per_round"),
+                          (math.ceil(N / gamma), "gamma_no_prefill"), (N, "target_only")],
+        "draft_passes": [(R * gamma, "full_last_round"), (N - 1, "draft_per_token"),
+                         (N, "draft_every_token"), ((R + 1) * gamma, "draft_prefill")],
+        "target_kv": [(P + N, "last_fed"), (P + R * (gamma + 1), "full_last_rows"),
+                      (N - 1, "no_prompt"), (P + proposed, "gamma_rows"),
+                      ((R + 1) * (gamma + 1), "prefill_rows")],
+        "draft_kv": [(draft_passes, "row_per_pass"), (draft_passes - 1 + P + 1, "caught_up_once"),
+                     (P + N - 1, "one_behind"), (P + N, "level")]}.items()}
 
 
 @one_thread
@@ -676,12 +548,11 @@ def check_predict_perfect_draft(predict_perfect_draft) -> None:
                      verify_and_commit, GPT.forward)
     if not isinstance(got, dict) or set(got) != set(PREDICTED):
         fail(name, case, f"a dict with the keys {sorted(PREDICTED)}",
-             sorted(got) if isinstance(got, dict) else got,
-             "return your four predictions as a dict, one int per key"
+             sorted(got) if isinstance(got, dict) else got, PERFECT["not_a_dict"]
              + (" (did you forget to return it?)" if got is None else ""))
     for key, value in got.items():
         expect(as_int(value) is not None, name, case, f"{key}: an int", f"{key}: {value!r}",
-               "a count is a whole number: predict it, do not compute a fraction")
+               PERFECT["fraction"])
     P, out, measured = perfect_draft_run()
     assert out.stats.rejected == 0, ("this machine's target disagreed with itself at a near-tie "
                                      "(chapter 05): the run this prediction is about needs α = 1")
@@ -691,9 +562,7 @@ def check_predict_perfect_draft(predict_perfect_draft) -> None:
     if wrong:
         key, you = wrong[0], as_int(got[wrong[0]])
         hints = [h for w, h in mistakes[key] if w != measured[key] and w == you]
-        reason = "; or ".join(dict.fromkeys(hints)) or (
-            "reason round by round: what each pass feeds, and what each round commits "
-            "(chapter sections 1 and 2)")
+        reason = "; or ".join(dict.fromkeys(hints)) or PERFECT["otherwise"]
         others = f" (and {len(wrong) - 1} more of your predictions)" if len(wrong) > 1 else ""
         fail(name, f"{case}: {PREDICTED[key]}{others}", measured[key], you,
              f"you predicted {you} {PREDICTED[key]}; the engine counted {measured[key]}: "
@@ -729,26 +598,14 @@ RIGHT_RULE = (_chapter_accept, _norm_max, lambda p, q, g: p[g])
 # ((accept, residual, bonus): the rule a usual mistake runs, the symptom and the mistake)
 SAMPLED_MISTAKES = [
     ((_chapter_accept, _norm_max, lambda p, q, g: p[g - 1] if g else p[0]),
-     "symptom: when every proposal is accepted, the token after them follows the distribution "
-     "of the LAST PROPOSAL's position, not of the position after it. The bonus is drawn from "
-     "row γ of p (the target's output after the last proposal); after the loop, i is γ - 1, "
-     "the last proposal's row (and with no proposal at all it is not defined)"),
-    ((_chapter_accept, _norm_max, lambda p, q, g: q[g - 1] if g else p[0]),
-     "symptom: the bonus token follows the draft's distribution: draw it from the target's "
-     "row γ"),
-    ((_chapter_accept, lambda p_row, q_row: p_row, lambda p, q, g: p[g]),
-     "symptom: after a refusal, the tokens the draft likes come out too often: a refused draw "
-     "is replaced from the residual norm(max(0, p - q)), not from p"),
+     SAMPLED["last_proposal_row"]),
+    ((_chapter_accept, _norm_max, lambda p, q, g: q[g - 1] if g else p[0]), SAMPLED["draft_bonus"]),
+    ((_chapter_accept, lambda p_row, q_row: p_row, lambda p, q, g: p[g]), SAMPLED["resample_p"]),
     ((lambda p, q: min(1.0, q / p) if p > 0 else 1.0, _norm_max, lambda p, q, g: p[g]),
-     "symptom: proposals the target likes MORE than the draft are refused most: the chance "
-     "to accept is min(1, p(x)/q(x)); u * q(x) >= p(x) means u >= p/q, a refusal"),
-    ((lambda p, q: 1.0, _norm_max, lambda p, q, g: p[g]),
-     "symptom: every proposal is accepted: the draft's distribution comes out, not the "
-     "target's; refuse x with probability 1 - min(1, p(x)/q(x))"),
+     SAMPLED["q_over_p"]),
+    ((lambda p, q: 1.0, _norm_max, lambda p, q, g: p[g]), SAMPLED["accept_all"]),
     ((_chapter_accept, lambda p_row, q_row: _normalised((p_row - q_row).abs()),
-           lambda p, q, g: p[g]),
-     "symptom: a refused draw can be replaced by a token the draft over-proposes: the residual "
-     "is max(0, p - q), not |p - q|"),
+      lambda p, q, g: p[g]), SAMPLED["absolute"]),
 ]
 
 
@@ -765,8 +622,6 @@ def outcome_distribution(p: torch.Tensor, q: torch.Tensor, proposals: list[int],
         reach *= keep
     out[gamma] = reach * bonus(p, q, gamma).double()
     return out
-
-
 
 
 def _sampled_cases() -> list[tuple[str, torch.Tensor, torch.Tensor, list[int]]]:
@@ -798,9 +653,7 @@ def check_accept_sampled(accept_sampled) -> None:
     """accept_sampled(p, q, proposals, generator) -> (accepted, token): one round of speculative
     sampling, whose outcomes over seeded trials follow the closed form of section 5's rule."""
     name, cases = "accept_sampled", _sampled_cases()
-    crashed = _crash_hint((NameError, UnboundLocalError), "with no proposal the loop never runs, "
-                          "so its variable i is not defined: the bonus comes from row "
-                          "len(proposals) of p, which exists even then")
+    crashed = _crash_hint((NameError, UnboundLocalError), SAMPLED["no_proposal"])
     for label, p, q, proposals in cases:
         case = f"{label}: p rows {[_as_list(r) for r in p]}, q rows " \
                f"{[_as_list(r) for r in q]}, proposals {proposals}, {TRIALS} seeded trials"
@@ -810,15 +663,15 @@ def check_accept_sampled(accept_sampled) -> None:
             got = call_hinted(name, case, crashed, accept_sampled, p_in, q_in, list(proposals), g)
             pair = int_list(got) if isinstance(got, (tuple, list)) else None
             expect(pair is not None and len(pair) == 2, name, case, "(accepted, token): two ints",
-                   got, "return how many proposals are kept and the target's token after them")
+                   got, SAMPLED["not_a_pair"])
             expect(0 <= pair[0] <= len(proposals) and 0 <= pair[1] < p.size(1), name, case,
                    f"accepted in 0..{len(proposals)}, a token in 0..{p.size(1) - 1}", tuple(pair),
-                   "accepted counts proposals kept")
+                   SAMPLED["out_of_range"])
             return tuple(pair)
         seeds = [1_000 * t + len(proposals) for t in range(TRIALS)]  # one generator per trial
         results = [outcome(torch.Generator().manual_seed(s)) for s in seeds]
         expect(torch.equal(p_in, p) and torch.equal(q_in, q), name, case, "p and q left as they "
-               "were", "they changed", "no in-place operations on p or q: other rounds read them")
+               "were", "they changed", SAMPLED["in_place"])
         buggy = None  # the buggy round's outcomes, where it runs (it crashes with no proposal)
         with contextlib.suppress(NameError, UnboundLocalError):
             buggy = [accept_sampled_buggy(p, q, list(proposals), torch.Generator().manual_seed(s))
@@ -832,10 +685,8 @@ def check_accept_sampled(accept_sampled) -> None:
                     if not torch.allclose(outcome_distribution(p, q, proposals, rule), want,
                                           atol=1e-9)
                     and chi_square_p(counts, outcome_distribution(p, q, proposals, rule)) > 1e-4]
-            hint = ("this is accept_sampled_buggy unchanged, trial for trial: "
-                    + SAMPLED_MISTAKES[0][1]) if results == buggy else "; or ".join(fits) or (
-                "accept proposal i with probability min(1, p_i(x)/q_i(x)); at the first refusal "
-                "draw from norm(max(0, p_i - q_i)); after all γ, the bonus from p_γ")
+            hint = SAMPLED["buggy"] + SAMPLED_MISTAKES[0][1] if results == buggy else \
+                "; or ".join(fits) or SAMPLED["otherwise"]
             fail(name, case, "outcomes distributed as the rule says: accepted 0..γ with "
                  f"frequencies near {_as_list(want.sum(1))}",
                  f"accepted 0..γ with frequencies {_as_list(counts.sum(1) / TRIALS)}", hint)
@@ -864,7 +715,7 @@ def reference_choose_gamma(alpha: float, c: float, batch: int, balance: float) -
 
 def _as_choice(got, *case):
     if as_int(got) is None or not 0 <= as_int(got) <= MAX_GAMMA:
-        raise Refused(f"return γ as an int from 0 (no speculation) to {MAX_GAMMA}")
+        raise Refused(DESIGN_H["not_an_int"].format(max=MAX_GAMMA))
     return as_int(got)
 
 
@@ -882,24 +733,18 @@ DESIGN = Exercise(
     explain=lambda *case: ", ".join(f"γ = {g}: {batch_speedup(*case, g):.3f}x"
                                     for g in (0, reference_choose_gamma(*case))),
     mistakes={
-        "a tie: take the smaller γ (speculation that only breaks even is not worth it)":
-            lambda *case: MAX_GAMMA - _argmax([batch_speedup(*case, g)
-                                               for g in range(MAX_GAMMA, -1, -1)], 0),
-        "this is the chapter's formula for ONE request: with a batch, the verification pass has "
-        "batch × (γ + 1) rows, and past the balance point rows are not free any more":
-            lambda alpha, c, batch, balance: reference_best_gamma(alpha, c, MAX_GAMMA),
-        "speculation does not pay here at any γ: return 0 (plain batched decoding)":
-            lambda *case: _best(lambda g: batch_speedup(*case, g), lo=1),
-        "a round of γ proposals commits (1 - α^(γ+1)) / (1 - α) tokens on average: the exponent "
-        "is γ + 1 (the bonus)": lambda alpha, c, batch, balance: _best(
+        DESIGN_H["tie"]: lambda *case: MAX_GAMMA - _argmax(
+            [batch_speedup(*case, g) for g in range(MAX_GAMMA, -1, -1)], 0),
+        DESIGN_H["one_request"]: lambda alpha, c, batch, balance: reference_best_gamma(
+            alpha, c, MAX_GAMMA),
+        DESIGN_H["never_pays"]: lambda *case: _best(lambda g: batch_speedup(*case, g), lo=1),
+        DESIGN_H["exponent"]: lambda alpha, c, batch, balance: _best(
             lambda g: 1.0 if g == 0 else (g + 1 if alpha == 1 else (1 - alpha ** g) / (1 - alpha))
             * max(1.0, batch / balance) / (g * c + max(1.0, batch * (g + 1) / balance))),
-        "this ignores the draft's passes: γ of them a round, c each":
-            lambda alpha, c, batch, balance: reference_choose_gamma(alpha, 0.0, batch, balance),
+        DESIGN_H["no_draft_cost"]: lambda alpha, c, batch, balance: reference_choose_gamma(
+            alpha, 0.0, batch, balance),
     },
-    otherwise="price a round: γ draft passes at c, one verification pass of batch × (γ + 1) rows "
-              "at max(1, rows / balance); it commits the chapter's expected tokens per request, "
-              "against max(1, batch / balance) for one plain step")
+    otherwise=DESIGN_H["otherwise"])
 
 
 def check_choose_gamma(choose_gamma) -> None:
