@@ -399,7 +399,7 @@ def chapter_09_walk():
         engine.add(minikv.Request(question, 12))
         engine.add(minikv.Request(tok.encode("Once upon a time"), 12))
         new = []
-        for _ in range(9):
+        for _ in range(10):  # as the chapter: the prefill's step, then 9 decode steps
             new += engine.step().get(0, ([], False))[0]
         tokens = question + new
         table, length = engine.block_table(0), len(tokens) - 1

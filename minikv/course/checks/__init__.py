@@ -123,7 +123,7 @@ def fresh(chapter: str):
     for module in (minikv, minikv.engine):
         for name in minikv.engine.__all__:
             obj = getattr(module, name, None)
-            ours = not callable(obj) or getattr(obj, "__module__", "").startswith("minikv.engine.")
+            ours = not callable(obj) or getattr(obj, "__module__", "").startswith("minikv.engine")
             if not ours:
                 raise CheckFailed(f"{module.__name__}.{name} is not the packaged one (it was "
                                   f"replaced in this notebook): restart the kernel and run the "
