@@ -143,7 +143,6 @@ WRONG = [(CHOOSE, wrong, fragment) for wrong, fragment in CHOOSE_WRONG] + [
     (PASSES, lambda: {0: 19, 1: 23, 4: 39}, "the last window is partial"),  # two at once
     *[(PASSES, lambda wrong=wrong: {d: wrong(d) for d in ch05.PREDICT_D}, re.escape(hint) + r"\Z")
       for hint, wrong in ch05.PASSES_MISTAKES.items()],
-    (WINDOW, ch05.verify_window_buggy, "verify_window_buggy unchanged"),
     (WINDOW, partial(verify_window, judge_at=-1, own_at=-1), "verify_window_buggy unchanged"),
     (WINDOW, partial(verify_window, own_at=-1), "the verifier's own token wrong"),
     (WINDOW, partial(verify_window, crop_first=False), "replay the window's rows in ONE pass"),

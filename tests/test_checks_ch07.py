@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import minikv
 from minikv.course.checks import CheckFailed, ch07
-from minikv.engine import causal_attention
+from minikv.engine import Cache, causal_attention
 from minikv.engine.quantized import QuantizedKVCache, quantize
 
 from conftest import stub
@@ -74,7 +74,46 @@ def predict_bytes():
     return {"gqa2_int4": 12 * 2 * 2 * (12 + 4) * 50, "mqa_window": 12 * 2 * 1 * 24 * 4 * 20}
 
 
-class WindowCacheFixed(ch07.BuggyWindowCache):
+class BuggyWindowCache(Cache):
+    """The notebook's broken window cache, verbatim: the next token's position is the number of
+    slots held, not the number of tokens seen."""
+
+    def __init__(self, model, sinks, window):
+        cfg = model.config
+        empty = torch.zeros(1, cfg.kv_heads, 0, cfg.head_dim)
+        self.keys, self.values = [empty] * cfg.n_layer, [empty] * cfg.n_layer
+        self.n_layer, self.n_head, self.head_dim = cfg.n_layer, cfg.kv_heads, cfg.head_dim
+        self.sinks, self.window = sinks, window
+        self.positions = []   # the absolute position each held slot holds
+        self.batch_size, self.device, self.dtype = 1, torch.device("cpu"), torch.float32
+
+    def get_seq_length(self, layer_idx=0):
+        """Where the next token's position starts."""
+        return len(self.positions)
+
+    def check_fits(self, cfg, batch_size, n_new, device, dtype):
+        pass
+
+    def update(self, key, value, layer_idx):
+        """Append this pass's K/V; once the last layer is written, evict all but the first
+        `sinks` and the last `window` slots."""
+        self.keys[layer_idx] = torch.cat([self.keys[layer_idx], key], dim=2)
+        self.values[layer_idx] = torch.cat([self.values[layer_idx], value], dim=2)
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        if layer_idx == self.n_layer - 1:
+            start = self.get_seq_length()
+            self.positions += range(start, start + key.shape[2])
+            if len(self.positions) > self.sinks + self.window:
+                keep = list(range(self.sinks)) + list(range(len(self.positions) - self.window,
+                                                            len(self.positions)))
+                index = torch.tensor(keep)
+                self.keys = [t.index_select(2, index) for t in self.keys]
+                self.values = [t.index_select(2, index) for t in self.values]
+                self.positions = [self.positions[i] for i in keep]
+        return k, v
+
+
+class WindowCacheFixed(BuggyWindowCache):
     seen, per_layer, v_scale = 0, False, 1.0  # tokens seen; the other two make mistakes
 
     def get_seq_length(self, layer_idx=0):
@@ -87,7 +126,7 @@ class WindowCacheFixed(ch07.BuggyWindowCache):
         return k, v * self.v_scale
 
 
-class WindowCacheLastPlusOne(ch07.BuggyWindowCache):  # also right: the last position + 1
+class WindowCacheLastPlusOne(BuggyWindowCache):  # also right: the last position + 1
     def get_seq_length(self, layer_idx=0):
         return self.positions[-1] + 1 if self.positions else 0
 
@@ -108,8 +147,7 @@ WRONG = {  # checker -> (the learner's function(s), a fragment of the hint)
           (lambda *a: F.scaled_dot_product_attention(*a, is_causal=True, enable_gqa=True),
            "called torch.nn.functional.scaled_dot_product_attention"),
           (causal_attention, "called minikv's own minikv.engine.model.causal_attention")] + [
-          (wrong, hint) for mistakes in (ch07.GQA_MISTAKES, ch07.GQA_SHAPE_MISTAKES)
-          for hint, wrong in mistakes.items()],
+          (wrong, hint) for hint, wrong in ch07.GQA_MISTAKES.items()],
     QUANT: [((wrong, D), fragment) for wrong, fragment in [
         (lambda x, b: Q(x, b, per="channel"), "one scale per CHANNEL"),
         (lambda x, b: (Q(x, b)[0], Q(x, b, per="channel")[1].squeeze(-2)), "per CHANNEL (the"),
@@ -124,7 +162,7 @@ WRONG = {  # checker -> (the learner's function(s), a fragment of the hint)
         (lambda x, b: Q(x, b, rounding=torch.floor), "floor"),
         (lambda x, b: Q(x, b, tiny=False), "all zeros"),
         (lambda x, b: ((Q(x, b)[0] + 2 ** (b - 1)).to(torch.uint8), Q(x, b)[1]), "stored codes"),
-        (lambda x, b: Q(x, b, dtype=torch.float32), "integer dtype"),
+        (lambda x, b: Q(x, b, dtype=torch.float32), "small integers, 1 byte each"),
         (lambda x, b: (Q(x, b)[0], Q(x, b)[1][..., 0]), "keepdim=True"),
         (lambda x, b: (Q(x, b), x.zero_())[0], "x changed in place"),
         (lambda x, b: None, "did you forget to return it"),
@@ -151,10 +189,10 @@ WRONG = {  # checker -> (the learner's function(s), a fragment of the hint)
              "a prediction is made before the measurement")] + [
             (lambda key=key, w=w: {**predict_bytes(), key: w}, hint)
             for key in ch07.BYTES_KEYS for w, hint in ch07._bytes_mistakes(key)],
-    CACHE: [(ch07.BuggyWindowCache, "BuggyWindowCache unchanged"),
+    CACHE: [(BuggyWindowCache, "BuggyWindowCache unchanged"),
             (type("PerLayer", (WindowCacheFixed,), {"per_layer": True}), "once per LAYER"),
-            (type("NoEviction", (ch07.BuggyWindowCache,), {"__init__": lambda self, m, s, w: (
-                ch07.BuggyWindowCache.__init__(self, m, 0, 10_000))}), "the first `sinks` and"),
+            (type("NoEviction", (BuggyWindowCache,), {"__init__": lambda self, m, s, w: (
+                BuggyWindowCache.__init__(self, m, 0, 10_000))}), "the first `sinks` and"),
             (type("HalvesV", (WindowCacheFixed,), {"v_scale": 0.5}), "before anything is evicted"),
             (type("ByTheEngine", (minikv.SinkWindowCache,), {"__new__": lambda cls, m, s, w: (
                 minikv.SinkWindowCache.for_model(m, sinks=s, window=w))}), "called minikv's own"),
@@ -180,7 +218,7 @@ def _id(value):
 
 
 STUBS = {QUANT: [(stub, stub), (Q, stub)],  # a stubbed dequantize_block after a written quantize
-         CACHE: [(type("Stub", (ch07.BuggyWindowCache,), {"get_seq_length": stub}),)]}
+         CACHE: [(type("Stub", (BuggyWindowCache,), {"get_seq_length": stub}),)]}
 
 
 @pytest.mark.parametrize("checker", RIGHT, ids=_id)

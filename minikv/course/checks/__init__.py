@@ -26,10 +26,11 @@ The recipe, for writing or converting a chapter's checkers (chapter 05 is the mo
    their mutants from tests/test_checks_chNN.py, except the few a table cannot state: wrong
    types, crashes, inputs changed in place, two mistakes at once.
 3. An exercise that drives a model or a stateful object stays code, built from the same pieces
-   (`call`, `fail`/`expect`, `diagnose`, `kind`, `forbid`, `prediction`, `guarded`); its mutants
-   stay in tests/test_checks_chNN.py.
-4. The hints may live in checks/hints/chNN.toml, a table per exercise and a key per mistake
-   (`hints(chapter)`; `named(table, key=wrong implementation, ...)` makes `mistakes`).
+   (`call`, `fail`/`expect`, `expect_tensor`, `diagnose`, `kind`, `forbid`, `prediction`,
+   `guarded`); its mutants stay in tests/test_checks_chNN.py.
+4. The hints may live in checks/hints/chNN.toml, a table per exercise and a key per mistake,
+   each hint written once (`hints(chapter)`; `named(table, key=wrong implementation, ...)`
+   makes `mistakes`).
 """
 from __future__ import annotations
 
@@ -375,36 +376,41 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> bool:
 
 def expect_tensor(exercise: str, case: str, got, want: torch.Tensor, *, shape_words: str = "",
                   hints: dict | None = None, mistakes: dict | None = None, inputs: tuple = (),
-                  same: Callable = close) -> None:
+                  same: Callable = close, values: str = "the reference's values") -> None:
     """The ladder every tensor answer climbs, each rung once: a tensor, then `want`'s shape, its
     dtype, no NaN, then `same(got, want)`. At the first rung it fails, CheckFailed names the
     mistake: the hint of the wrong implementation in `mistakes` (hint -> fn, called with
     `inputs`) that gives this answer, else `hints[rung]` (rungs: "tensor", "shape", "dtype",
-    "nan", "close"). `shape_words` follows the shape in the message, e.g. " (B, n_head, T, hs)"."""
+    "nan", "close"), a string or a function of the answer that returns one. `shape_words` follows
+    the shape in the message, e.g. " (B, n_head, T, hs)"; `values` names what was expected."""
     hints = hints or {}
+
+    def hint(rung: str, default: str = "") -> str:
+        said = hints.get(rung, default)
+        return said(got) if callable(said) else said
 
     def named(rung: str, alike: Callable) -> str:
         found = diagnose(mistakes, [(inputs, got)], same=alike) if mistakes else ""
-        return found or hints.get(rung, "")
+        return found or hint(rung)
     if not isinstance(got, torch.Tensor):
         fail(exercise, case, f"a torch tensor of shape {tuple(want.shape)}{shape_words}",
-             kind(got), hints.get("tensor", "return one torch tensor")
+             kind(got), hint("tensor", "return one torch tensor")
              + (" (did you forget to return it?)" if got is None else ""))
     if got.shape != want.shape:  # a mistake with these wrong values (size-1 dims aside): its
         #                            hint; else one with this shape, else the shape's hint
-        values = not same(got.squeeze(), want.squeeze()) and named("", lambda a, b: isinstance(
+        by_values = not same(got.squeeze(), want.squeeze()) and named("", lambda a, b: isinstance(
             a, torch.Tensor) and same(a.squeeze(), b.squeeze()))
         fail(exercise, case, f"shape {tuple(want.shape)}{shape_words}", f"shape {tuple(got.shape)}",
-             values or named("shape", lambda a, b: isinstance(a, torch.Tensor)
-                             and a.shape == b.shape))
+             by_values or named("shape", lambda a, b: isinstance(a, torch.Tensor)
+                                and a.shape == b.shape))
     if got.dtype != want.dtype:
-        fail(exercise, case, f"dtype {want.dtype}", f"dtype {got.dtype}", hints.get("dtype", ""))
+        fail(exercise, case, f"dtype {want.dtype}", f"dtype {got.dtype}", hint("dtype"))
     if got.is_floating_point() and bool(got.isnan().any()):
-        fail(exercise, case, "no NaN", "NaN in the answer", hints.get("nan", ""))
-    if not same(got, want):
-        off = (got.double() - want.double()).abs().max() if got.is_floating_point() else "-"
-        fail(exercise, case, "the reference's values", f"values off by up to {off:.4g}"
-             if got.is_floating_point() else got, named("close", same))
+        fail(exercise, case, "no NaN", "NaN in the answer", hint("nan"))
+    if not same(got, want):  # a few integers shown as they are, more by how far they are off
+        off = (got.double() - want.double()).abs().max()
+        fail(exercise, case, values, f"values off by up to {off:.4g}"
+             if got.is_floating_point() or got.numel() > 16 else got, named("close", same))
 
 
 def hints(chapter: str) -> dict[str, dict[str, str]]:
