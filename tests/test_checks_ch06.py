@@ -92,8 +92,8 @@ def _cropper(give_back=lambda pool, block, owner: pool.release(block, owner),
 
 
 PagedCacheFixed = _cropper()
-CODE = {ch06.check_gather_keys: gather_keys, ch06.check_reserve: reserve,
-        ch06.check_predict_peak_blocks: predict_peak_blocks, ch06.check_crop: PagedCacheFixed}
+CODE = {ch06.check_reserve: reserve, ch06.check_predict_peak_blocks: predict_peak_blocks,
+        ch06.check_crop: PagedCacheFixed}  # the tables' solutions: test_checks_table.py
 RIGHT = [
     (ch06.check_gather_keys, merged),
     (ch06.check_reserve, partial(reserve, copy_first=False)),
@@ -105,10 +105,11 @@ RIGHT = [
         pool.n_free - np.ceil(n_tokens / pool.page_size) + np.sum(np.array(pool.ref)[shared] > 0)
         > n_running)),
 ]
-MISTAKES = {  # checker: [(wrong answer, a fragment of the hint it must get)]
-    ch06.check_gather_keys: [(wrong, re.escape(hint)) for hint, wrong in
-                             list(ch06.GATHER_MISTAKES.items())[:3]] + [
-        (list(ch06.GATHER_MISTAKES.values())[3], "an index out of range"),
+MISTAKES = {  # checker: [(wrong answer, a fragment of the hint it must get)]; the tables' named
+    #            mistakes are fed by test_checks_table.py
+    ch06.check_gather_keys: [
+        (lambda k, table, n: gather_keys(k, table, len(table) * k.size(2) + 1),
+         "an index out of range"),
         (partial(merged, cut=False), "cut to length"),
         (partial(merged, n_blocks=lambda length, bs: length // bs, cut=False),
          "dropped the partly filled"),
@@ -282,7 +283,7 @@ def test_block_size_answers_depend_on_the_workload():
 
 
 def test_chunk_schedule_cases_are_what_the_engine_does():
-    """The hand rule and the engine's ChunkedPrefill trace agree on every case, the cases cover a
+    """The hand rule and the engine's chunked-prefill trace agree on every case, the cases cover a
     step where decode rows take part of the budget and one where a prompt gets nothing, and every
     named mistake changes some case's answer."""
     rule = ch06._schedule_rule()
@@ -296,3 +297,14 @@ def test_chunk_schedule_cases_are_what_the_engine_does():
     for hint, wrong in ch06.SCHEDULE_CHUNKS.mistakes.items():
         assert any(wrong(list(lens), budget) != sched
                    for (lens, budget), sched in zip(cases, schedules)), hint
+
+
+def test_a_wrong_gather_shows_the_slots_it_read():
+    """The message names the pool slots each answer's positions hold, in runs."""
+    with pytest.raises(CheckFailed) as info:
+        ch06.check_gather_keys(ch06.GATHER.mistakes[ch06.G["sorted"]])
+    assert ("expected: 'pool_keys[5, :, 0..3], pool_keys[2, :, 0..3], pool_keys[7, :, 0..3], "
+            "pool_keys[0, :, 0..1]'\n  got:      'pool_keys[0, :, 0..3], pool_keys[2, :, 0..3], "
+            "pool_keys[5, :, 0..3], pool_keys[7, :, 0..1]'") in str(info.value)
+    mixed = ch06._slots(ch06.GATHER.mistakes[ch06.G["reshape"]](*ch06.GATHER.cases[0]))
+    assert "position(s) from no single slot" in mixed

@@ -1,6 +1,7 @@
-"""Checkers for chapter 06 (many requests: a paged KV cache, prefix caching, admission).
+"""Checkers for chapter 06 (many requests: a paged KV cache, prefix caching, admission), against
+the engine at run time; the hints are hints/ch06.toml.
 
-- gather_keys: one layer's keys read through a block table, bit for bit as PagedCache reads them.
+- gather_keys (a table): one layer's keys read through a block table, as PagedCache reads them.
 - reserve: room for n_new more positions in a BlockTable, a shared partly filled block copied
   first, against PagedCache.reserve on a copy of the pool (table, counts, free list, hashes, K/V).
 - matching_blocks (a table): a prompt's cached prefix blocks, as BlockPool.cached_prefix finds them.
@@ -8,7 +9,7 @@
 - predict_peak_blocks (predict, then measure): blocks in use when 4 requests share a prompt.
 - crop (debug): a paged rollback, against PagedCache.crop, then inside a verify-and-rollback decode.
 - choose_block_size (design, a table): the largest block size within a waste budget.
-- chunk_schedule (a table): chunked prefill's steps by hand, against a ChunkedPrefill run's trace.
+- chunk_schedule (a table): chunked prefill's steps by hand, against a chunked serve's trace.
 
 Everything runs on the CPU in about a second and leaves the caller's random state alone.
 """
@@ -31,18 +32,24 @@ from . import (
     Exercise,
     Refused,
     call_hinted,
-    diagnose,
     expect,
     fail,
     forbid,
     guarded,
+    hints,
     int_list,
+    named,
     one_of,
     one_thread,
     passed,
     prediction,
     tiny_model,
 )
+
+H = hints("ch06")
+G, R, M, A, P, C, B, S = (H[k] for k in (
+    "gather_keys", "reserve", "matching_blocks", "can_admit", "predict_peak_blocks", "crop",
+    "choose_block_size", "chunk_schedule"))
 
 
 def _config(n_layer: int, n_head: int, head_dim: int) -> GPTConfig:
@@ -53,6 +60,11 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@functools.cache
+def _tiny_model():
+    return tiny_model(0)
+
+
 class _Labelled(list):
     """A case's argument that carries what the case is about (`label`), for the message."""
 
@@ -61,11 +73,12 @@ class _Labelled(list):
         self.label = label
 
 
-# --- exercise 1: a sequence's keys, read through its block table --------------------------------
+# --- exercise 1 (a table): a sequence's keys, read through its block table ----------------------
 
-# (what the case is about, num_blocks, nh, block_size, hs, table, length); the first tells most
+# (what the case is about, num_blocks, nh, block_size, hs, table, length); the first tells the
 # mistakes apart
 GATHER_CASES = [
+    ("a table out of order, four blocks, the last partly filled", 8, 2, 4, 3, [5, 2, 7, 0], 14),
     ("a table out of order, its last block partly filled", 8, 2, 4, 3, [5, 2, 7], 10),
     ("a length that ends exactly on a block boundary", 8, 2, 4, 3, [3, 0], 8),
     ("a block reserved past the end (reserve runs before the pass that writes)", 8, 2, 4, 3,
@@ -77,6 +90,14 @@ GATHER_CASES = [
     ("blocks of 5, three heads, a block reserved past the end", 9, 3, 5, 2, [7, 2, 4, 0, 5, 8],
      21),
 ]
+
+
+def numbered(num_blocks: int, nh: int, bs: int, hs: int) -> torch.Tensor:
+    """A pool's keys whose every number says where it sits: [b, h, s, d] holds b·10⁶ + h·10⁴ +
+    s·10² + d (exact in float32), so an answer shows which slots it read."""
+    axes = [torch.arange(n).view([-1 if i == k else 1 for i in range(4)])
+            for k, n in enumerate((num_blocks, nh, bs, hs))]
+    return (axes[0] * 10**6 + axes[1] * 10**4 + axes[2] * 100 + axes[3]).float()
 
 
 def engine_read(pool_keys: torch.Tensor, table: list[int], length: int) -> torch.Tensor:
@@ -97,97 +118,63 @@ def _read(where):
         table, p // pool_keys.size(2), p % pool_keys.size(2))] for p in range(length)], dim=1)
 
 
-GATHER_MISTAKES = {  # hint -> wrong implementation
-    "this is what you get with the blocks in the order of their ids (sorted, or as they sit in "
-    "the pool): a block table lists a sequence's blocks in POSITION order, and its ids can come "
-    "in any order (blocks are taken from wherever the free list had them); position p is in "
-    "block table[p // block_size]": _read(lambda table, i, s: (sorted(table)[i], slice(None), s)),
-    "this is what you get when you read block p // block_size of the POOL, as if the sequence "
-    "held the pool's first blocks: p // block_size is an index into the TABLE, and table[p // "
-    "block_size] is the block": _read(lambda table, i, s: (i, slice(None), s)),
-    "this is what you get when you reshape pool_keys[table] (blocks, nh, block_size, hs) "
-    "straight to (nh, -1, hs): reshape keeps the memory order, so it mixes heads and blocks. "
-    "Bring the head axis first (.transpose(0, 1) gives (nh, blocks, block_size, hs)), then merge "
-    "blocks and slots, then cut to length": lambda pool_keys, table, length: pool_keys[
-        table].reshape(pool_keys.size(1), -1, pool_keys.size(3))[:, :length],
-    "this is what you get with block and slot swapped: the block is table[p // block_size], the "
-    "slot inside it p % block_size": _read(lambda table, i, s: (table[s], slice(None), i)),
-}
+def _slots(keys: torch.Tensor) -> str:
+    """An answer as the pool slots its positions hold, in runs: 'pool_keys[5, :, 0..3], ...'."""
+    nh, _, hs = keys.shape
+    runs: list[list] = []  # [block, first slot, last slot], or [None, positions]
+    for row in keys.transpose(0, 1):
+        v = float(row[0, 0])
+        b, s = (int(v) // 10**6, int(v) // 100 % 100) if math.isfinite(v) and v >= 0 else (0, 0)
+        if not torch.equal(row, numbered(b + 1, nh, s + 1, hs)[b, :, s]):
+            b = None
+        if runs and runs[-1][0] is None is b:
+            runs[-1][1] += 1
+        elif runs and b is not None and runs[-1][0] == b and runs[-1][2] + 1 == s:
+            runs[-1][2] += 1
+        else:
+            runs.append([None, 1] if b is None else [b, s, s])
+    return ", ".join(f"{r[1]} position(s) from no single slot" if r[0] is None else
+                     f"pool_keys[{r[0]}, :, {r[1]}{'' if r[1] == r[2] else f'..{r[2]}'}]"
+                     for r in runs)
 
 
-def _gather_shape_hint(shape: tuple, nh: int, bs: int, hs: int, table: list[int],
-                       length: int) -> str:
-    if shape == (length, nh, hs):
-        return ("positions first: attention reads a sequence's keys heads first, (nh, length, "
-                "hs), as chapter 02's cache (B, nh, T, hs) without B; stack the positions on "
-                "dim 1 (or .transpose(0, 1))")
-    if shape == (1, nh, length, hs):
-        return "one sequence, no batch axis: return (nh, length, hs)"
-    if len(shape) == 3 and shape[0] == nh and shape[2] == hs:
-        n = shape[1]
-        if n == len(table) * bs and n > length:
-            return (f"cut to length: the table's {len(table)} blocks have {n} slots, but the "
-                    f"sequence holds {length} positions; the slots past its end are empty or "
-                    f"stale (a last block partly filled, or one reserved for later)")
-        if n == length // bs * bs:
-            return ("you dropped the partly filled last block (length // block_size rounds "
-                    "down): its positions belong to the sequence too; it holds "
-                    "ceil(length / block_size) blocks")
-        if n == (length // bs + 1) * bs:
-            return ("length // block_size + 1 blocks is one too many when length ends on a block "
-                    "boundary: read ceil(length / block_size) blocks, or cut to length")
-        return f"one position per row of dim 1: {length} positions, not {n}"
-    return ("return (nh, length, hs): for position p, pool_keys[table[p // block_size], :, p % "
-            "block_size] holds the (nh, hs) keys of every head")
+def _gathered(got, pool_keys, table, length) -> torch.Tensor:
+    """The contract: a (nh, length, hs) tensor in the pool's dtype."""
+    _, nh, bs, hs = pool_keys.shape
+    if not isinstance(got, torch.Tensor):
+        raise Refused(G["not_a_tensor"], f"a tensor of shape {(nh, length, hs)}")
+    shape, n = tuple(got.shape), got.size(1) if got.dim() == 3 else -1
+    hint = (G["positions_first"] if shape == (length, nh, hs) else
+            G["batch_axis"] if shape == (1, nh, length, hs) else
+            G["shape"] if got.dim() != 3 or (shape[0], shape[2]) != (nh, hs) else
+            G["cut"].format(blocks=len(table), slots=n, length=length)
+            if n == len(table) * bs and n > length else G["dropped"] if n == length // bs * bs
+            else G["one_too_many"] if n == (length // bs + 1) * bs
+            else G["per_row"].format(length=length, n=n))
+    if shape != (nh, length, hs):
+        raise Refused(hint, f"shape {(nh, length, hs)} (nh, length, hs)")
+    if got.dtype != pool_keys.dtype:
+        raise Refused(G["dtype"], f"dtype {pool_keys.dtype}")
+    return got
 
 
-OUT_OF_RANGE = ("an index out of range: position p is in block table[p // block_size] (the "
-                "table's entries are the block ids; p // block_size indexes the table), at slot "
-                "p % block_size (0 to block_size - 1), for p = 0 .. length - 1")
-
-
-def _where_from(pool_keys: torch.Tensor, row: torch.Tensor) -> str:
-    """Which (block, slot) of the pool holds the (nh, hs) `row`, in words."""
-    return next((f"pool_keys[{b}, :, {s}]" for b in range(pool_keys.size(0))
-                 for s in range(pool_keys.size(2)) if torch.equal(pool_keys[b, :, s], row)),
-                "keys found in no single slot of the pool (heads or slots mixed up?)")
-
-
-@guarded
-def check_gather_keys(gather_keys) -> None:
-    """gather_keys(pool_keys, table, length) -> (nh, length, hs), as PagedCache reads them."""
-    name = "gather_keys"
-    for i, (label, num_blocks, nh, bs, hs, table, length) in enumerate(GATHER_CASES):
-        pool_keys = torch.randn(num_blocks, nh, bs, hs,
-                                generator=torch.Generator().manual_seed(600 + i))
-        case = (f"{label}: pool_keys of shape {tuple(pool_keys.shape)} (blocks of {bs}), "
-                f"table={table}, length={length}")
-        want = engine_read(pool_keys, table, length)
-        given, given_table = pool_keys.clone(), list(table)
-        with forbid(name, PagedCache.update, PagedCache._slots):
-            got = call_hinted(name, case, lambda e: OUT_OF_RANGE if isinstance(e, IndexError)
-                              else "your function raised on this input", gather_keys, given,
-                              given_table, length)
-        expect(torch.equal(given, pool_keys) and given_table == table, name, case,
-               "pool_keys and table left as they were", "they changed", "reading through a "
-               "table writes nothing: no in-place operation on the pool or the table")
-        if not isinstance(got, torch.Tensor):
-            fail(name, case, f"a tensor of shape {tuple(want.shape)}", type(got).__name__,
-                 "return a torch tensor (nh, length, hs): torch.stack or torch.cat the keys, or "
-                 "index pool_keys" + (" (did you forget to return it?)" if got is None else ""))
-        expect(got.shape == want.shape, name, case, f"shape {tuple(want.shape)} (nh, length, hs)",
-               f"shape {tuple(got.shape)}",
-               _gather_shape_hint(tuple(got.shape), nh, bs, hs, table, length))
-        expect(got.dtype == want.dtype, name, case, f"dtype {want.dtype}", f"dtype {got.dtype}",
-               "return the pool's keys as they are, in the pool's dtype")
-        if not torch.equal(got, want):
-            p = int((got != want).any(dim=2).any(dim=0).nonzero()[0])
-            fail(name, case, f"position {p}: pool_keys[{table[p // bs]}, :, {p % bs}]",
-                 f"position {p}: {_where_from(pool_keys, got[:, p])}",
-                 diagnose(GATHER_MISTAKES, [((pool_keys, table, length), got)], same=torch.equal)
-                 or "position p's keys are pool_keys[table[p // block_size], :, p % "
-                    "block_size]: every head's, in position order")
-    passed(name, len(GATHER_CASES))
+GATHER = Exercise(
+    "gather_keys", cases=[(numbered(n, nh, bs, hs), _Labelled(label, table), length)
+                          for label, n, nh, bs, hs, table, length in GATHER_CASES],
+    describe=lambda keys, table, length: (f"{table.label}: pool_keys of shape "
+                                          f"{tuple(keys.shape)} (blocks of {keys.size(2)}), "
+                                          f"table={table}, length={length}"),
+    reference=engine_read, solution=_read(lambda table, i, s: (table[i], slice(None), s)),
+    returns=_gathered, same=torch.equal, show=_slots, forbid=(PagedCache.update, PagedCache._slots),
+    mistakes=named(
+        G, sorted=_read(lambda table, i, s: (sorted(table)[i], slice(None), s)),
+        pool_first=_read(lambda table, i, s: (i, slice(None), s)),
+        reshape=lambda pool_keys, table, length: pool_keys[table].reshape(
+            pool_keys.size(1), -1, pool_keys.size(3))[:, :length],
+        swapped=_read(lambda table, i, s: (table[s], slice(None), i))),
+    otherwise=G["otherwise"], unchanged=G["unchanged"],
+    raised=lambda e: G["out_of_range"] if isinstance(e, IndexError) else R["raised"])
+check_gather_keys = GATHER.check
 
 
 # --- exercise 2: blocks for the positions to come, copy-on-write --------------------------------
@@ -215,18 +202,25 @@ RESERVE_CASES = [
 ]
 
 
-def reserve_pool(case: tuple, seed: int) -> tuple[BlockPool, list[BlockTable], BlockTable]:
-    """The case's pool (random K/V in 2 layers of 2 heads), the other tables, and this one."""
-    _, bs, num_blocks, others, (blocks, length), _, order, hashed = case
-    pool = BlockPool(_config(2, 2, 3), num_blocks, bs)
+def _books(bs: int, num_blocks: int, tables: list[BlockTable], mine: BlockTable, order=None,
+           layers: int = 1, seed: int = 0) -> BlockPool:
+    """A pool whose books (reference counts, free list) are these tables', its K/V random."""
+    pool = BlockPool(_config(layers, layers, 3), num_blocks, bs)
     g = torch.Generator().manual_seed(seed)
     for t in pool.keys + pool.values:
         t.copy_(torch.randn(t.shape, generator=g))
-    tables = [BlockTable(i, list(b), n) for i, (b, n) in enumerate(others)]
-    mine = BlockTable(len(tables), list(blocks), length)
     pool.ref = [sum(b in t.blocks for t in tables + [mine]) for b in range(num_blocks)]
     pool.free = deque(b for b in (range(num_blocks) if order is None else order)
                       if pool.ref[b] == 0)
+    return pool
+
+
+def reserve_pool(case: tuple, seed: int) -> tuple[BlockPool, list[BlockTable], BlockTable]:
+    """The case's pool (random K/V in 2 layers of 2 heads), the other tables, and this one."""
+    _, bs, num_blocks, others, (blocks, length), _, order, hashed = case
+    tables = [BlockTable(i, list(b), n) for i, (b, n) in enumerate(others)]
+    mine = BlockTable(len(tables), list(blocks), length)
+    pool = _books(bs, num_blocks, tables, mine, order, layers=2, seed=seed)
     assert sorted(pool.free) == [b for b in range(num_blocks) if pool.ref[b] == 0], case[0]
     for b in hashed:
         h = block_hash("a finished prompt", [b])
@@ -245,123 +239,75 @@ def _kv_differences(before: BlockPool, old: BlockTable, after: BlockPool,
                                                          read(after, new, layer, values)))]
 
 
-NO_COPY = ("position {length} falls in block {block}, partly filled and shared (reference count "
-           "{ref}): writing there would change the K/V of the other table(s) that read it. Copy "
-           "it first (copy-on-write): a new block with the same K/V, in this table's place")
-COPIED_FULL = ("block {block} is full: no position of it will be written, so it stays shared "
-               "(copying it wastes a block). Only the block that position {length} falls in, "
-               "table.blocks[{length} // block_size], can be written, and only when it is partly "
-               "filled")
-COPIED_UNSHARED = ("block {block} is held by this table alone (reference count 1): write into "
-                   "it in place; copy a block only when another table holds it too (ref > 1)")
-FLOOR = ("too few blocks: this is what you get with (length + n_new) // block_size, which rounds "
-         "down; a partly filled block is still a block: ceil((length + n_new) / block_size)")
-PER_NEW = ("this is what you get when you add ceil(n_new / block_size) blocks whatever the table "
-           "has: the last block's empty slots come first; new blocks only for the positions past "
-           "len(table.blocks) * block_size")
-NOT_RELEASED = ("the copied block's reference count must drop by one: this table no longer "
-                "holds it (pool.release(block, table.owner))")
-NOT_FROM_FRONT = ("take free blocks with pool.allocate(owner): it takes the block at the front of "
-                  "pool.free, the one free the longest, whose cached K/V are the least likely to "
-                  "be wanted again")
-STILL_HASHED = ("block {block} was reallocated but is still findable by its old hash in "
-                "pool.by_hash: the next prompt that starts with those tokens would share it and "
-                "read this sequence's K/V. pool.allocate(owner) forgets the hash")
-KV_COPY = {frozenset([True]): "you copied the keys but not the values: copy both, pool.keys and "
-                              "pool.values",
-           frozenset([False]): "you copied the values but not the keys: copy both, pool.keys and "
-                               "pool.values"}
-
-
-EMPTY_TABLE = ("a new request's table is empty (length 0): it has no last block to look at. Only "
-               "a block the table already holds, partly filled (table.length % block_size != 0), "
-               "can need a copy")
-POOL_FULL = ("the pool ran out of free blocks: take only the blocks positions 0 .. length + n_new "
-             "- 1 need")
-
-
 def _check_reserve_case(name: str, case_id: int, case: tuple, reserve) -> None:
     label, bs, _, others, (blocks0, length), n_new, _, _ = case
     where = (f"{label}: block_size={bs}, table.blocks={blocks0}, table.length={length}, "
              f"n_new={n_new}")
     pool, tables, mine = reserve_pool(case, 660 + case_id)
     before, want_pool, want = copy.deepcopy(pool), copy.deepcopy(pool), copy.deepcopy(mine)
-    ref0, free0 = list(pool.ref), list(pool.free)
+    ref0, free0, last = list(pool.ref), list(pool.free), length + n_new - 1
     PagedCache(want_pool, [want]).reserve(n_new)  # the engine, on a copy
     with forbid(name, PagedCache.reserve, BlockPool.reserve, BlockPool.blocks_needed,
                 BlockPool.copy_on_write):
-        call_hinted(name, where, lambda e: EMPTY_TABLE if isinstance(e, IndexError) and not
-                    blocks0 else POOL_FULL if isinstance(e, MemoryError) else
-                    "your function raised on this input", reserve, pool, mine, n_new)
+        call_hinted(name, where, lambda e: R["empty_table"] if isinstance(e, IndexError) and not
+                    blocks0 else R["pool_full"] if isinstance(e, MemoryError) else R["raised"],
+                    reserve, pool, mine, n_new)
     got, n_want = mine.blocks, len(want.blocks)
     expect(mine.length == length, name, where, f"table.length = {length}",
-           f"table.length = {mine.length}", "reserve makes room and writes nothing: the length "
-           "moves when the pass writes the K/V (PagedCache.update)")
-    expect(len(set(got)) == len(got), name, where, f"{n_want} distinct blocks", got,
-           "a block appears twice in the table")
+           f"table.length = {mine.length}", R["length"])
+    expect(len(set(got)) == len(got), name, where, f"{n_want} distinct blocks", got, R["twice"])
     # the blocks the table had: kept, except a shared partly filled block, copied
     for j, b0 in enumerate(blocks0):
         if j >= len(got):
             fail(name, where, f"table.blocks starting like {want.blocks[:len(blocks0)]}", got,
-                 "reserve only adds blocks (or puts a copy in a shared block's place): the "
-                 "table lost one")
+                 R["lost"])
         if want.blocks[j] != b0 and got[j] == b0:
             fail(name, where, f"block {b0} replaced by a copy", got,
-                 NO_COPY.format(length=length, block=b0, ref=ref0[b0]))
+                 R["no_copy"].format(length=length, block=b0, ref=ref0[b0]))
         if want.blocks[j] == b0 and got[j] != b0:
             fail(name, where, f"table.blocks[{j}] = {b0}", f"table.blocks[{j}] = {got[j]}",
-                 COPIED_UNSHARED.format(block=b0) if length % bs and j == length // bs else
-                 COPIED_FULL.format(block=b0, length=length) if j < _ceil(length, bs) else
-                 "a block the table already holds for later positions stays where it is")
+                 R["copied_unshared"].format(block=b0) if length % bs and j == length // bs else
+                 R["copied_full"].format(block=b0, length=length) if j < _ceil(length, bs) else
+                 R["moved"])
     if len(got) != n_want:
         fail(name, where, f"{n_want} blocks (ceil(({length} + {n_new}) / {bs}) = {n_want})",
              f"{len(got)} blocks: {got}", (
-                 FLOOR if len(got) == max(len(blocks0), (length + n_new) // bs) else
-                 f"too few blocks: the table must hold positions 0 .. {length + n_new - 1}")
-             if len(got) < n_want else PER_NEW if len(got) == len(blocks0) + _ceil(n_new, bs)
-             else f"more blocks than positions 0 .. {length + n_new - 1} need: a block taken "
-                  f"before it is needed is a block another request cannot use")
+                 R["floor"] if len(got) == max(len(blocks0), (length + n_new) // bs) else
+                 R["too_few"].format(last=last)) if len(got) < n_want else R["per_new"]
+             if len(got) == len(blocks0) + _ceil(n_new, bs) else R["too_many"].format(last=last))
     taken = [b for b in got if b not in blocks0]
     for b in taken:
         expect(ref0[b] == 0, name, where, "new blocks taken from pool.free",
-               f"block {b} (reference count {ref0[b]})", f"block {b} is held by another table: "
-               f"new blocks come from the free list (pool.allocate(owner))")
+               f"block {b} (reference count {ref0[b]})", R["held_elsewhere"].format(block=b))
     expect(sorted(taken) == sorted(free0[:len(taken)]), name, where,
            f"the first {len(taken)} free blocks {free0[:len(taken)]}", f"blocks {taken}",
-           NOT_FROM_FRONT)
+           R["not_from_front"])
     # the pool's books: counts, free list, hashes
     counts = [sum(b in t.blocks for t in tables + [mine]) for b in range(len(ref0))]
     for b in (b for b in range(len(counts)) if pool.ref[b] != counts[b]):
         fail(name, where, f"pool.ref[{b}] = {counts[b]}", f"pool.ref[{b}] = {pool.ref[b]}",
-             NOT_RELEASED if b in blocks0 and b not in got else
-             "a block just taken is held by this table alone: reference count 1" if b in taken
-             else "pool.ref[b] counts the tables that hold block b")
+             R["not_released"] if b in blocks0 and b not in got else
+             R["new_ref"] if b in taken else R["ref"])
     free = [b for b in free0 if b not in taken]
     expect(list(pool.free) == free, name, where, f"pool.free = {free}",
-           f"pool.free = {list(pool.free)}", "pool.free lists the blocks nobody holds, the "
-           "longest free first: a block you take leaves it (pool.allocate does this), the others "
-           "keep their order")
+           f"pool.free = {list(pool.free)}", R["free_list"])
     for b in taken:
         expect(b not in pool.hash_of and before.hash_of.get(b) not in pool.by_hash, name, where,
-               f"block {b} no longer in pool.by_hash", "still there", STILL_HASHED.format(block=b))
+               f"block {b} no longer in pool.by_hash", "still there",
+               R["still_hashed"].format(block=b))
     expect(pool.by_hash == {h: b for h, b in before.by_hash.items() if b not in taken}, name,
-           where, "the other hashes left alone", "pool.by_hash changed",
-           "only a reallocated block loses its hash")
+           where, "the other hashes left alone", "pool.by_hash changed", R["other_hashes"])
     # the K/V every table reads: the others' untouched, this one's the same through its copy
     for t in tables:
         expect(not _kv_differences(before, t, pool, t), name, where,
-               f"table {t.owner}'s K/V unchanged", "changed", "you wrote into a block another "
-               "table reads: reserve only copies FROM a shared block, into a block this table "
-               "alone will hold")
+               f"table {t.owner}'s K/V unchanged", "changed", R["wrote_shared"])
     diff = _kv_differences(before, BlockTable(mine.owner, list(blocks0), length), pool, mine)
     if diff:
-        layers = sorted({layer for layer, _ in diff})
+        layers, values = sorted({layer for layer, _ in diff}), {v for _, v in diff}
         fail(name, where, f"positions 0 .. {length - 1} read the same K/V through the new table",
-             f"different K/V in layer(s) {layers}", KV_COPY.get(frozenset(v for _, v in diff))
-             or ("you copied layer 0 only: pool.keys and pool.values hold one tensor per layer; "
-                 "copy the block in every layer" if 0 not in layers else
-                 "the copy must hold the shared block's K/V: for every layer l, "
-                 "pool.keys[l][new] = pool.keys[l][old], and the same for pool.values"))
+             f"different K/V in layer(s) {layers}",
+             R["keys_only"] if values == {True} else R["values_only"] if values == {False}
+             else R["layer_0"] if 0 not in layers else R["no_kv"])
 
 
 @guarded
@@ -443,30 +389,24 @@ def _match(prompt, bs, by_hash, n_blocks=None, chained=True, stop=True, cumulati
     return blocks
 
 
+def _block_ids(got, *case) -> list[int]:
+    """The contract: a list of block ids (ints)."""
+    if int_list(got) is not None:
+        return int_list(got)
+    hashes = isinstance(got, (list, tuple)) and got and all(isinstance(x, str) for x in got)
+    raise Refused(M["hashes"] if hashes else M["not_ids"])
+
+
 def _show_prompt(prompt: list[int]) -> str:
     return (f"{prompt}" if len(prompt) <= 16 else
             f"[{', '.join(map(str, prompt[:6]))}, ... {len(prompt) - 8} more ..., "
             f"{prompt[-2]}, {prompt[-1]}]") + f" ({len(prompt)} tokens)"
 
 
-def _block_ids(got, *case) -> list[int]:
-    """The contract: a list of block ids (ints)."""
-    if int_list(got) is not None:
-        return int_list(got)
-    if isinstance(got, (list, tuple)) and got and all(isinstance(x, str) for x in got):
-        raise Refused("these are hashes: return the blocks by_hash maps them to, by_hash[h]")
-    raise Refused("return a list of block ids (ints), the blocks the new table starts with")
-
-
-MATCH_HINT = ("walk the prompt's full blocks from the first: h = block_hash(h, tokens of block "
-              "i), starting from h = '' (the empty string); while by_hash has h, the block is "
-              "by_hash[h]; stop at the first miss, and leave at least one prompt token")
-
-
 def _matching_otherwise(answers) -> str:
     got, want = next((got, engine_shared_prefix(*case)) for case, got in answers
                      if got != engine_shared_prefix(*case))
-    return ("no block found: " if not got and want else "") + MATCH_HINT
+    return (M["nothing_found"] if not got and want else "") + M["otherwise"]
 
 
 MATCHING = Exercise(
@@ -474,31 +414,13 @@ MATCHING = Exercise(
     describe=lambda prompt, bs, by_hash: (f"{prompt.label}: prompt={_show_prompt(prompt)}, "
                                           f"block_size={bs}"),
     reference=engine_shared_prefix, solution=_match, returns=_block_ids,
-    forbid=(BlockPool.cached_prefix,),
-    unchanged="matching only looks blocks up: the pool's hashes change when blocks are published "
-              "or reallocated, not here",
-    mistakes={
-        "this is what you get when you go on after a miss: the table would have a hole, a block "
-        "whose K/V nobody computed for this prompt. The prefix ends at the first block not found":
-            partial(_match, stop=False),
-        "this is what you get when you match every full block of a prompt that ends on a block "
-        "boundary: nothing would be left to compute, and the first new token is read from the "
-        "logits of the prompt's last token. Leave at least one token: look at the first "
-        "(len(prompt) - 1) // block_size blocks":
-            lambda prompt, bs, by_hash: _match(prompt, bs, by_hash, len(prompt) // bs),
-        "this is what you get when you always leave the last full block: only one token must be "
-        "left, so a prompt that does not end on a block boundary can share all its full blocks: "
-        "(len(prompt) - 1) // block_size of them":
-            lambda prompt, bs, by_hash: _match(prompt, bs, by_hash, len(prompt) // bs - 1),
-        "this is what you get when you hash the whole prefix from the start with '' as the "
-        "previous hash: the engine's hash is block_hash(hash of the previous block, this block's "
-        "tokens), one block at a time": partial(_match, cumulative=True),
-        "this is what you get when you hash each block's tokens alone (block_hash('', tokens)): "
-        "the same tokens after another beginning have other keys and values, since every token "
-        "attends to all before it. Chain: pass the previous block's hash":
-            partial(_match, chained=False),
-    },
-    otherwise=_matching_otherwise)
+    forbid=(BlockPool.cached_prefix,), unchanged=M["unchanged"], otherwise=_matching_otherwise,
+    mistakes=named(
+        M, past_a_miss=partial(_match, stop=False),
+        every_full_block=lambda prompt, bs, by_hash: _match(prompt, bs, by_hash, len(prompt) // bs),
+        last_full_block=lambda prompt, bs, by_hash: _match(prompt, bs, by_hash,
+                                                           len(prompt) // bs - 1),
+        cumulative=partial(_match, cumulative=True), unchained=partial(_match, chained=False)))
 check_matching_blocks = MATCHING.check
 
 
@@ -588,15 +510,14 @@ def _a_bool(got, *case) -> bool:
                                  and type(got).__name__ in ("bool_", "bool")):
         return bool(got)
     kind_of = f"{type(got).__module__}.{type(got).__name__}".replace("builtins.", "")
-    raise Refused(f"return True or False (a bool), not {kind_of}")
+    raise Refused(A["not_a_bool"].format(kind=kind_of))
 
 
 def _admission_otherwise(answers) -> str:
     pool, n_tokens, shared, r = next(case for case, got in answers if got != engine_admits(*case))
     blocks, held = _ceil(n_tokens, pool.page_size), _held(pool, shared)
-    return (f"here the request's {blocks} block(s) less {held} shared block(s) held by running "
-            f"requests take {blocks - held} free block(s), and headroom is one block for it and "
-            f"one for each of the {r} running: {blocks - held + 1 + r} needed, {pool.n_free} free")
+    return A["otherwise"].format(blocks=blocks, held=held, take=blocks - held, running=r,
+                                 need=blocks - held + 1 + r, free=pool.n_free)
 
 
 ADMISSION = Exercise(
@@ -605,38 +526,15 @@ ADMISSION = Exercise(
         f"{pool.label}: pool.page_size={pool.page_size}, pool.n_free={pool.n_free}, "
         f"n_tokens={n_tokens}, shared={shared} (reference counts "
         f"{[pool.ref[b] for b in shared]}), n_running={n_running}"),
-    reference=engine_admits, solution=_rule(), returns=_a_bool,
+    reference=engine_admits, solution=_rule(), returns=_a_bool, unchanged=A["unchanged"],
     forbid=(Scheduler.admission, FirstComeFirstServed.fits, BlockPool.cached_prefix),
-    unchanged="can_admit only decides: taking the blocks is what the server does next, once the "
-              "request is admitted",
-    mistakes={
-        "this is what you get when you subtract the shared blocks' reference counts: a block held "
-        "by two requests is still one block; count the shared blocks with ref > 0, once each":
-            _rule(held=lambda pool, shared: sum(pool.ref[b] for b in shared)),
-        "this is what you get when the shared blocks cost free blocks: a shared block a running "
-        "request holds (ref > 0) is reused as it is, and takes nothing from the free list":
-            _rule(held=lambda pool, shared: 0),
-        "this is what you get when every shared block is free of charge: a shared block nobody "
-        "holds (ref 0: a finished request's, still cached) is on the free list, and sharing it "
-        "takes it off; only the shared blocks with ref > 0 cost nothing":
-            _rule(held=lambda pool, shared: len(shared)),
-        "this is what you get with n_tokens // block_size, which rounds down: a partly filled "
-        "last block is a block too, ceil(n_tokens / block_size)":
-            _rule(blocks=lambda n, bs: n // bs),
-        "this is what you get without headroom for the running requests: each may need a new "
-        "block at the next decode step (its next position starts a block), and a pool without one "
-        "preempts a request the step after admitting this one; keep one free block per running "
-        "request": _rule(headroom=lambda r: 1),
-        "this is what you get without a block of headroom for the newcomer itself: after its "
-        "prefill its first new token goes at position n_tokens, which starts a new block when "
-        "n_tokens ends on a block boundary; it is one more running request":
-            _rule(headroom=lambda r: r),
-        "this is what you get with > instead of >=: exactly enough free blocks is enough":
-            _rule(strict=True),
-        "this is what you get when the prompt's blocks alone must fit: every running request, and "
-        "the newcomer after its prefill, may need a new block at the next decode step; keep one "
-        "free block for each": _rule(headroom=lambda r: 0),
-    },
+    mistakes=named(
+        A, ref_counts=_rule(held=lambda pool, shared: sum(pool.ref[b] for b in shared)),
+        shared_cost=_rule(held=lambda pool, shared: 0),
+        all_free=_rule(held=lambda pool, shared: len(shared)),
+        floor=_rule(blocks=lambda n, bs: n // bs), no_running_headroom=_rule(headroom=lambda r: 1),
+        no_own_headroom=_rule(headroom=lambda r: r), strict=_rule(strict=True),
+        no_headroom=_rule(headroom=lambda r: 0)),
     otherwise=_admission_otherwise)
 check_can_admit = ADMISSION.check
 
@@ -656,34 +554,17 @@ def measure_peak(prompt_len: int, prefix_caching: bool) -> int:
     return max(sum(ref > 0 for ref in step.ref) for step in outs.pool_steps)
 
 
-@functools.cache
-def _tiny_model():
-    return tiny_model(0)
-
-
 def _peak_mistakes(prompt_len: int, prefix_caching: bool) -> list[tuple[int, str]]:
     n, bs = PEAK_SAMPLES, PEAK_BLOCK
     own = _ceil(prompt_len + PEAK_NEW - 1, bs)
     shared = (prompt_len - 1) // bs if prefix_caching else 0
-    return [
-        (n * _ceil(prompt_len + PEAK_NEW, bs) - (n - 1) * shared,
-         "you gave the last new token K/V: it is produced by the last pass and never fed, so a "
-         "request holds prompt + new - 1 positions"),
-        (n * own, "you shared nothing: with prefix caching the samples after the first reuse the "
-                  "prompt's full blocks (one copy, reference count 4)" if prefix_caching else
-                  "right count per request, wrong total"),
-        (n * own - (n - 1) * _ceil(prompt_len, bs),
-         "you shared the prompt's partly filled last block too: only FULL blocks are shared (a "
-         "partly filled one is written by every sample, so each needs its own)"),
-        (n * own - (n - 1) * (prompt_len // bs),
-         "you shared every full block of the prompt: a prompt that ends on a block boundary "
-         "shares one fewer, since at least one prompt token is left to compute (its logits give "
-         "the first new token)"),
-        (n * (prompt_len + PEAK_NEW - 1) // bs,
-         "you rounded down: a partly filled block is a whole block"),
-    ] + ([] if prefix_caching else [(
-        n * own - (n - 1) * ((prompt_len - 1) // bs), "without prefix caching nothing is shared: "
-        "every request computes and holds its own prompt blocks")])
+    return [(n * _ceil(prompt_len + PEAK_NEW, bs) - (n - 1) * shared, P["last_token"]),
+            (n * own, P["shared_nothing"] if prefix_caching else P["wrong_total"]),
+            (n * own - (n - 1) * _ceil(prompt_len, bs), P["partly_filled"]),
+            (n * own - (n - 1) * (prompt_len // bs), P["every_full_block"]),
+            (n * (prompt_len + PEAK_NEW - 1) // bs, P["floor"])] + (
+        [] if prefix_caching else [(n * own - (n - 1) * ((prompt_len - 1) // bs),
+                                    P["no_caching"])])
 
 
 @one_thread
@@ -698,21 +579,17 @@ def check_predict_peak_blocks(predict_peak_blocks) -> None:
     if not isinstance(got, dict) or sorted(got) != sorted(PEAK_KEYS):
         fail(name, case, f"a dict with the keys {PEAK_KEYS}",
              sorted(got) if isinstance(got, dict) else got,
-             "one prediction per (prompt tokens, prefix caching) pair, as ints"
-             + (" (did you forget to return it?)" if got is None else ""))
+             P["not_a_dict"] + (" (did you forget to return it?)" if got is None else ""))
     for key in PEAK_KEYS:
-        expect(type(got[key]) is int, name, f"{case}: {key}", "an int", got[key],
-               "blocks come whole: an int")
+        expect(type(got[key]) is int, name, f"{case}: {key}", "an int", got[key], P["not_an_int"])
     measured = {key: measure_peak(*key) for key in PEAK_KEYS}
     for (prompt_len, caching), you in ((key, got[key]) for key in PEAK_KEYS):
         want = measured[prompt_len, caching]
         reason = "; or ".join(dict.fromkeys(h for w, h in _peak_mistakes(prompt_len, caching)
-                                            if w == you and w != want)) or (
-            "per request: the positions it holds at the end (prompt + new tokens - 1), in "
-            "blocks of 4; then which of those blocks the requests hold together")
+                                            if w == you and w != want)) or P["otherwise"]
         expect(you == want, name, f"{case}: a {prompt_len}-token prompt, prefix caching "
                f"{'on' if caching else 'off'}", want, you,
-               f"you predicted {you} blocks; the engine used {want} at most: {reason}")
+               P["wrong"].format(you=you, want=want, reason=reason))
     print("  measured: " + "; ".join(
         f"{p}-token prompt, prefix caching {'on' if c else 'off'}: {measured[p, c]} blocks"
         for p, c in PEAK_KEYS))
@@ -750,20 +627,10 @@ CROP_CASES = [
 def crop_pool(case):
     """The case's pool (just the books), the tables of the others, and this table."""
     _, bs, (blocks, length), others, _ = case
-    num_blocks = max(set(blocks) | {b for o in others for b in o}) + 3
-    pool = BlockPool(_config(1, 1, 1), num_blocks, bs)
     tables = [BlockTable(i + 1, list(o), len(o) * bs) for i, o in enumerate(others)]
     mine = BlockTable(0, list(blocks), length)
-    pool.ref = [sum(b in t.blocks for t in tables + [mine]) for b in range(num_blocks)]
-    pool.free = deque(b for b in range(num_blocks) if pool.ref[b] == 0)
-    return pool, tables, mine
-
-
-CROP_SYMPTOM = ("symptom: a rollback to a length that is not a multiple of block_size gives back "
-                "the block that still holds the sequence's last positions; the next pass writes "
-                "into a fresh block and reads garbage where those positions were (and the block "
-                "given back may already be another request's). A block goes back only when it "
-                "lies wholly past the new length: while its FIRST position is at or past it")
+    num_blocks = max(set(blocks) | {b for o in others for b in o}) + 3
+    return _books(bs, num_blocks, tables, mine), tables, mine
 
 
 def _cropped(cache_class, case) -> tuple:
@@ -779,39 +646,30 @@ def check_crop(cache_class) -> None:
     name = "crop"
     if not (isinstance(cache_class, type) and issubclass(cache_class, PagedCache)):
         fail(name, "the class", "a subclass of PagedCache (of BuggyPagedCache)", cache_class,
-             "pass the class itself, with its crop method fixed")
+             C["not_a_class"])
     same_as_buggy = 0
     for case in CROP_CASES:
         label, bs, (blocks0, length), others, n = case
         where = f"{label}: block_size={bs}, table.blocks={blocks0}, length {length} → {n}"
         with forbid(name, PagedCache.crop, BlockPool.crop):
-            state = call_hinted(name, where, lambda e: "your crop raised on this input",
-                                _cropped, cache_class, case)
+            state = call_hinted(name, where, lambda e: C["raised"], _cropped, cache_class, case)
         want, buggy = _cropped(PagedCache, case), _cropped(BuggyPagedCache, case)
         same_as_buggy += state == buggy
         if state[:2] != want[:2]:
             fail(name, where, f"table.blocks={want[0]}, length {want[1]}",
                  f"table.blocks={state[0]}, length {state[1]}",
-                 "this is BuggyPagedCache's crop unchanged: " + CROP_SYMPTOM
-                 if state[:2] == buggy[:2] else CROP_SYMPTOM if len(state[0]) < len(want[0])
-                 else "a block that lies wholly past the new length holds nothing of the "
-                      "sequence any more: give it back (pool.release), or it is lost to every "
-                      "other request" if len(state[0]) > len(want[0])
-                 else "the table's length is the new length" if state[1] != want[1]
-                 else "give back the blocks past the end with pool.release(block, owner), last "
-                      "first")
+                 C["buggy"] + C["symptom"] if state[:2] == buggy[:2] else C["symptom"]
+                 if len(state[0]) < len(want[0]) else C["kept"] if len(state[0]) > len(want[0])
+                 else C["length"] if state[1] != want[1] else C["release"])
         if state[2:] != want[2:]:
             shared = [b for b in blocks0 if b not in state[0] and want[2][b] > 0]
             fail(name, where, f"pool.ref={want[2]}, pool.free={want[3]}",
                  f"pool.ref={state[2]}, pool.free={state[3]}",
-                 "block {b} is shared (another sequence holds it too): giving it back drops "
-                 "ONE reference; it is free only when nobody holds it. pool.release does "
-                 "both".format(b=shared[0]) if shared and state[2][shared[0]] == 0 else
-                 "give blocks back with pool.release(block, owner): it lowers the reference "
-                 "count and puts the block on the free list when nobody holds it")
+                 C["shared"].format(block=shared[0]) if shared and state[2][shared[0]] == 0
+                 else C["books"])
     if same_as_buggy == len(CROP_CASES):
         fail(name, "every case", "a fixed crop", "BuggyPagedCache's results",
-             "this is the buggy crop unchanged: " + CROP_SYMPTOM)
+             C["all_buggy"] + C["symptom"])
     _check_crop_in_decoding(name, cache_class)
     passed(name, len(CROP_CASES) + 1)
 
@@ -838,18 +696,18 @@ def _check_crop_in_decoding(name, cache_class) -> None:
                                         for i in range(1 + step % 3)], cache, verifier,
                                   partial(accept_matching, sampling=SamplingParams(),
                                           first_position=len(seq)))
-    call_hinted(name, case, lambda e: "the table lost a block it still needed and the next pass "
-                "found no slot for a position: " + CROP_SYMPTOM, decode)
+    call_hinted(name, case, lambda e: C["lost_block"] + C["symptom"], decode)
     new, alone = seq[len(prompt):len(prompt) + n_new], generate(model, prompt, n_new).tokens
     if new != alone:
         at = next(i for i, (a, b) in enumerate(zip(new, alone)) if a != b)
         fail(name, case, f"target-only greedy: {alone}", new,
-             f"the text goes wrong at new token {at}: " + CROP_SYMPTOM)
+             C["text"].format(at=at) + C["symptom"])
 
 
 # --- exercise 7 (design, a table): a block size for a memory budget ------------------------------
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+DESIGN_BUDGETS = (0.0, 0.05, 0.1, 0.25)
 
 
 def blocks_taken(lengths: list[int], block_size: int) -> int:
@@ -882,9 +740,6 @@ def _snapshots() -> list[_Labelled]:
             _Labelled("sequences whose lengths are all multiples of 64", [64, 192, 320, 128])]
 
 
-DESIGN_BUDGETS = (0.0, 0.05, 0.1, 0.25)
-
-
 def _reserved(lengths, bs) -> str:
     held, taken = sum(lengths), blocks_taken(lengths, bs) * bs
     return f"{taken:,} positions reserved for {held:,} held, {100 * (taken / held - 1):.1f}% waste"
@@ -895,30 +750,21 @@ BLOCK_SIZE = Exercise(
     describe=lambda lengths, max_waste: f"{lengths.label}, max_waste={max_waste}",
     reference=reference_block_size,
     explain=lambda lengths, w: _reserved(lengths, reference_block_size(lengths, w)),
-    returns=one_of(*BLOCK_SIZES, hint=f"return one of {BLOCK_SIZES}, as an int"),
-    mistakes={
-        "the waste is measured against the positions HELD: reserved ≤ (1 + max_waste) × held":
-            lambda lengths, w: _largest(lambda bs: blocks_taken(lengths, bs) * bs * (1 - w)
-                                        <= sum(lengths)),
-        "exactly on the budget is within it: ≤, not <":
-            lambda lengths, w: _largest(lambda bs: blocks_taken(lengths, bs) * bs
-                                        < (1 + w) * sum(lengths)),
-        "block size 1 never wastes a position (it is always within the budget), but a block per "
-        "position is the slowest for the attention kernel, which reads a block at a time: the "
-        "goal is the LARGEST block size within the budget": lambda lengths, w: 1,
-        "you rounded the blocks down: a sequence's partly filled last block is a whole block":
-            lambda lengths, w: _largest(lambda bs: sum(n // bs for n in lengths) * bs
-                                        <= (1 + w) * sum(lengths)),
-        "16 is vLLM's default, not this workload's answer: measure the waste at each size":
-            lambda lengths, w: 16,
-    },
-    otherwise="for each block size: the blocks every sequence needs, times the block size, "
-              "against the positions held")
+    returns=one_of(*BLOCK_SIZES, hint=B["not_a_size"].format(sizes=BLOCK_SIZES)),
+    mistakes=named(
+        B, against_reserved=lambda lengths, w: _largest(
+            lambda bs: blocks_taken(lengths, bs) * bs * (1 - w) <= sum(lengths)),
+        strict=lambda lengths, w: _largest(
+            lambda bs: blocks_taken(lengths, bs) * bs < (1 + w) * sum(lengths)),
+        smallest=lambda lengths, w: 1,
+        floor=lambda lengths, w: _largest(
+            lambda bs: sum(n // bs for n in lengths) * bs <= (1 + w) * sum(lengths)),
+        default=lambda lengths, w: 16),
+    otherwise=B["otherwise"])
 check_choose_block_size = BLOCK_SIZE.check
 
 
-
-# --- exercise 8: chunked prefill's schedule, by hand ---------------------------------------------
+# --- exercise 8 (a table): chunked prefill's schedule, by hand -----------------------------------
 
 SCHEDULE_NEW = 64  # new tokens per request: every finished prompt decodes to the end of the case
 
@@ -941,7 +787,6 @@ def engine_schedule(prompt_lens: list[int], budget: int) -> list[list[int]]:
     """The server's answer: serve the prompts (all arriving at step 0) under chunked prefill
     (FirstComeFirstServed(budget, chunked_prefill=True)) and read from the trace the prompt
     tokens each request computed in each step."""
-    from ...engine.scheduler import FirstComeFirstServed
     requests = [Request([1 + (7 * i + k) % 500 for k in range(n)], SCHEDULE_NEW)
                 for i, n in enumerate(prompt_lens)]
     policy = FirstComeFirstServed(budget, chunked_prefill=True)
@@ -980,44 +825,24 @@ def _schedule_rule(decodes_first=True, same_step=False, oldest_first=True, even=
 def _a_schedule(got, prompt_lens, budget) -> list[list[int]]:
     """The contract: a list of steps, each a list of one chunk size (an int) per prompt."""
     if not isinstance(got, (list, tuple)) or not got:
-        raise Refused("return a list of steps, each a list of chunk sizes (one int per prompt)")
+        raise Refused(S["not_steps"])
     steps = [int_list(step) for step in got]
     if any(step is None or len(step) != len(prompt_lens) for step in steps):
-        raise Refused(f"each step must be a list of {len(prompt_lens)} ints, one chunk size per "
-                      f"prompt (0 when it gets none)")
+        raise Refused(S["not_chunks"].format(n=len(prompt_lens)))
     return steps
-
-
-def _schedule_otherwise(answers) -> str:
-    prompt_lens, budget = next(case for case, got in answers
-                               if got != engine_schedule(*case))
-    return (f"step by step: a token for each request whose prompt is done (from the step after "
-            f"its last chunk), then what is left of the {budget} to the prompts, oldest first, "
-            f"each at most what it has left")
 
 
 SCHEDULE_CHUNKS = Exercise(
     "chunk_schedule", cases=_schedule_cases(),
     describe=lambda lens, budget: f"{lens.label}: prompt_lens={list(lens)}, budget={budget}",
     reference=engine_schedule, solution=_schedule_rule(), returns=_a_schedule,
-    forbid=(serve,),
-    unchanged="chunk_schedule only plans: keep prompt_lens as it was given (copy it to count down)",
-    mistakes={
-        "this is what you get when the prompts get the whole budget: from the step after its "
-        "last chunk a request decodes, and its decode row takes one token of every step's budget "
-        "first (a running request's next token must not wait); the prompts get what is left":
-            _schedule_rule(decodes_first=False),
-        "this is what you get when a request decodes in the step of its last chunk: that pass "
-        "already gives its first token, so its first decode row is the next step's":
-            _schedule_rule(same_step=True),
-        "this is what you get when the newest prompt goes first: chunks go to the prompts oldest "
-        "first, so the first to arrive is the first to get its first token":
-            _schedule_rule(oldest_first=False),
-        "this is what you get when the budget is shared evenly among the prompts: the oldest "
-        "prompt takes all it can, and the next gets what is left":
-            _schedule_rule(even=True),
-    },
-    otherwise=_schedule_otherwise)
+    forbid=(serve,), unchanged=S["unchanged"],
+    mistakes=named(S, whole_budget=_schedule_rule(decodes_first=False),
+                   same_step=_schedule_rule(same_step=True),
+                   newest_first=_schedule_rule(oldest_first=False),
+                   even=_schedule_rule(even=True)),
+    otherwise=lambda answers: S["otherwise"].format(budget=next(
+        case for case, got in answers if got != engine_schedule(*case))[1]))
 check_chunk_schedule = SCHEDULE_CHUNKS.check
 
-EXERCISES = (MATCHING, ADMISSION, BLOCK_SIZE, SCHEDULE_CHUNKS)
+EXERCISES = (GATHER, MATCHING, ADMISSION, BLOCK_SIZE, SCHEDULE_CHUNKS)
