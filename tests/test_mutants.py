@@ -67,3 +67,12 @@ def test_a_mutant_that_changes_the_answer_is_killed_and_an_equivalent_one_surviv
 def test_an_endless_loop_is_stopped_and_counted_as_a_timeout():
     loop = "def h():\n    while True:\n        pass\n"
     assert verdict(loop, "h()\n", {}, 0.2) == "timeout"
+
+
+def test_the_score_leaves_out_the_mutants_judged_equivalent():
+    from minikv.course.mutants import equivalent, score
+    assert score(killed=19, mutants=21, equivalent=1) == 19 / 20
+    assert score(0, 0, 0) == 0.0
+    for (exercise, mutant), why in equivalent().items():
+        assert exercise and " → " in mutant and ": " in mutant, mutant
+        assert len(why) > 20, f"say why {mutant} computes what the solution computes"

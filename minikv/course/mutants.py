@@ -10,6 +10,11 @@ condition, a missing statement, swapped arguments); each mutant's cell runs agai
 namespace, then the check cell. A mutant is killed when the checker raises or runs past the time
 limit, and survives when it prints its ✓. Survivors are printed as diffs, so a person can tell an
 equivalent mutant (it computes the same thing) from a gap in the checker.
+
+The score is the usual one: killed / (mutants - equivalent). A survivor judged equivalent is
+written down, with why, in equivalent_mutants.toml beside this file (keyed by exercise, function
+and diff, not by line, so an edited solution's mutants are judged again); every other survivor
+counts against the checker and is printed as a gap to close.
 """
 from __future__ import annotations
 
@@ -30,6 +35,16 @@ from pathlib import Path
 import torch
 
 from .notebooks import BEGIN, END, ROOT, is_check, read_notebook
+
+EQUIVALENT = Path(__file__).with_name("equivalent_mutants.toml")
+
+
+def equivalent() -> dict[tuple[str, str], str]:
+    """(exercise, "function: diff") -> why it computes what the solution computes."""
+    import tomllib
+    with EQUIVALENT.open("rb") as f:
+        table = tomllib.load(f)
+    return {(row["exercise"], row["mutant"]): row["why"] for row in table.get("mutant", [])}
 
 # the slips: an operator for its neighbour (both ways), a comparison with or without its edge
 OPS = {ast.Add: [ast.Sub], ast.Sub: [ast.Add], ast.Mult: [ast.Div], ast.FloorDiv: [ast.Div],
@@ -196,7 +211,7 @@ def verdict(solution: str, check: str, namespace: dict, seconds: float) -> str:
 
 def run_notebook(path: Path, cap: int, seconds: float, log=print) -> list[dict]:
     """Run the notebook at `path`; at each check cell, grade its exercise's mutants."""
-    nb = read_notebook(path)
+    nb, judged = read_notebook(path), equivalent()
     namespace: dict = {"__name__": "__main__"}
     results, pending = [], []  # pending: the solution cells since the last check cell
     for cell in (c for c in nb.cells if c.cell_type == "code"):
@@ -208,7 +223,7 @@ def run_notebook(path: Path, cap: int, seconds: float, log=print) -> list[dict]:
         name = cell.source.split(".check_", 1)[-1].split("(", 1)[0]  # check_x(...) is x
         cells, pending = pending, []
         row = {"notebook": path.name, "exercise": name, "mutants": 0, "killed": 0, "timeouts": 0,
-               "survived": 0, "survivors": [], "note": "",
+               "equivalent": 0, "survived": 0, "survivors": [], "note": "",
                "check_seconds": round(time.perf_counter() - started, 2)}
         if status != "passed":
             row["note"] = f"the solution fails its own check: {printed.strip()[-200:]}"
@@ -221,7 +236,9 @@ def run_notebook(path: Path, cap: int, seconds: float, log=print) -> list[dict]:
                     row["mutants"] += 1
                     row["killed"] += v != "survived"
                     row["timeouts"] += v == "timeout"
-                    if v == "survived":
+                    if v == "survived" and (name, f"{m.function}: {m.diff}") in judged:
+                        row["equivalent"] += 1
+                    elif v == "survived":
                         row["survived"] += 1
                         row["survivors"].append(f"{m.function} L{m.line}: {m.diff}")
             if verdict("\n\n".join(cells), cell.source, namespace, 600) != "survived":
@@ -231,11 +248,17 @@ def run_notebook(path: Path, cap: int, seconds: float, log=print) -> list[dict]:
     return results
 
 
+def score(killed: int, mutants: int, equivalent: int) -> float:
+    """Killed among the mutants that compute something else than the solution."""
+    return killed / max(mutants - equivalent, 1)
+
+
 def _report(row: dict) -> str:
-    score = row["killed"] / max(row["mutants"], 1)
+    row_score = score(row["killed"], row["mutants"], row["equivalent"])
     return "\n".join([f"  {row['exercise']:<28} mutants {row['mutants']:>3}  killed "
-                      f"{row['killed']:>3} (timeouts {row['timeouts']})  survived "
-                      f"{row['survived']:>3}  score {score:6.1%}"]
+                      f"{row['killed']:>3} (timeouts {row['timeouts']})  equivalent "
+                      f"{row['equivalent']:>2}  survived {row['survived']:>3}  score "
+                      f"{row_score:6.1%}"]
                      + [f"      survived {s}" for s in row["survivors"]]
                      + [f"      note: {row['note']}"] * bool(row["note"]))
 
@@ -263,15 +286,18 @@ def main(argv: list[str] | None = None) -> int:
                                  log=lambda text: print(text, flush=True))
         finally:
             os.chdir(cwd)
+    def totals(chosen) -> tuple[int, int, int]:
+        return tuple(sum(r[k] for r in chosen) for k in ("killed", "mutants", "equivalent"))
     for chapter in dict.fromkeys(r["notebook"][:2] for r in rows):
-        killed = sum(r["killed"] for r in rows if r["notebook"][:2] == chapter)
-        n = sum(r["mutants"] for r in rows if r["notebook"][:2] == chapter)
-        print(f"chapter {chapter}: {killed} / {n} killed, score {killed / max(n, 1):.1%}")
-    killed, n = sum(r["killed"] for r in rows), sum(r["mutants"] for r in rows)
-    seconds = time.perf_counter() - start
-    print(f"total: {killed} / {n} killed, score {killed / max(n, 1):.1%} ({seconds:.0f} s)")
+        killed, n, same = totals([r for r in rows if r["notebook"][:2] == chapter])
+        print(f"chapter {chapter}: {killed} / {n - same} killed ({same} equivalent of {n}), "
+              f"score {score(killed, n, same):.1%}")
+    (killed, n, same), seconds = totals(rows), time.perf_counter() - start
+    print(f"total: {killed} / {n - same} killed ({same} equivalent of {n}), score "
+          f"{score(killed, n, same):.1%} ({seconds:.0f} s)")
     if args.json:
-        args.json.write_text(json.dumps({"score": killed / max(n, 1), "killed": killed,
-                                         "mutants": n, "seconds": round(seconds),
-                                         "exercises": rows}, indent=1, ensure_ascii=False))
+        args.json.write_text(json.dumps({"score": score(killed, n, same), "killed": killed,
+                                         "mutants": n, "equivalent": same,
+                                         "seconds": round(seconds), "exercises": rows},
+                                        indent=1, ensure_ascii=False))
     return 0
