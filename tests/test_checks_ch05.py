@@ -134,7 +134,7 @@ WRONG = [(CHOOSE, wrong, fragment) for wrong, fragment in CHOOSE_WRONG] + [
     (SCHEDULE, lambda n, w: None, "did you forget to return it"),
     (SCHEDULE, lambda n, w: schedule(n, w)[n], "raised on this input"),
     (SCHEDULE, ch05.served_schedule, "called minikv's own"),
-    (DESIGN, lambda n, o: "invariant", "nothing to verify"),  # two mistakes at once
+    (DESIGN, lambda n, o: "invariant", "nothing to replay"),  # two mistakes at once
     (DESIGN, lambda n, o: choose_determinism(n, o) == "verify", 'return "verify" or "invariant"'),
     (PASSES, lambda: {0: 19, 1: 24, 4: 34.0}, "a whole number"),
     (PASSES, lambda: {"0": 19, "1": 24, "4": 34}, r"\{0: \.\.\., 1: \.\.\., 4: \.\.\.\}"),

@@ -192,13 +192,13 @@ SPLIT_SUM = ck.Exercise(
 check_invariant_split_sum = SPLIT_SUM.check
 
 
-# --- exercise 3: the verifier's schedule ----------------------------------------------------------
+# --- exercise 3: the replay's schedule ------------------------------------------------------------
 SCHED = H["verify_schedule"]
 
 
 def reference_schedule(n: int, window: int) -> list[tuple[int, int]]:
-    """(first, proposals) of every verifier pass of a request with n new tokens and no rollback: it
-    replays new token `first` (T₀ is 0), judges the proposals after it, then adds its own token."""
+    """(first, proposals) of every replay of a request with n new tokens and no rollback: it
+    computes new token `first` (T₀ is 0), judges the proposals after it, then adds its own token."""
     passes, first = [], 0
     while first < n - 1:
         k = min(window - 1, n - 2 - first)
@@ -208,14 +208,14 @@ def reference_schedule(n: int, window: int) -> list[tuple[int, int]]:
 
 
 def served_schedule(n: int, window: int) -> list[tuple[int, int]]:
-    """(first, proposals) of the verifier passes serve() runs for a deterministic request of n new
+    """(first, proposals) of the replays serve() runs for a deterministic request of n new
     tokens served with two sampled ones (the tables' test compares it with reference_schedule)."""
     prompt = [1, 2, 3, 4]
     requests = [Request(prompt, n, deterministic=True),
                 Request([11, 12, 13], 9, temperature=1.0, seed=1),
                 Request([20, 21], 25, temperature=1.0, seed=2)]
     with torch.inference_mode():
-        out = serve(_tiny(), requests, window=window, trace=True)[0]
+        out = serve(_tiny(), requests, replay_window=window, trace=True)[0]
     return [(e.cache_len_before - len(prompt), len(e.input_ids))
             for e in out.trace if e.kind == "verify"]
 
@@ -251,21 +251,21 @@ SCHEDULE = ck.Exercise(
 check_verify_schedule = SCHEDULE.check
 
 
-# --- exercise 4 (predict, then measure): what verification costs the server -----------------------
+# --- exercise 4 (predict, then measure): what replay costs the server -----------------------------
 SERVER_PROMPTS = ((1, 2, 3, 4, 5), (11, 12, 13), (20, 21, 22, 23, 24, 25, 26), (40, 41))
 SERVER_NEW, SERVER_WINDOW, PREDICT_D = 20, 4, (0, 1, 4)
 STEPS = SERVER_NEW - 1                          # decode steps after the prefill
-ROUNDS = math.ceil(STEPS / SERVER_WINDOW)       # verifier windows of a deterministic request
+ROUNDS = math.ceil(STEPS / SERVER_WINDOW)       # replays of a deterministic request
 PASSES, _N = H["predict_server_passes"], len(SERVER_PROMPTS)
 
 
 def server_passes(n_det: int, prompts: tuple = SERVER_PROMPTS) -> int:
-    """Forward passes the server runs after the prefills (batched fast-path steps and verifier
-    passes) when the first n_det of the requests are deterministic, measured on a tiny model."""
+    """Forward passes the server runs after the prefills (batched passes and replays) when the
+    first n_det of the requests are deterministic, measured on a tiny model."""
     requests = [Request(list(p), SERVER_NEW, deterministic=i < n_det)
                 for i, p in enumerate(prompts)]
     with torch.inference_mode():
-        outs = serve(_tiny(), requests, window=SERVER_WINDOW, trace=True)
+        outs = serve(_tiny(), requests, replay_window=SERVER_WINDOW, trace=True)
     batched = {e.step for o in outs for e in o.trace if e.kind == "decode"}
     return len(batched) + sum(e.kind == "verify" for o in outs for e in o.trace)
 
@@ -285,10 +285,11 @@ PASSES_MISTAKES = {  # hint -> the passes predicted with that mistake when d are
 @ck.guarded
 def check_predict_server_passes(predict_server_passes) -> None:
     """predict_server_passes() -> {0: ..., 1: ..., 4: ...}: the server's forward passes after the
-    prefills for 4 requests of 20 new tokens, window 4, the first d deterministic; measured."""
+    prefills for 4 requests of 20 new tokens, replay window 4, the first d deterministic;
+    measured."""
     name = "predict_server_passes"
     case = (f"{len(SERVER_PROMPTS)} greedy requests of {SERVER_NEW} new tokens served together, "
-            f"window={SERVER_WINDOW}, the first d deterministic")
+            f"replay_window={SERVER_WINDOW}, the first d deterministic")
     got = ck.prediction(name, case, predict_server_passes, serve, GPT.forward)
     ck.expect(isinstance(got, dict) and sorted(got) == list(PREDICT_D), name, case,
               f"a dict with the keys {list(PREDICT_D)} (d)", sorted(got) if isinstance(got, dict)
@@ -308,7 +309,7 @@ def check_predict_server_passes(predict_server_passes) -> None:
     ck.passed(name, len(PREDICT_D))
 
 
-# --- exercise 5 (debug): a verifier window --------------------------------------------------------
+# --- exercise 5 (debug): a replayed window's verification -----------------------------------------
 WINDOW = H["verify_window"]
 # (temperature, seed, committed tokens before the window, window, proposal to corrupt or None)
 WINDOW_CASES = [(0.0, 0, 5, 4, None), (0.0, 0, 5, 4, 1), (1.0, 3, 5, 4, None), (1.0, 3, 9, 4, 2),
@@ -394,7 +395,7 @@ def check_verify_window(verify_window) -> None:
     ck.passed(name, len(WINDOW_CASES))
 
 
-# --- exercise 6 (design): batch-invariant kernels, or verification? -------------------------------
+# --- exercise 6 (design): batch-invariant kernels, or replay? -------------------------------------
 DESIGN_PROMPTS = SERVER_PROMPTS + ((50, 51, 52, 53), (60,), (70, 71, 72, 73, 74, 75), (80, 81, 82))
 D = H["choose_determinism"]
 
