@@ -141,3 +141,20 @@ def test_a_draft_of_another_vocabulary_is_refused():
         serve(MODEL, [Request([1, 2], 4)], speculative=Speculation(draft=other))
     with pytest.raises(ValueError, match="the target's tokenizer"):  # before any request
         Engine(MODEL, 8, speculative=Speculation(draft=other))
+
+
+def test_a_draft_with_a_shorter_context_is_refused_where_the_parts_meet():
+    """Issue 51: a request that fits the target but not the draft's context is refused when it
+    is added, naming the draft, not halfway through a run with a message about max_len."""
+    short = minikv.GPT(minikv.GPTConfig.preset("tiny", n_layer=1, n_head=2, n_embd=32,
+                                               block_size=24)).double().eval()
+    prompt = list(range(10))
+    for run in (lambda n: serve(MODEL, [Request(prompt, n)], speculative=Speculation(2, short)),
+                lambda n: minikv.speculative_generate(MODEL, short, prompt, n)):
+        with pytest.raises(ValueError, match="the draft cache's max_len=24"):
+            run(20)
+        run(8)  # within both contexts: served
+    engine = Engine(MODEL, 64, speculative=Speculation(2, short))
+    with pytest.raises(ValueError, match="draft"):
+        engine.add(Request(prompt, 20))
+    assert not engine.has_work() and engine.pool.n_free == 64  # nothing queued, nothing taken

@@ -23,7 +23,7 @@ from collections import deque
 
 from .paged import BlockPool, BlockTable
 from .records import PoolStep, RequestOutput, ServeStats, TraceEvent
-from .validate import check_flags, check_room, int_at_least, token_ids
+from .validate import check_flags, check_room, int_at_least, tightest, token_ids
 
 
 class Sequence:
@@ -91,12 +91,14 @@ class Sequence:
         return len(self.prompt) + -(-replayed // window) * window
 
 
-def fit(request, cfg, page_size: int, ahead: int, num_blocks: int | None) -> tuple:
+def fit(request, cfg, page_size: int, ahead: int, num_blocks: int | None,
+        rooms: dict[str, int | None] | None = None) -> tuple:
     """THE fit rule, for serve, Engine.add and the HTTP server alike: the request's
     prompt as token ids and the pool blocks it needs alone. Its prompt, max_new_tokens
     and `ahead` (the replay window, or what a speculative round writes past its last
-    token) must fit the model's context; a block each page_size positions and one more (a
-    shared block copied on write) must fit `num_blocks` (None: a pool still to be sized).
+    token) must fit the model's context and the `rooms` of its proposer's caches ({name:
+    max_len}: a draft's context); a block each page_size positions and one more (a shared
+    block copied on write) must fit `num_blocks` (None: a pool still to be sized).
     ValueError otherwise."""
     prompt = token_ids(request.prompt, cfg.vocab_size)
     int_at_least("max_new_tokens", request.max_new_tokens)
@@ -104,8 +106,9 @@ def fit(request, cfg, page_size: int, ahead: int, num_blocks: int | None) -> tup
     check_flags(deterministic=request.deterministic)
     request.sampling.check_vocab(cfg.vocab_size)
     positions = len(prompt) + request.max_new_tokens + ahead
-    check_room(positions, cfg.block_size, f"{len(prompt)} prompt + {request.max_new_tokens} "
-               f"new + {ahead} ahead", "max_new_tokens")
+    limit, whose = tightest(cfg.block_size, rooms or {})
+    check_room(positions, limit, f"{len(prompt)} prompt + {request.max_new_tokens} new + "
+               f"{ahead} ahead", "max_new_tokens", whose)
     blocks = -(-positions // page_size) + 1
     if num_blocks is not None and blocks > num_blocks:
         raise ValueError(f"it needs more than the pool: {blocks} blocks of {page_size} "
@@ -170,13 +173,14 @@ class Scheduler:
     """The requests, their queues and the engine step; the policy decides who."""
 
     def __init__(self, pool: BlockPool, cfg, policy: FirstComeFirstServed | None = None, *,
-                 replay_window: int = 4, ahead: int | None = None,
+                 replay_window: int = 4, ahead: int | None = None, rooms: dict | None = None,
                  prefix_caching: bool = True,
                  max_running: int | None = None, trace: bool = False):
         self.pool, self.cfg = pool, cfg
         self.policy = policy or FirstComeFirstServed()
         self.replay_window = replay_window
         self.ahead = ahead    # speculating: what a round writes past its last token
+        self.rooms = rooms    # speculating: the max_len of a proposer's caches, by name
         self.prefix_caching, self.max_running = prefix_caching, max_running
         self.seqs: dict[int, Sequence] = {}  # every request not yet forgotten
         self.waiting: deque[Sequence] = deque()
@@ -192,7 +196,7 @@ class Scheduler:
         pool)."""
         ahead = max(self.replay_window, 1 + (self.ahead or 0))
         return fit(request, self.cfg, self.pool.page_size, ahead,
-                   self.pool.num_blocks if pool else None)
+                   self.pool.num_blocks if pool else None, self.rooms)
 
     def add(self, request, index: int | None, replay: bool, proposer=None) -> int:
         """Queue `request` as request `index` (None: the first unused) behind those that

@@ -89,7 +89,8 @@ class Engine:
         self.settings = dict(
             policy=policy, replay_window=replay_window, prefix_caching=prefix_caching,
             max_running=max_running, trace=trace,
-            ahead=proposer and proposer.max_tokens(speculative.gamma))
+            ahead=proposer and proposer.max_tokens(speculative.gamma),
+            rooms={name: c.max_len for name, c in (proposer.caches if proposer else {}).items()})
         self._new_pool(num_blocks)
 
     def _new_pool(self, num_blocks: int) -> None:

@@ -20,7 +20,7 @@ from .model import causal_attention
 from .records import GenerationOutput, SpeculativeStats, TraceEvent
 from .sampling import SamplingParams
 from .tree import check_parents, depths
-from .validate import check_flags, check_model, check_room, int_at_least, prompt_of_call
+from .validate import check_flags, check_model, check_room, int_at_least, prompt_of_call, tightest
 from .verify import (
     Verifier,
     accept_by_rejection_sampling,
@@ -242,9 +242,10 @@ def _check_call(target, prompt, max_new_tokens, sampling, gamma, max_gamma,
         int_at_least("max_gamma", max_gamma, gamma, " (the largest γ adaptive γ may reach)")
     lookahead = max(gamma if max_gamma is None else max_gamma, tree_size or 0)
     needed = len(prompt) + max_new_tokens + lookahead
-    rooms = [c.max_len for c in (other_caches or {}).values() if c.max_len is not None]
-    check_room(needed, min([target.config.block_size, *rooms]),
-               f"{len(prompt)} prompt + {max_new_tokens} new + γ", "max_new_tokens or gamma")
+    limit, whose = tightest(target.config.block_size,
+                            {name: c.max_len for name, c in (other_caches or {}).items()})
+    check_room(needed, limit, f"{len(prompt)} prompt + {max_new_tokens} new + γ",
+               "max_new_tokens or gamma", whose)
     return needed
 
 

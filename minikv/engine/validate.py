@@ -85,6 +85,14 @@ def prompt_of_call(model, ids, max_new_tokens, sampling, least: int = 0,
     return token_ids(ids, model.config.vocab_size)
 
 
-def check_room(needed: int, limit: int, what: str, lower: str) -> None:
+def check_room(needed: int, limit: int, what: str, lower: str,
+               whose: str = "block_size") -> None:
     if needed > limit:
-        raise ValueError(f"{what} needs {needed} positions > block_size={limit}; lower {lower}")
+        raise ValueError(f"{what} needs {needed} positions > {whose}={limit}; lower {lower}")
+
+
+def tightest(limit: int, rooms: dict[str, int | None]) -> tuple[int, str]:
+    """The smallest of the model's context (`limit`, its block_size) and the rooms of the
+    other caches a pass feeds ({name: max_len}), and whose it is, for check_room."""
+    named = [(n, f"the {name} cache's max_len") for name, n in rooms.items() if n is not None]
+    return min([(limit, "block_size"), *named], key=lambda pair: pair[0])
