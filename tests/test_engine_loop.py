@@ -91,6 +91,10 @@ def test_an_index_in_use_is_refused_and_a_new_one_never_reuses_one():
         engine.add(minikv.Request([3, 4], 3), index=1)
     assert [engine.add(minikv.Request([5], 2)) for _ in range(2)] == [0, 2]
     assert sorted(engine.outputs()) == [0, 1, 2]
+    for bad in (-1, "3", 2.0, True):  # an identity is a non-negative int, nothing else
+        with pytest.raises((TypeError, ValueError), match="index must be"):
+            engine.add(minikv.Request([5], 2), index=bad)
+    assert sorted(engine.outputs()) == [0, 1, 2]
 
 
 def test_bad_settings_are_refused():

@@ -203,7 +203,8 @@ class Scheduler:
         arrive no later; its index."""
         if index is None:
             index = next(i for i in range(len(self.seqs) + 1) if i not in self.seqs)
-        elif index in self.seqs:
+        int_at_least("index", index, 0, " (the caller's number for the request)")
+        if index in self.seqs:
             raise ValueError(f"request {index} is already in this engine: give another")
         prompt, _ = self.check(request)
         s = Sequence(index, request, prompt, replay and request.deterministic, proposer)
