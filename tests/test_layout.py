@@ -31,6 +31,7 @@ ENGINE_STATEMENT_BUDGET = sum({
     "add, abort, forget, stats, outputs), one fit rule, every proposer served (a Proposer with "
     "caches, features, fresh copies; trees in the packed pass, PagedCache.compact), PagedCache "
     "and PagedBatch one contract each, and the old names kept for one release": 86,
+    "issue 51: a proposer's caches in the fit rule (a draft's context, named), an index checked": 7,
 }.values())
 # The shape of readable code, measured as code-review-2026-11-25.md measured it (section 2).
 LONGEST_FUNCTION = 45       # lines, signature and docstring included (nano-vllm's engine: 49)
