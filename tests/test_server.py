@@ -117,8 +117,25 @@ def test_a_seeded_sampled_request_is_reproducible(live):
     ({"model": "draft", "prompt": 12}, 400, "prompt", "non-empty string or a list of token ids"),
     ({"model": "draft", "prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens", "from 1 to"),
     ({"model": "draft", "prompt": PROMPT, "max_tokens": 2.5}, 400, "max_tokens", "an integer"),
-    ({"model": "draft", "prompt": PROMPT, "max_tokens": 10_000}, 400, "max_tokens",
+    ({"model": "draft", "prompt": PROMPT, "max_tokens": 10_000}, 400, "max_tokens", "from 1 to"),
+    ({"model": "draft", "prompt": PROMPT, "max_tokens": 250}, 400, "max_tokens",
      "does not fit this server"),
+    ({"model": "draft", "prompt": PROMPT, "max_tokens": 10**400}, 400, "max_tokens", "from 1 to"),
+    ({"model": "draft", "prompt": PROMPT, "seed": -10**400}, 400, "seed", "from 0 to"),
+    ({"model": "draft", "prompt": PROMPT, "max_tokens": True}, 400, "max_tokens", "an integer"),
+    ({"model": "draft", "prompt": PROMPT, "temperature": 0.0001}, 400, "temperature", "0.001"),
+    ({"model": "draft", "prompt": PROMPT, "n": True}, 400, "n", "n must be 1"),
+    ({"model": "draft", "prompt": PROMPT, "top_p": False}, 400, "top_p", "top_p must be 1"),
+    ({"model": "draft", "prompt": PROMPT, "stream": True, "stream_options": {"include_usage": 1}},
+     400, "stream_options", "include_usage: true or false"),
+    ({"model": "draft", "prompt": PROMPT, "stream_options": {}}, 400, "stream_options",
+     "add \"stream\": true"),
+    ({"model": "draft", "prompt": PROMPT, "user": ["a"]}, 400, "user", "user must be a string"),
+    ({"model": 7, "prompt": PROMPT}, 400, "model", "model must be a string"),
+    ({"model": "draft", "prompt": "x" * 100_000}, 400, "prompt", "shorten it"),
+    ({"model": "draft", "prompt": [1] * 300}, 400, "prompt", "shorten it"),
+    ({"model": "draft", "prompt": [True, 2]}, 400, "prompt", "list of token ids"),
+    ({"model": "draft", "prompt": "ab " * 200}, 400, "prompt", "does not fit this server"),
     ({"model": "draft", "prompt": PROMPT, "temperature": 3}, 400, "temperature", "from 0.0 to 2"),
     ({"model": "draft", "prompt": PROMPT, "temperature": "hot"}, 400, "temperature", "a number"),
     ({"model": "draft", "prompt": PROMPT, "temperature": True}, 400, "temperature", "a number"),
@@ -138,6 +155,28 @@ def test_a_body_that_is_not_json_is_a_400(live):
     r = httpx.post(live.url + "/v1/completions", content=b"{prompt: nope",
                    headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("raw, status, message", [
+    (b"[" * 100_000 + b"]" * 100_000, 400, "nested too deeply"),
+    (b'{"model": "draft", "prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}", 400, "not JSON"),
+    (b'{"model": "draft", "prompt": "a", "temperature": 1e999}', 400, "from 0.0 to 2.0"),
+    (b'{"model": "draft", "prompt": "a", "temperature": NaN}', 400, "from 0.0 to 2.0"),
+    (b"\xff\xfe", 400, "not JSON"),
+    (b'{"model": "draft", "prompt": "' + b"a" * (2 << 20) + b'"}', 413, "larger than"),
+])
+def test_a_body_no_parser_could_take_is_a_4xx_in_json(live, raw, status, message):
+    r = httpx.post(live.url + "/v1/completions", content=raw,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == status and message in r.json()["error"]["message"]
+    assert live.health()["in_flight"] == 0
+
+
+def test_a_path_or_method_not_served_is_answered_in_openai_s_error_body(live):
+    for r in (httpx.get(live.url + "/v1/chat/completions"),
+              httpx.get(live.url + "/v1/completions")):
+        assert r.status_code in (404, 405)
+        assert "this server serves POST /v1/completions" in r.json()["error"]["message"]
 
 
 def test_the_openai_client_raises_the_servers_message(live):
