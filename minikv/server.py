@@ -479,6 +479,7 @@ def create_app(model, tokenizer, model_name: str, *, num_blocks: int = 256, page
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
+    from .course import arguments
     from .course.checkpoint import COURSE_MODELS, load_course_model
     from .engine.scheduler import FirstComeFirstServed
 
@@ -488,19 +489,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default: this machine only; 0.0.0.0 "
                              "opens it to the network: there is no authentication)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--num-blocks", type=int, default=256, help="blocks in the KV pool")
-    parser.add_argument("--page-size", type=int, default=16, help="positions per block")
-    parser.add_argument("--max-running", type=int, default=16, help="requests run at once")
-    parser.add_argument("--max-queue", type=int, default=64,
+    parser.add_argument("--port", type=arguments.port, default=8000)
+    parser.add_argument("--num-blocks", type=arguments.positive, default=256,
+                        help="blocks in the KV pool")
+    parser.add_argument("--page-size", type=arguments.positive, default=16,
+                        help="positions per block")
+    parser.add_argument("--max-running", type=arguments.positive, default=16,
+                        help="requests run at once")
+    parser.add_argument("--max-queue", type=arguments.integer(0), default=64,
                         help="requests that may wait beyond the running ones (then 503)")
-    parser.add_argument("--chunk-budget", type=int, default=None,
+    parser.add_argument("--chunk-budget", type=arguments.positive, default=None,
                         help="chunked prefill: tokens per engine step (default: off)")
     args = parser.parse_args(argv)
     model, tokenizer = load_course_model(args.model)
     try:
         policy = (FirstComeFirstServed(args.chunk_budget, chunked_prefill=True)
-                  if args.chunk_budget else None)
+                  if args.chunk_budget is not None else None)
         app = create_app(model, tokenizer, args.model, num_blocks=args.num_blocks,
                          page_size=args.page_size, max_running=args.max_running,
                          max_queue=args.max_queue, policy=policy)
