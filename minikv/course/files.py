@@ -45,8 +45,8 @@ def owner(directory: Path) -> str | None:
         first = read_at_most(directory / MARKER, 4096, "marker", "").decode().split("\n")[0]
     except (ValueError, UnicodeDecodeError):
         return None
-    prefix = "python -m minikv "
-    return first.removeprefix(prefix) if first.startswith(prefix) else None
+    named = re.fullmatch(r"python -m minikv ([a-z-]+(?: --[a-z-]+)?)", first)
+    return named.group(1) if named else None
 
 
 def claim_directory(directory: str | Path, command: str, *, replace: bool = False,
