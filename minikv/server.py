@@ -18,6 +18,12 @@ bounded (a full server answers 503 at once rather than make a client wait withou
 client that disconnects has its request aborted and its blocks freed at the next step; if a
 step fails, the requests in flight get the error (500) and later ones a 503.
 
+No client's mistake is a 500: a body is read up to MAX_BODY_BYTES and no further (413), decoded
+(any nesting, any number: a 400 in OpenAI's error body), checked field by field
+(check_completion: `param` names the field at fault), and its prompt refused if longer than the
+model could hold before it is tokenized, on a worker thread, so that one large prompt never
+holds up other clients (or /health).
+
 /v1/chat/completions is left out: the course models are not chat models (no chat template,
 no chat data), and a chat endpoint over them would teach a format they cannot follow.
 """

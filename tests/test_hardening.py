@@ -654,18 +654,23 @@ def test_no_command_overwrites_a_shipped_file_by_default(monkeypatch, tmp_path):
     from minikv.viz import figures
     seen = {}
 
-    def stop(path):
+    def stop(path, *args, **kwargs):
         seen[len(seen)] = Path(path).resolve()
         raise SystemExit(0)
-    monkeypatch.setattr(figures, "check_writable", stop)
-    monkeypatch.setattr("minikv.bench.check_writable", stop)
-    monkeypatch.setattr(train, "check_writable", stop)
+    monkeypatch.setattr(figures, "claim_directory", stop)
+    monkeypatch.setattr("minikv.bench.claim_directory", stop)
+    monkeypatch.setattr("minikv.bench.load.claim_directory", stop)
+    monkeypatch.setattr("minikv.bench.speculation.claim_directory", stop)
+    monkeypatch.setattr(train, "claim_directory", stop)
+    from minikv.bench import load, speculation
     for main, args in ((figures.main, []), (bench_main, ["--quick"]), (bench_main, []),
+                       (load.main, []), (speculation.main, []),
                        (train.main, ["--preset", "draft"])):
         with pytest.raises(SystemExit):
             main(args)
     shipped = [ROOT / "figures", ROOT / "benchmarks", ROOT / "docs", checkpoint.MODELS_DIR,
                tokenizer.RANKS_PATH.parent]
+    assert len(seen) == 6  # each command got as far as choosing its folder
     for path in seen.values():
         assert not any(path == s or s in path.parents for s in shipped), path
     doc = ROOT / "docs" / "course-models.md"
