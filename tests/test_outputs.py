@@ -171,9 +171,9 @@ BAD = [  # (command and good arguments, option, wrong value, what the message sa
     *[(["mutants"], opt, value, says) for opt, value, says in [
         ("--cap", "0", "at least 1"), ("--timeout", "0", "more than 0"),
         ("--timeout", "-1", "more than 0"), ("--timeout", "nan", "more than 0"),
-        ("--json", "{dir}", "is a directory"), ("--json", "{missing}/x.json", "create it first")]],
+        ("--json", "{dir}", "is a directory"), ("--json", "{missing}/x.json", "does not exist")]],
     *[(["evaluate"], opt, value, says) for opt, value, says in [
-        ("--out", "{dir}", "is a directory"), ("--out", "{missing}/x.md", "create it first")]],
+        ("--out", "{dir}", "is a directory"), ("--out", "{missing}/x.md", "does not exist")]],
     *[(["export", "--model", "draft"], opt, value, says) for opt, value, says in [
         ("--out", "{file}", "not a directory")]],
     (["export"], "--checkpoint", "{file}", "is a file: give a directory"),

@@ -78,6 +78,7 @@ def output_file(text: str) -> Path | str:
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory: give a file name in it")
     if not path.parent.is_dir():
-        raise argparse.ArgumentTypeError(f"{path.parent} is not a directory: create it first, "
-                                         f"or give a file in a folder that exists")
+        kind = "is not a directory" if path.parent.exists() else "does not exist"
+        raise argparse.ArgumentTypeError(f"{path.parent} {kind}: give a file in a folder that "
+                                         "exists")
     return path
