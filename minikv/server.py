@@ -345,12 +345,16 @@ class CompletionsAPI:
         declared = http.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > cap:
             raise too_big
+        from starlette.requests import ClientDisconnect
         chunks, size = [], 0
-        async for chunk in http.stream():
-            size += len(chunk)
-            if size > cap:
-                raise too_big
-            chunks.append(chunk)
+        try:
+            async for chunk in http.stream():
+                size += len(chunk)
+                if size > cap:
+                    raise too_big
+                chunks.append(chunk)
+        except ClientDisconnect:  # gone halfway through its body: nobody to answer, no error
+            raise BadRequest("the client left before its body was sent") from None
         return b"".join(chunks)
 
     async def completions(self, http):

@@ -296,3 +296,17 @@ def test_health_answers_while_a_50_mb_body_is_refused(server):
     assert MAX_BODY_BYTES < size
     assert live.health()["in_flight"] == 0
     assert not records, [(r.getMessage(), r.exc_text) for r in records]
+
+
+def test_a_client_that_leaves_halfway_through_its_body_leaves_nothing_in_the_log(server):
+    live, records = server
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", live.port), timeout=30) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nContent-Length: 1000\r\n\r\n{\"model\": ")
+    deadline = time.monotonic() + 60  # the server notices the closed socket when it reads
+    while live.health()["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # a log record, if any, is written just after the read fails
+    assert live.health()["in_flight"] == 0
+    assert not records, [(r.getMessage(), r.exc_text) for r in records]
