@@ -7,7 +7,7 @@ NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize
 # Lax: cells must run without raising; no saved output is compared (its last bits differ by host).
 NBVAL_LAX := --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
-.PHONY: lab test test-gpu chromium exercises check-exercises grade figures bench book
+.PHONY: lab test test-gpu fuzz-server chromium exercises check-exercises grade figures bench book
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -62,6 +62,11 @@ test-gpu: $(STAMP)
 		'test-gpu: torch ' + torch.__version__ + ' sees no CUDA device (no GPU here, or a CPU-only torch)')"
 	$(PY) -m pytest -m cuda tests
 	MINIKV_DEVICE=cuda $(PY) -m pytest $(NOTEBOOKS) $(NBVAL_LAX)
+
+# The HTTP server under its fuzzer at full length: 2,000 generated bodies (the default test run
+# sends a few hundred), every answer checked, no 5xx, nothing in the server's log.
+fuzz-server: $(STAMP)
+	MINIKV_FUZZ_BODIES=2000 $(PY) -m pytest tests/test_fuzz_server.py
 
 figures: $(STAMP)
 	$(PY) -m minikv figures --out figures

@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def generate(argv: list[str]) -> int:
+    from .course import arguments
     from .course.checkpoint import COURSE_MODELS, load_course_model
     from .course.device import describe_device, resolve_device
     from .course.tokenizer import load_tokenizer
@@ -67,17 +68,19 @@ def generate(argv: list[str]) -> int:
                                                  "engine's stats")
     parser.add_argument("--prompt", required=True, help="text to continue")
     parser.add_argument("--mode", choices=("naive", "cached"), default="cached")
-    parser.add_argument("--max-new-tokens", type=int, default=20)
+    parser.add_argument("--max-new-tokens", type=arguments.positive, default=20)
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--model", choices=COURSE_MODELS, default=None,
                        help="a shipped, trained course model (the default: target)")
     which.add_argument("--preset", choices=sorted(PRESETS), default=None,
                        help="a randomly initialised model of this shape instead (with the "
                             "course tokenizer's vocabulary)")
-    parser.add_argument("--init-seed", type=int, default=0, help="seed for the random weights")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--init-seed", type=arguments.seed, default=0,
+                        help="seed for the random weights")
+    parser.add_argument("--temperature", type=arguments.number(0.0, what=" (0 = greedy)"),
+                        default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=arguments.positive, default=None)
+    parser.add_argument("--seed", type=arguments.seed, default=0, help="sampling seed")
     parser.add_argument("--device", default=None,
                         help="cpu, cuda, cuda:N or mps (default: best available)")
     parser.add_argument("--trace", action="store_true", help="print one line per forward pass")

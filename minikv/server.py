@@ -18,6 +18,12 @@ bounded (a full server answers 503 at once rather than make a client wait withou
 client that disconnects has its request aborted and its blocks freed at the next step; if a
 step fails, the requests in flight get the error (500) and later ones a 503.
 
+No client's mistake is a 500: a body is read up to MAX_BODY_BYTES and no further (413), decoded
+(any nesting, any number: a 400 in OpenAI's error body), checked field by field
+(check_completion: `param` names the field at fault), and its prompt refused if longer than the
+model could hold before it is tokenized, on a worker thread, so that one large prompt never
+holds up other clients (or /health).
+
 /v1/chat/completions is left out: the course models are not chat models (no chat template,
 no chat data), and a chat endpoint over them would teach a format they cannot follow.
 """
@@ -27,13 +33,14 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
 import queue
 import random
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 
+from .engine.sampling import MIN_TEMPERATURE
 from .engine.serving import Engine, Request
 from .engine.validate import int_at_least
 
@@ -41,6 +48,11 @@ from .engine.validate import int_at_least
 # (a silently ignored `stop` or `logprobs` would change what a client thinks it got).
 FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_k", "seed", "stream",
           "stream_options", "user", "n", "top_p"}
+# A body is read up to this many bytes and no further: the longest prompt any course model
+# holds is a few kB of text (or 256 token ids), so a megabyte is generous and a 50 MB body is
+# refused at its first megabyte rather than held in memory and parsed.
+MAX_BODY_BYTES = 1 << 20
+MAX_USER_CHARS = 256  # OpenAI's `user` is an end-user id, not a payload
 
 
 class BadRequest(ValueError):
@@ -51,73 +63,170 @@ class BadRequest(ValueError):
         self.param, self.status = param, status
 
 
-def parse_completion(body, model_name: str, model, tokenizer,
-                     engine: Engine) -> tuple[Request, bool, bool]:
-    """The minikv.Request a /v1/completions body asks for, whether to stream, and whether
-    to end the stream with a usage chunk; BadRequest, naming the field, if anything is
-    wrong."""
+@dataclass
+class Completion:
+    """A /v1/completions body, every field checked but the prompt not yet tokenized (that
+    waits for a worker thread: the event loop must stay free for other clients)."""
+    text: str | None            # the prompt as text, or
+    ids: list[int] | None       # as token ids
+    max_tokens: int
+    temperature: float
+    top_k: int | None
+    seed: int
+    stream: bool
+    include_usage: bool
+
+
+def decode_body(raw: bytes):
+    """The JSON value of a request body; BadRequest (param None: no field is at fault yet)
+    for bytes that are not JSON, JSON nested deeper than the parser goes, or a number it
+    cannot convert."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise BadRequest("the body is nested too deeply: send a flat JSON object") from None
+    except ValueError as e:  # also UnicodeDecodeError, and an int of more than 4,300 digits
+        raise BadRequest(f"the body is not JSON ({_short(str(e))}): send a JSON object, e.g. "
+                         "{\"model\": ..., \"prompt\": \"Ada flips a coin\"}") from None
+
+
+def check_completion(body, model_name: str, vocab: int, context: int,
+                     max_prompt_chars: int) -> Completion:
+    """Every field of a /v1/completions body checked (BadRequest naming the first that is
+    wrong), nothing computed: cheap enough for the event loop, whatever the body holds.
+    `max_prompt_chars`: the longest text that could tokenize into `context` tokens."""
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object, e.g. {\"model\": \"%s\", \"prompt\": "
                          "\"Ada flips a coin\", \"max_tokens\": 16}" % model_name)
     unknown = sorted(set(body) - FIELDS)
     if unknown:
-        raise BadRequest(f"unsupported parameter(s): {', '.join(unknown)}; minikv serves "
+        raise BadRequest(f"unsupported parameter(s): {_short(', '.join(unknown))}; minikv serves "
                          f"{', '.join(sorted(FIELDS))}", unknown[0])
-    if body.get("model") != model_name:
-        raise BadRequest(f"model {body.get('model')!r} is not served here; this server serves "
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise BadRequest(f"model must be a string: this server serves {model_name!r}", "model")
+    if model != model_name:
+        raise BadRequest(f"model {_short(repr(model))} is not served here; this server serves "
                          f"{model_name!r} (GET /v1/models)", "model", status=404)
-    prompt = body.get("prompt")
+    text, ids = _prompt(body.get("prompt"), vocab, context, max_prompt_chars)
+    max_tokens = _number(body, "max_tokens", 16, int, 1, context)
+    temperature = _number(body, "temperature", 1.0, float, 0.0, 2.0)
+    if 0 < temperature < MIN_TEMPERATURE:  # the engine's floor: below it, logits overflow
+        raise BadRequest(f"temperature must be 0 (greedy) or from {MIN_TEMPERATURE} to 2.0, not "
+                         f"{temperature!r}", "temperature")
+    top_k = _number(body, "top_k", None, int, 1, vocab)
+    seed = _number(body, "seed", None, int, 0, 2**63 - 1)
+    seed = random.randrange(1 << 31) if seed is None else seed  # none: a fresh draw, as OpenAI
+    for name, only in (("n", 1), ("top_p", 1)):
+        value = body.get(name)
+        if value is not None and not (type(value) in (int, float) and value == only):
+            raise BadRequest(f"{name} must be {only} here (minikv does not serve {name}), not "
+                             f"{_short(repr(value))}", name)
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequest(f"stream must be true or false, not {_short(repr(stream))}", "stream")
+    options = body.get("stream_options")
+    if options is not None and not (isinstance(options, dict) and set(options) <= {
+            "include_usage"} and isinstance(options.get("include_usage", False), bool)):
+        raise BadRequest("stream_options must be an object with one field, include_usage: true "
+                         f"or false; not {_short(repr(options))}", "stream_options")
+    if options is not None and not stream:
+        raise BadRequest("stream_options is for a streamed request: add \"stream\": true",
+                         "stream_options")
+    user = body.get("user")
+    if user is not None and not (isinstance(user, str) and len(user) <= MAX_USER_CHARS):
+        raise BadRequest(f"user must be a string of at most {MAX_USER_CHARS} characters (an "
+                         "id for the end user)", "user")
+    return Completion(text, ids, max_tokens, temperature, top_k, seed, bool(stream),
+                      bool((options or {}).get("include_usage")))
+
+
+def _prompt(prompt, vocab: int, context: int, max_chars: int):
+    """(text, None) or (None, ids) for the prompt field, within what the model could hold."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         if not prompt:
             raise BadRequest("prompt is empty: give at least one character", "prompt")
-        ids = tokenizer.encode(prompt, allowed_special="all")
-    elif (isinstance(prompt, list) and prompt
-          and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
-        ids = prompt
-    elif isinstance(prompt, list) and len(prompt) > 1:
+        if len(prompt) > max_chars:  # refused before tokenizing: no token is that long
+            raise BadRequest(f"prompt has {len(prompt):,} characters; the model holds "
+                             f"{context} tokens, which no text over {max_chars:,} characters "
+                             "fits in: shorten it", "prompt")
+        return prompt, None
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        if len(prompt) > context:
+            raise BadRequest(f"prompt has {len(prompt):,} token ids; the model holds "
+                             f"{context}: shorten it", "prompt")
+        if any(not 0 <= t < vocab for t in prompt):
+            raise BadRequest(f"prompt has token ids outside the vocabulary (0..{vocab - 1})",
+                             "prompt")
+        return None, prompt
+    if isinstance(prompt, list) and len(prompt) > 1 and all(
+            isinstance(p, (str, list)) for p in prompt):
         raise BadRequest("one prompt per request: send a request for each", "prompt")
+    raise BadRequest("prompt must be a non-empty string or a list of token ids (ints from 0 to "
+                     f"{vocab - 1})", "prompt")
+
+
+def _number(body, name, default, kind, low, high):
+    """body[name], of `kind` within [low, high], or `default` when absent or null. A bool is
+    not a number here (JSON's true is not 1), and an int of any size is compared, never
+    converted to a float first (float(10**400) overflows)."""
+    value = body.get(name)
+    if value is None:  # absent, or null as OpenAI's clients may send it
+        return default
+    if kind is int:
+        ok = type(value) is int or (type(value) is float and value.is_integer())
     else:
-        raise BadRequest("prompt must be a non-empty string or a list of token ids", "prompt")
-    vocab = model.config.vocab_size
-    if any(not 0 <= t < vocab for t in ids):
-        raise BadRequest(f"prompt has token ids outside the vocabulary (0..{vocab - 1})",
-                         "prompt")
-    max_tokens = _number(body, "max_tokens", 16, int, 1)
-    temperature = _number(body, "temperature", 1.0, float, 0.0, 2.0)
-    top_k = _number(body, "top_k", None, int, 1)
-    seed = _number(body, "seed", None, int, 0)  # none: a fresh draw, as OpenAI's API does
-    seed = random.randrange(1 << 31) if seed is None else seed
-    for name, only in (("n", 1), ("top_p", 1)):
-        if body.get(name, only) != only:
-            raise BadRequest(f"{name} must be {only} here (minikv does not serve {name})", name)
-    stream = body.get("stream", False)
-    options = body.get("stream_options") or {}
-    if not isinstance(stream, bool) or not isinstance(options, dict):
-        raise BadRequest("stream must be true or false, stream_options an object", "stream")
-    request = Request(ids, max_tokens, temperature=temperature, top_k=top_k, seed=seed,
+        ok = type(value) in (int, float)
+    if not ok or not low <= value <= high:  # NaN fails the comparison too
+        what = "an integer" if kind is int else "a number"
+        raise BadRequest(f"{name} must be {what} from {low} to {high}, not "
+                         f"{_short(repr(value))}", name)
+    return kind(value)
+
+
+def _short(text: str, limit: int = 80) -> str:
+    """A client's value quoted back, cut: an error message must not echo a megabyte."""
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text):,} characters)"
+
+
+def longest_token(tokenizer) -> int:
+    """The most characters one token stands for (its UTF-8 bytes bound them): a prompt
+    longer than context × this cannot fit, whatever it says."""
+    try:
+        return max(len(tokenizer.decode_single_token_bytes(i))
+                   for i in range(tokenizer.n_vocab))
+    except (AttributeError, KeyError, TypeError):  # another tokenizer: a generous bound
+        return 64
+
+
+def build_request(checked: Completion, ids: list[int], tokenizer, engine: Engine) -> Request:
+    """The minikv.Request for a checked body and its prompt's ids, once it fits the engine."""
+    request = Request(ids, checked.max_tokens, temperature=checked.temperature,
+                      top_k=checked.top_k, seed=checked.seed,
                       eos_id=getattr(tokenizer, "eot_token", None))
     try:  # the engine's one fit rule: the model's context and this server's pool
         request.prompt = engine.check(request)[0]
     except (ValueError, TypeError) as e:
         why = str(e).removeprefix("the request: ")
-        raise BadRequest(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) does not fit "
-                         f"this server: {why}", "max_tokens") from None
-    return request, stream, bool(options.get("include_usage"))
+        # the prompt is at fault when it leaves no room for even one new token
+        at_fault = "prompt" if len(ids) >= engine.model.config.block_size else "max_tokens"
+        raise BadRequest(f"prompt ({len(ids)} tokens) + max_tokens ({checked.max_tokens}) does "
+                         f"not fit this server: {why}", at_fault) from None
+    return request
 
 
-def _number(body, name, default, kind, low, high=math.inf):
-    """body[name], of `kind` within [low, high], or `default` when absent."""
-    value = body.get(name)
-    if value is None:  # absent, or null as OpenAI's clients may send it
-        return default
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-          and (kind is float or float(value).is_integer()) and low <= value <= high)
-    if not ok:
-        what = "an integer" if kind is int else "a number"
-        raise BadRequest(f"{name} must be {what} from {low} to {high}, not {value!r}", name)
-    return kind(value)
+def parse_completion(body, model_name: str, model, tokenizer,
+                     engine: Engine) -> tuple[Request, bool, bool]:
+    """The minikv.Request a /v1/completions body asks for, whether to stream, and whether
+    to end the stream with a usage chunk; BadRequest, naming the field, if anything is
+    wrong. (The server runs the same steps, the tokenizing on a worker thread.)"""
+    context = model.config.block_size
+    checked = check_completion(body, model_name, model.config.vocab_size, context,
+                               context * longest_token(tokenizer))
+    ids = checked.ids or tokenizer.encode(checked.text, allowed_special="all")
+    return build_request(checked, ids, tokenizer, engine), checked.stream, checked.include_usage
 
 
 class EngineThread:
@@ -220,19 +329,46 @@ class CompletionsAPI:
     """The HTTP side: each handler checks a request, submits it to the engine thread, and
     answers with its tokens as they come (a stream of server-sent events, or one JSON body)."""
 
-    def __init__(self, model, tokenizer, model_name: str, worker: EngineThread):
+    def __init__(self, model, tokenizer, model_name: str, worker: EngineThread,
+                 max_body_bytes: int = MAX_BODY_BYTES):
         self.model, self.tokenizer, self.name, self.worker = model, tokenizer, model_name, worker
+        self.max_body_bytes = max_body_bytes
+        self.context = model.config.block_size
+        self.max_prompt_chars = self.context * longest_token(tokenizer)
+
+    async def read_body(self, http) -> bytes:
+        """The body, refused (413) as soon as it is known to pass the cap: from its
+        Content-Length before a byte is read, or while it streams in without one."""
+        cap = self.max_body_bytes
+        too_big = BadRequest(f"the body is larger than this server takes ({cap:,} bytes): "
+                             "send a shorter prompt", status=413)
+        declared = http.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > cap:
+            raise too_big
+        from starlette.requests import ClientDisconnect
+        chunks, size = [], 0
+        try:
+            async for chunk in http.stream():
+                size += len(chunk)
+                if size > cap:
+                    raise too_big
+                chunks.append(chunk)
+        except ClientDisconnect:  # gone halfway through its body: nobody to answer, no error
+            raise BadRequest("the client left before its body was sent") from None
+        return b"".join(chunks)
 
     async def completions(self, http):
         from starlette.responses import JSONResponse, StreamingResponse
         try:
-            body = json.loads(await http.body())
-        except ValueError as e:
-            return error_response(BadRequest(f"the body is not JSON ({e})"))
-        engine = self.worker.engine
-        try:
-            request, stream, usage = parse_completion(
-                body, self.name, self.model, self.tokenizer, engine)
+            body = decode_body(await self.read_body(http))
+            checked = check_completion(body, self.name, self.model.config.vocab_size,
+                                       self.context, self.max_prompt_chars)
+            ids = checked.ids
+            if ids is None:  # tokenizing takes time in proportion to the text: off the loop
+                ids = await asyncio.to_thread(self.tokenizer.encode, checked.text,
+                                              allowed_special="all")
+            request = build_request(checked, ids, self.tokenizer, self.worker.engine)
+            stream, usage = checked.stream, checked.include_usage
             index, out = self.worker.submit(request)
         except BadRequest as e:
             return error_response(e)
@@ -321,20 +457,31 @@ def error_response(e: BadRequest):
                                    "code": None}}, e.status, headers=headers)
 
 
+async def http_error(_, e):
+    """Starlette's own refusals (no such path, a GET where POST goes) as OpenAI's error body,
+    not plain text: a client reads every error the same way."""
+    return error_response(BadRequest(f"{e.detail}: this server serves POST /v1/completions, "
+                                     "GET /v1/models and GET /health", status=e.status_code))
+
+
 def create_app(model, tokenizer, model_name: str, *, num_blocks: int = 256, page_size: int = 16,
-               max_running: int | None = 16, max_queue: int = 64, policy=None):
+               max_running: int | None = 16, max_queue: int = 64, policy=None,
+               max_body_bytes: int = MAX_BODY_BYTES):
     """The Starlette app serving `model` as `model_name`, with its engine thread (started
     with the app, stopped with it)."""
     from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
     from starlette.routing import Route
 
     int_at_least("max_queue", max_queue, 0, " (requests waiting beyond the running ones)")
     engine = Engine(model, num_blocks, page_size=page_size, max_running=max_running,
                     policy=policy)
-    api = CompletionsAPI(model, tokenizer, model_name, EngineThread(engine, max_queue))
+    int_at_least("max_body_bytes", max_body_bytes)
+    api = CompletionsAPI(model, tokenizer, model_name, EngineThread(engine, max_queue),
+                         max_body_bytes)
     app = Starlette(routes=[Route("/v1/completions", api.completions, methods=["POST"]),
                             Route("/v1/models", api.models), Route("/health", api.health)],
-                    lifespan=api.lifespan)
+                    lifespan=api.lifespan, exception_handlers={HTTPException: http_error})
     app.state.worker = api.worker
     return app
 
@@ -342,6 +489,7 @@ def create_app(model, tokenizer, model_name: str, *, num_blocks: int = 256, page
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
+    from .course import arguments
     from .course.checkpoint import COURSE_MODELS, load_course_model
     from .engine.scheduler import FirstComeFirstServed
 
@@ -351,19 +499,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default: this machine only; 0.0.0.0 "
                              "opens it to the network: there is no authentication)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--num-blocks", type=int, default=256, help="blocks in the KV pool")
-    parser.add_argument("--page-size", type=int, default=16, help="positions per block")
-    parser.add_argument("--max-running", type=int, default=16, help="requests run at once")
-    parser.add_argument("--max-queue", type=int, default=64,
+    parser.add_argument("--port", type=arguments.port, default=8000)
+    parser.add_argument("--num-blocks", type=arguments.positive, default=256,
+                        help="blocks in the KV pool")
+    parser.add_argument("--page-size", type=arguments.positive, default=16,
+                        help="positions per block")
+    parser.add_argument("--max-running", type=arguments.positive, default=16,
+                        help="requests run at once")
+    parser.add_argument("--max-queue", type=arguments.integer(0), default=64,
                         help="requests that may wait beyond the running ones (then 503)")
-    parser.add_argument("--chunk-budget", type=int, default=None,
+    parser.add_argument("--chunk-budget", type=arguments.positive, default=None,
                         help="chunked prefill: tokens per engine step (default: off)")
     args = parser.parse_args(argv)
     model, tokenizer = load_course_model(args.model)
     try:
         policy = (FirstComeFirstServed(args.chunk_budget, chunked_prefill=True)
-                  if args.chunk_budget else None)
+                  if args.chunk_budget is not None else None)
         app = create_app(model, tokenizer, args.model, num_blocks=args.num_blocks,
                          page_size=args.page_size, max_running=args.max_running,
                          max_queue=args.max_queue, policy=policy)

@@ -48,6 +48,10 @@ if os.environ.get("MINIKV_BREAK_STEPPER") == "1":
 """
 
 pytestmark = pytest.mark.browser
+# How long a step of a stepper may take to show: a widget round trip takes a fraction of a second,
+# but a machine busy with other tests has taken over 10 s. Every wait below polls and returns as
+# soon as the page shows the step, so a generous bound costs a passing run nothing.
+STEP_WAIT_S = 60
 
 
 def chromium() -> str:
@@ -226,9 +230,10 @@ def shot(browser: Browser, stepper, name: str) -> None:
 
 
 def click_through(browser: Browser, stepper, expected: list[tuple[str, int]], name: str,
-                  shots: dict[int, str], first: int = 0) -> None:
+                  shots: dict[int, str], first: int = 0, wait: float = STEP_WAIT_S) -> None:
     """Click Next through `expected` (caption text, cache length), the stepper showing step
-    `first` (from 0) at the start, and check what the page shows at every step."""
+    `first` (from 0) at the start, and check what the page shows at every step, waiting up to
+    `wait` seconds for each thing to show."""
     caption_box, cache_box = stepper.locator(".minikv-caption"), stepper.locator(".minikv-cache")
     image = stepper.locator(".minikv-image img, img.minikv-image").first
     sources = set()
@@ -237,7 +242,7 @@ def click_through(browser: Browser, stepper, expected: list[tuple[str, int]], na
             stepper.locator(".minikv-next").click()
         try:
             caption_box.get_by_text(f"step {first + i + 1}/", exact=False).wait_for(
-                timeout=10_000)
+                timeout=wait * 1000)
         except Exception as e:
             raise AssertionError(f"{name}: after {i} clicks the caption still reads "
                                  f"{caption_box.text_content()!r}; "
@@ -246,7 +251,7 @@ def click_through(browser: Browser, stepper, expected: list[tuple[str, int]], na
         assert shown == want_caption, (
             f"{name} step {i + 1}: caption {shown!r}, trace says {want_caption!r}")
         want_cache = f"KV cache: {want_len} positions"
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + wait
         while not cache_box.text_content().startswith(want_cache) and time.monotonic() < deadline:
             # widget updates are separate messages: the cache line may land just after the caption
             time.sleep(0.1)
@@ -255,18 +260,18 @@ def click_through(browser: Browser, stepper, expected: list[tuple[str, int]], na
             f"{name} step {i + 1}: {cache_text!r}, trace says {want_len} positions")
         # the slider counts from 1, as the caption does
         readout = stepper.locator(".widget-readout").first
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + wait
         while (readout.text_content().strip() != str(first + i + 1)
                and time.monotonic() < deadline):
             time.sleep(0.1)
         assert readout.text_content().strip() == str(first + i + 1), (
             f"{name} step {first + i + 1}: the slider reads {readout.text_content()!r}")
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + wait
         while image.get_attribute("src") in sources and time.monotonic() < deadline:
             time.sleep(0.1)  # the picture's update may arrive just after the caption's
         src = image.get_attribute("src")
         assert src not in sources, (
-            f"{name} step {i + 1}: the picture did not change within 10 s; "
+            f"{name} step {i + 1}: the picture did not change within {wait} s; "
             f"errors: {browser.errors}")
         sources.add(src)
         size = browser.page.evaluate("async src => (await (await fetch(src)).blob()).size", src)
@@ -314,7 +319,7 @@ def test_deterministic_chapter_in_jupyterlab(session):
     for i in range(total):
         if i:
             stepper.locator(".minikv-next").click()
-            caption_box.get_by_text(f"step {i + 1}/{total}").wait_for(timeout=10_000)
+            caption_box.get_by_text(f"step {i + 1}/{total}").wait_for(timeout=STEP_WAIT_S * 1000)
         shown = " ".join(caption_box.text_content().split())
         kind = shown.split()[2].rstrip(":")
         kinds_seen.append(kind)
@@ -365,7 +370,8 @@ def test_many_requests_chapter_in_jupyterlab(session):
                   {0: "full", 1: "preempt"}, first=preempt - 1)
     caption_box = stepper.locator(".minikv-caption")
     stepper.locator(".minikv-prev").click()
-    caption_box.get_by_text(f"step {preempt + 1}/{len(steps)}").wait_for(timeout=10_000)
+    caption_box.get_by_text(f"step {preempt + 1}/{len(steps)}").wait_for(
+        timeout=STEP_WAIT_S * 1000)
     assert " ".join(caption_box.text_content().split()) == expected[preempt][0]
     assert "preempted (to be recomputed)" in expected[preempt][0]
     assert not browser.errors, browser.errors
@@ -380,7 +386,9 @@ def test_a_broken_stepper_fails_the_check(session):
     trace = minikv.generate(target, tok.encode("The color of dog"), 10, eos_id=tok.eot_token,
                             trace=True).trace
     with pytest.raises(AssertionError, match="after 1 clicks the caption still reads"):
-        click_through(browser, stepper, expected_steps(trace, tok.decode, 3), "01-broken", {})
+        # the stepper is meant never to advance: the wait is spent in full, so keep it short
+        click_through(browser, stepper, expected_steps(trace, tok.decode, 3), "01-broken", {},
+                      wait=10)
 
 
 def chapter_09_walk():
@@ -511,7 +519,7 @@ def test_make_lab_opens_chapter_00_and_an_exercise_from_its_file_browser(session
     exercise = "02_kv_cache_guide.ipynb"
     listing.filter(has_text=exercise).first.dblclick()
     title.filter(has_text="02 · The KV cache, visually").first.wait_for(timeout=60_000)
-    page.wait_for_url(f"**/lab/tree/exercises/{exercise}**", timeout=10_000)
+    page.wait_for_url(f"**/lab/tree/exercises/{exercise}**", timeout=STEP_WAIT_S * 1000)
     lab.wait_idle(f"exercises/{exercise}")  # its kernel started, from the exercises/ folder
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "make_lab_exercise.png"))

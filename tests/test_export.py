@@ -64,8 +64,10 @@ def test_what_has_no_hugging_face_class_or_would_overwrite_is_refused(tmp_path):
         export.export_hf(target, export.PACKAGE / "course" / "models" / "target")
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "notes.txt").write_text("mine")
-    with pytest.raises(ValueError, match="--force"):
-        export.export_hf(target, tmp_path / "taken")
+    for force in (False, True):  # a folder of someone's files is not replaced, --force or not
+        with pytest.raises(ValueError, match=r"did not write \(notes.txt\)"):
+            export.export_hf(target, tmp_path / "taken", force=force)
+    assert [p.name for p in (tmp_path / "taken").iterdir()] == ["notes.txt"]
     assert (tmp_path / "taken" / "notes.txt").read_text() == "mine"
 
 
@@ -79,5 +81,11 @@ def test_the_command_line_exports_a_checkpoint(tmp_path):
     code, err = cli_exit("export", "--checkpoint", str(tmp_path / "mine"),
                          "--out", str(tmp_path / "mine-hf"))
     assert code == 2 and "--force" in err
+    (tmp_path / "mine-hf" / "config.json").write_text("{}")  # what --force must put back
+    code, _ = cli_exit("export", "--checkpoint", str(tmp_path / "mine"),
+                       "--out", str(tmp_path / "mine-hf"), "--force")
+    assert code == 0 and (tmp_path / "mine-hf" / "config.json").read_text() != "{}"
+    assert (tmp_path / "mine-hf" / ".minikv-output").read_text().startswith(
+        "python -m minikv export\n")  # still marked: a later --force may replace it again
     code, err = cli_exit("export", "--checkpoint", str(tmp_path / "nothing"))
-    assert code == 2 and "does not exist" in err
+    assert code == 2 and "nothing is not there: give a directory" in err

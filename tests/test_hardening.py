@@ -26,6 +26,7 @@ from minikv.course.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from minikv.course.files import mark_directory
 from minikv.engine.attention import window_attention
 
 from conftest import cli_exit, varied_model
@@ -300,14 +301,15 @@ ROWS = [
     # --- command line ---------------------------------------------------------------------------
     ("cli unknown command", lambda e: run_cli("frobnicate"), V, "generate"),
     ("cli generate n negative", lambda e: run_cli("generate", "--prompt", "x", "--preset", "tiny",
-                                                  "--max-new-tokens", "-1"), V, "max_new_tokens"),
+                                                  "--max-new-tokens", "-1"), V,
+     "--max-new-tokens: must be at least 1"),
     ("cli generate temperature", lambda e: run_cli("generate", "--prompt", "x", "--preset",
                                                    "tiny", "--temperature", "1e-45"), V,
      "or a number >="),
     ("cli generate top_k", lambda e: run_cli("generate", "--prompt", "x", "--preset", "tiny",
-                                             "--top-k", "0"), V, "top_k must be"),
+                                             "--top-k", "0"), V, "--top-k: must be at least 1"),
     ("cli generate seed", lambda e: run_cli("generate", "--prompt", "x", "--preset", "tiny",
-                                            "--seed", "-4"), V, "seed must be"),
+                                            "--seed", "-4"), V, "--seed: must be from 0"),
     ("cli generate device", lambda e: run_cli("generate", "--prompt", "x", "--device", "tpu"), V,
      "unknown device"),
     ("cli generate past block", lambda e: run_cli("generate", "--prompt", "x", "--preset", "tiny",
@@ -337,7 +339,7 @@ ROWS = [
     ("cli figures unwritable", lambda e: run_cli("figures", "--out", "/proc/minikv/figures"), V,
      "choose a writable path"),
     ("cli evaluate unwritable", lambda e: run_cli("evaluate", "--out", "/proc/minikv/x/y.md"), V,
-     "choose a writable path"),
+     "/proc/minikv/x does not exist"),
     # --- issue 31's three classes, several members each ---------------------------------------
     # 1. a size function given a length that makes no sense: a number would come back, wrong
     ("bytes seq_len negative", lambda e: minikv.kv_cache_bytes(e.model.config, -5), V, "seq_len"),
@@ -523,6 +525,8 @@ def test_sigint_during_training_leaves_the_previous_checkpoint(tmp_path):
     """A real `python -m minikv train` interrupted by SIGINT while it trains into a directory
     that already holds a checkpoint: that checkpoint is untouched and loads."""
     env = Env(tmp_path)
+    mark_directory(env.ckpt, "train")  # an earlier train's output: train may replace it
+    env.before = env.state()
     script = textwrap.dedent(f"""
         import signal, sys
         from minikv.course import train
@@ -654,18 +658,23 @@ def test_no_command_overwrites_a_shipped_file_by_default(monkeypatch, tmp_path):
     from minikv.viz import figures
     seen = {}
 
-    def stop(path):
+    def stop(path, *args, **kwargs):
         seen[len(seen)] = Path(path).resolve()
         raise SystemExit(0)
-    monkeypatch.setattr(figures, "check_writable", stop)
-    monkeypatch.setattr("minikv.bench.check_writable", stop)
-    monkeypatch.setattr(train, "check_writable", stop)
+    monkeypatch.setattr(figures, "claim_directory", stop)
+    monkeypatch.setattr("minikv.bench.claim_directory", stop)
+    monkeypatch.setattr("minikv.bench.load.claim_directory", stop)
+    monkeypatch.setattr("minikv.bench.speculation.claim_directory", stop)
+    monkeypatch.setattr(train, "claim_directory", stop)
+    from minikv.bench import load, speculation
     for main, args in ((figures.main, []), (bench_main, ["--quick"]), (bench_main, []),
+                       (load.main, []), (speculation.main, []),
                        (train.main, ["--preset", "draft"])):
         with pytest.raises(SystemExit):
             main(args)
     shipped = [ROOT / "figures", ROOT / "benchmarks", ROOT / "docs", checkpoint.MODELS_DIR,
                tokenizer.RANKS_PATH.parent]
+    assert len(seen) == 6  # each command got as far as choosing its folder
     for path in seen.values():
         assert not any(path == s or s in path.parents for s in shipped), path
     doc = ROOT / "docs" / "course-models.md"

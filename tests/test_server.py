@@ -17,6 +17,10 @@ from minikv.server import Detokenizer, create_app
 
 MODEL, TOK = load_course_model("draft")
 PROMPT = "Ada flips a coin. It lands"
+# How long a server may take to start, answer or go idle: milliseconds here, but a machine busy
+# with other tests has taken seconds. Every wait polls and ends as soon as the server is ready,
+# so a generous bound costs a passing run nothing.
+WAIT_S = 60
 
 
 class Live:
@@ -34,7 +38,7 @@ class Live:
 
     def __enter__(self):
         self.thread.start()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + WAIT_S
         while not self.server.started:
             assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.05)
@@ -45,9 +49,9 @@ class Live:
         self.thread.join(timeout=10)
 
     def health(self):
-        return httpx.get(self.url + "/health").json()
+        return httpx.get(self.url + "/health", timeout=WAIT_S).json()
 
-    def wait_idle(self, timeout=10.0):
+    def wait_idle(self, timeout=WAIT_S):
         deadline = time.monotonic() + timeout
         while (h := self.health())["running"] or h["waiting"] or h["in_flight"]:
             assert time.monotonic() < deadline, f"the server is still busy: {h}"
@@ -117,8 +121,25 @@ def test_a_seeded_sampled_request_is_reproducible(live):
     ({"model": "draft", "prompt": 12}, 400, "prompt", "non-empty string or a list of token ids"),
     ({"model": "draft", "prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens", "from 1 to"),
     ({"model": "draft", "prompt": PROMPT, "max_tokens": 2.5}, 400, "max_tokens", "an integer"),
-    ({"model": "draft", "prompt": PROMPT, "max_tokens": 10_000}, 400, "max_tokens",
+    ({"model": "draft", "prompt": PROMPT, "max_tokens": 10_000}, 400, "max_tokens", "from 1 to"),
+    ({"model": "draft", "prompt": PROMPT, "max_tokens": 250}, 400, "max_tokens",
      "does not fit this server"),
+    ({"model": "draft", "prompt": PROMPT, "max_tokens": 10**400}, 400, "max_tokens", "from 1 to"),
+    ({"model": "draft", "prompt": PROMPT, "seed": -10**400}, 400, "seed", "from 0 to"),
+    ({"model": "draft", "prompt": PROMPT, "max_tokens": True}, 400, "max_tokens", "an integer"),
+    ({"model": "draft", "prompt": PROMPT, "temperature": 0.0001}, 400, "temperature", "0.001"),
+    ({"model": "draft", "prompt": PROMPT, "n": True}, 400, "n", "n must be 1"),
+    ({"model": "draft", "prompt": PROMPT, "top_p": False}, 400, "top_p", "top_p must be 1"),
+    ({"model": "draft", "prompt": PROMPT, "stream": True, "stream_options": {"include_usage": 1}},
+     400, "stream_options", "include_usage: true or false"),
+    ({"model": "draft", "prompt": PROMPT, "stream_options": {}}, 400, "stream_options",
+     "add \"stream\": true"),
+    ({"model": "draft", "prompt": PROMPT, "user": ["a"]}, 400, "user", "user must be a string"),
+    ({"model": 7, "prompt": PROMPT}, 400, "model", "model must be a string"),
+    ({"model": "draft", "prompt": "x" * 100_000}, 400, "prompt", "shorten it"),
+    ({"model": "draft", "prompt": [1] * 300}, 400, "prompt", "shorten it"),
+    ({"model": "draft", "prompt": [True, 2]}, 400, "prompt", "list of token ids"),
+    ({"model": "draft", "prompt": "ab " * 200}, 400, "prompt", "does not fit this server"),
     ({"model": "draft", "prompt": PROMPT, "temperature": 3}, 400, "temperature", "from 0.0 to 2"),
     ({"model": "draft", "prompt": PROMPT, "temperature": "hot"}, 400, "temperature", "a number"),
     ({"model": "draft", "prompt": PROMPT, "temperature": True}, 400, "temperature", "a number"),
@@ -127,7 +148,7 @@ def test_a_seeded_sampled_request_is_reproducible(live):
     (["not", "an", "object"], 400, None, "must be a JSON object"),
 ])
 def test_a_bad_request_is_refused_naming_its_field(live, body, status, field, message):
-    r = httpx.post(live.url + "/v1/completions", json=body)
+    r = httpx.post(live.url + "/v1/completions", json=body, timeout=WAIT_S)
     assert r.status_code == status
     err = r.json()["error"]
     assert message in err["message"] and err["param"] == field
@@ -135,9 +156,31 @@ def test_a_bad_request_is_refused_naming_its_field(live, body, status, field, me
 
 
 def test_a_body_that_is_not_json_is_a_400(live):
-    r = httpx.post(live.url + "/v1/completions", content=b"{prompt: nope",
+    r = httpx.post(live.url + "/v1/completions", content=b"{prompt: nope", timeout=WAIT_S,
                    headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("raw, status, message", [
+    (b"[" * 100_000 + b"]" * 100_000, 400, "nested too deeply"),
+    (b'{"model": "draft", "prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}", 400, "not JSON"),
+    (b'{"model": "draft", "prompt": "a", "temperature": 1e999}', 400, "from 0.0 to 2.0"),
+    (b'{"model": "draft", "prompt": "a", "temperature": NaN}', 400, "from 0.0 to 2.0"),
+    (b"\xff\xfe", 400, "not JSON"),
+    (b'{"model": "draft", "prompt": "' + b"a" * (2 << 20) + b'"}', 413, "larger than"),
+])
+def test_a_body_no_parser_could_take_is_a_4xx_in_json(live, raw, status, message):
+    r = httpx.post(live.url + "/v1/completions", content=raw, timeout=WAIT_S,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == status and message in r.json()["error"]["message"]
+    assert live.health()["in_flight"] == 0
+
+
+def test_a_path_or_method_not_served_is_answered_in_openai_s_error_body(live):
+    for r in (httpx.get(live.url + "/v1/chat/completions", timeout=WAIT_S),
+              httpx.get(live.url + "/v1/completions", timeout=WAIT_S)):
+        assert r.status_code in (404, 405)
+        assert "this server serves POST /v1/completions" in r.json()["error"]["message"]
 
 
 def test_the_openai_client_raises_the_servers_message(live):
@@ -168,18 +211,18 @@ def test_a_full_server_answers_503_and_a_disconnect_frees_the_blocks():
                      max_queue=1)
     with Live(app) as live:
         body = {"model": "draft", "prompt": PROMPT, "max_tokens": 200, "stream": True}
-        with httpx.Client(timeout=30) as http:
+        with httpx.Client(timeout=WAIT_S) as http:
             with http.stream("POST", live.url + "/v1/completions", json=body) as first:
                 lines = first.iter_lines()
                 assert next(lines).startswith("data: ")  # the first running, a token out
                 with http.stream("POST", live.url + "/v1/completions", json=body) as second:
                     assert second.status_code == 200  # waits in the queue
-                    third = httpx.post(live.url + "/v1/completions", json=body)
+                    third = httpx.post(live.url + "/v1/completions", json=body, timeout=WAIT_S)
                     assert third.status_code == 503 and third.headers["Retry-After"] == "1"
                     assert "the server is full" in third.json()["error"]["message"]
                     h = live.health()
                     assert h["in_flight"] == 2  # counted as the HTTP side took them
-                    deadline = time.monotonic() + 5
+                    deadline = time.monotonic() + WAIT_S
                     while h["waiting"] == 0 and time.monotonic() < deadline:
                         time.sleep(0.01)  # the engine thread takes the second between steps
                         h = live.health()
@@ -230,8 +273,8 @@ def test_an_engine_that_fails_answers_500_then_503():
     model.forward = broken
     with Live(create_app(model, TOK, "draft", num_blocks=16)) as live:
         body = {"model": "draft", "prompt": PROMPT, "max_tokens": 4}
-        first = httpx.post(live.url + "/v1/completions", json=body, timeout=10)
+        first = httpx.post(live.url + "/v1/completions", json=body, timeout=WAIT_S)
         assert first.status_code == 500
         assert "the device fell over" in first.json()["error"]["message"]
-        again = httpx.post(live.url + "/v1/completions", json=body, timeout=10)
+        again = httpx.post(live.url + "/v1/completions", json=body, timeout=WAIT_S)
         assert again.status_code == 503 and "restart the server" in again.json()["error"]["message"]

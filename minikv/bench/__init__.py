@@ -24,8 +24,9 @@ import matplotlib.pyplot as plt
 import torch
 from tqdm import tqdm
 
+from ..course.arguments import positive
 from ..course.device import describe_device, resolve_device
-from ..course.files import check_writable, write_atomically
+from ..course.files import claim_directory, mark_directory, write_atomically
 from ..engine import GPT, GPTConfig, Request, generate, serve, speculative_generate
 from .parallel import column_parallel
 
@@ -484,13 +485,6 @@ def _size(n_bytes: int) -> str:
     return f"{n_bytes / 2**20:.1f} MiB" if n_bytes >= 2**20 else f"{n_bytes / 2**10:.0f} KiB"
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minikv bench", description=__doc__)
     parser.add_argument("--quick", action="store_true",
@@ -499,10 +493,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="where to write results.json, README.md and plots.png (default: "
                              "runs/bench; the committed run is in benchmarks/: `make bench`)")
     parser.add_argument("--device", default=None)
-    parser.add_argument("--repeats", type=_positive, default=None)
+    parser.add_argument("--repeats", type=positive, default=None)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                         help="weights and activations (16-bit rows are for GPUs)")
-    parser.add_argument("--naive-max", type=_positive, default=200,
+    parser.add_argument("--naive-max", type=positive, default=200,
                         help="longest N to time naive decoding at")
     parser.add_argument("--previous", metavar="REF", default=None,
                         help="also time the engine of git revision REF (e.g. HEAD~1) beside "
@@ -515,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out = args.out or Path("runs") / ("bench-quick" if args.quick else "bench")
     try:
         device = resolve_device(args.device)
-        check_writable(args.out)
+        # new, empty, or bench's own (benchmarks/ is): never a folder of anyone else's files
+        claim_directory(args.out, "bench")
     except ValueError as e:
         parser.error(str(e))
     repeats = args.repeats or (1 if args.quick else 3)
@@ -587,6 +582,7 @@ def main(argv: list[str] | None = None) -> int:
                                      repeats, device, dtype)
     if args.previous:
         results["vs_previous"] = vs_previous
+    mark_directory(args.out, "bench")
     write_report(results, args.out)
     print((args.out / "README.md").read_text())
     return 0

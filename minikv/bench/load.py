@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from ..course.files import check_writable, write_atomically
+from ..course.files import claim_directory, mark_directory, write_atomically
 from ..engine import KVCounter, Request
 from ..engine.scheduler import FirstComeFirstServed
 from ..engine.serving import Engine
@@ -435,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = args.out or Path("runs") / ("bench-load-quick" if args.quick else "bench-load")
     try:
-        check_writable(out)
+        # new, empty, or bench-load's own (benchmarks/load is): never anyone else's folder
+        claim_directory(out, "bench-load")
     except ValueError as e:
         parser.error(str(e))
     if args.quick:
@@ -449,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                            "torch": torch.__version__, "platform": platform.platform(),
                            "load_average_at_start": os.getloadavg()[0]},
                "load": bench(model, args.quick)}
-    out.mkdir(parents=True, exist_ok=True)
+    mark_directory(out, "bench-load")
     write_report(results, out)
     print((out / "README.md").read_text())
     return 0

@@ -5,8 +5,9 @@ model proposing chains, the feature head (engine/eagle.py) proposing chains, and
 proposing token trees; for each, γ from a range, the output checked identical to the baseline's,
 α (accepted over judged proposals), tokens committed per target pass, and the speed-up: the
 baseline's median time over the method's, the two run in turn (A, B, A, B, ...) so that drift hits
-both alike. Writes benchmarks/speculation/results.json and README.md; `--quick` checks the
-machinery on tiny random models (its numbers mean nothing).
+both alike. Writes results.json, README.md and serving.png to runs/bench-spec (the committed run,
+quoted by chapter 10: `--out benchmarks/speculation`); `--quick` checks the machinery on tiny
+random models (its numbers mean nothing) and writes nothing unless given --out.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from ..course.device import describe_device, resolve_device
-from ..course.files import check_writable, write_atomically
+from ..course.files import claim_directory, mark_directory, write_atomically
 from ..engine import GPT, GPTConfig, Request, Speculation, generate, serve, speculative_generate
 from ..engine.eagle import FeatureHead, feature_generate, tree_size
 from . import OUT_DIR as BENCHMARKS
@@ -205,9 +206,18 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny random models; checks only")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--out", default=None, help=f"default: {OUT_DIR} (not with --quick)")
+    parser.add_argument("--out", default=None,
+                        help="default: runs/bench-spec, nothing with --quick (the committed "
+                             "run: --out benchmarks/speculation)")
     args = parser.parse_args(argv)
-    device = resolve_device(args.device)
+    # never the committed benchmarks/speculation by default: a run writes there only when asked
+    out = Path(args.out) if args.out else (None if args.quick else Path("runs") / "bench-spec")
+    try:  # before any model is loaded: new, empty, or bench-spec's own folder
+        device = resolve_device(args.device)
+        if out is not None:
+            claim_directory(out, "bench-spec")
+    except ValueError as e:
+        parser.error(str(e))
     if args.quick:
         torch.manual_seed(0)
         target = GPT(GPTConfig.preset("tiny")).to(device).eval()
@@ -223,9 +233,6 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [tok.encode(p) for p in PROMPTS]
         n_tokens, gammas, trees, repeats = 100, [2, 3, 4, 5, 6, 7, 8], [(2, 2), (4, 2), (2, 4)], 5
         batches, serve_tokens = [1, 2, 4, 8, 16, 32, 64], 48
-    out = Path(args.out) if args.out else (None if args.quick else OUT_DIR)
-    if out is not None:
-        check_writable(out)
     speculation = Speculation(gamma=3, draft=draft)  # the draft: timed in the serving rows
     with torch.inference_mode():
         rows = bench_proposers(target, draft, head, prompts, n_tokens, gammas, trees, repeats,
@@ -244,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results["best"]))
     print(serving_table(serving))
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
+        mark_directory(out, "bench-spec")
         write_atomically(out / "results.json", json.dumps(results, indent=1) + "\n")
         write_atomically(out / "README.md", readme(results))
         plot_serving(serving, out / "serving.png")

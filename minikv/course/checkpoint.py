@@ -60,10 +60,11 @@ STORED_DTYPES = (torch.float32, torch.float16)  # a file holds one of them for e
 # --- saving --------------------------------------------------------------------------------------
 
 def save_checkpoint(model: GPT, directory: str | Path, metadata: dict | None = None,
-                    dtype: torch.dtype = torch.float32) -> Path:
+                    dtype: torch.dtype = torch.float32, mark: str | None = None) -> Path:
     """Write config.json, model.safetensors and training.json as `directory`, replacing what was
     there in one step; the weights as `dtype` (float32, or float16: half the bytes, each weight
-    rounded to 11 significant bits). Refuses a model that load_checkpoint would refuse."""
+    rounded to 11 significant bits). Refuses a model that load_checkpoint would refuse.
+    `mark`: the command whose output the directory is (files.claim_directory)."""
     directory = Path(directory)
     if type(model) not in (GPT, FeatureHead):
         raise TypeError(f"save_checkpoint saves a minikv.GPT (or a FeatureHead), got "
@@ -94,7 +95,7 @@ def save_checkpoint(model: GPT, directory: str | Path, metadata: dict | None = N
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata=header)
         (tmp / CONFIG_FILE).write_bytes(config_bytes)
         (tmp / METADATA_FILE).write_bytes(meta_bytes)
-    replace_directory(directory, fill)
+    replace_directory(directory, fill, mark=mark)
     return directory
 
 

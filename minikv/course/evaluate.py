@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..engine import generate, kv_cache_bytes
-from . import corpus
+from . import arguments, corpus
 from .checkpoint import COURSE_MODELS, MODELS_DIR, WEIGHTS_FILE, load_course_model, read_metadata
 from .device import describe_device, resolve_device
 from .files import check_writable, write_atomically
@@ -344,7 +344,7 @@ def report(device=None) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minikv evaluate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="-",
+    parser.add_argument("--out", type=arguments.output_file, default="-",
                         help="where to write the Markdown (default '-': print it; the course's "
                              "own report is docs/course-models.md)")
     parser.add_argument("--device", default=None,

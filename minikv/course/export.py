@@ -10,8 +10,10 @@ transposed back), a Llama-style one (config.LLAMA) a `LlamaForCausalLM` (c_attn 
 and v, c_fc into gate and up); the course tokenizer becomes a `tokenizer.json` (transformers'
 converter of tiktoken files) with <|endoftext|> as its end-of-text token. Other block mixes (a
 GPT-2 block with fewer K/V heads, say) have no Hugging Face architecture and are refused. The
-directory is written whole, in a temporary directory renamed into place; an existing one is
-replaced only with --force, and never one in the package.
+directory is written whole, in a temporary directory renamed into place, and marked as an
+export's (a .minikv-output file); an existing one is replaced only with --force, and only if it
+is empty or an earlier export's: a folder of anyone's files (the repository, a folder holding
+the package, a home directory) is refused, --force or not, and never one in the package.
 """
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ from safetensors.torch import save_file
 
 from ..engine import GPT
 from ..engine.config import LLAMA
+from . import arguments
 from .checkpoint import COURSE_MODELS, load_checkpoint, load_course_model
-from .files import check_writable, replace_directory
+from .files import claim_directory, replace_directory
 from .tokenizer import RANKS_PATH, load_tokenizer
 
 PACKAGE = Path(__file__).resolve().parent.parent
@@ -114,15 +117,8 @@ def export_hf(model: GPT, out: str | Path, force: bool = False) -> Path:
     """Write `model` and the course tokenizer as a Hugging Face checkpoint directory `out`."""
     out = Path(out)
     family = architecture(model)  # refuses a block no Hugging Face class has, before any write
-    try:
-        inside = out.resolve() == PACKAGE or PACKAGE in out.resolve().parents
-    except (OSError, RuntimeError) as e:
-        raise ValueError(f"cannot resolve --out {out}: {e}") from None
-    if inside:
-        raise ValueError(f"{out} is inside the minikv package: export elsewhere (runs/export/...)")
-    if (out.is_file() or out.is_dir() and any(out.iterdir())) and not force:
-        raise ValueError(f"{out} exists: pass --force to replace it, or choose another --out")
-    check_writable(out)
+    # new, empty, or an earlier export's (with force): never a folder of anyone else's files
+    claim_directory(out, "export", replace=True, force=force)
     eot = load_tokenizer().eot_token
     tensors = gpt2_state_dict(model) if family == "gpt2" else llama_state_dict(model)
     tensors = {name: t.detach().to("cpu", torch.float32).contiguous()
@@ -132,7 +128,7 @@ def export_hf(model: GPT, out: str | Path, force: bool = False) -> Path:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config(model, eot), indent=2) + "\n")
         write_tokenizer(tmp)
-    return replace_directory(out, fill)
+    return replace_directory(out, fill, mark="export")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,13 +136,16 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", choices=COURSE_MODELS, help="a shipped course model")
-    which.add_argument("--checkpoint", help="a minikv checkpoint directory (train --out)")
+    which.add_argument("--checkpoint", type=arguments.directory,
+                       help="a minikv checkpoint directory (train --out)")
     parser.add_argument("--format", choices=["hf"], default="hf",
                         help="hf: a Hugging Face checkpoint (config.json, model.safetensors, "
                              "tokenizer.json)")
     parser.add_argument("--out", default=None,
                         help="output directory (default: runs/export/<model>-hf)")
-    parser.add_argument("--force", action="store_true", help="replace an existing --out")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing --out that an earlier export wrote (never a "
+                             "folder of other files)")
     args = parser.parse_args(argv)
     name = args.model or Path(args.checkpoint).name
     out = Path(args.out) if args.out else Path("runs") / "export" / f"{name}-hf"

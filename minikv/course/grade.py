@@ -30,7 +30,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .files import read_at_most, write_atomically
+from . import arguments
+from .files import claim_directory, mark_directory, read_at_most, write_atomically
 from .notebooks import MAX_NOTEBOOK_BYTES, ROOT, STUB_MESSAGE, exercise_names, read_notebook
 
 CACHE_FORMAT = 2  # bump when the cached cell results change meaning (2: with their sha256)
@@ -188,7 +189,7 @@ def _shown(path: Path) -> str:
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m minikv grade", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("notebooks", nargs="*", type=Path,
+    parser.add_argument("notebooks", nargs="*", type=arguments.notebook,
                         help="exercise notebooks to grade (default: every one in exercises/)")
     parser.add_argument("--chapter", metavar="NN",
                         help="grade exercises/NN_*.ipynb (make check-exercises CHAPTER=NN)")
@@ -200,7 +201,8 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
                              "notebook runs once however many times it is graded")
     parser.add_argument("--verbose", action="store_true",
                         help="print each failing cell's traceback too (runs without --cache)")
-    parser.add_argument("--timeout", type=int, default=300, help="seconds per cell (default 300)")
+    parser.add_argument("--timeout", type=arguments.integer(1, 86_400), default=300,
+                        help="seconds per cell (default 300)")
     return parser.parse_args(argv)
 
 
@@ -243,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     try:  # every notebook checked before any runs: a broken one is a message, not a traceback
         paths = _paths(args)
         notebooks = {p: read_notebook(p) for p in paths}
+        if args.cache is not None:  # new, empty, or a grade cache: not a folder of other files
+            claim_directory(args.cache, "grade --cache", own=r"[0-9a-f]{64}\.json")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -251,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         if not paths:
             print(f"error: no exercise {args.exercise!r} in the notebooks given", file=sys.stderr)
             return 2
+    if args.cache is not None:
+        mark_directory(args.cache, "grade --cache")
     results: list[Result] = []
     for path in paths:
         print(f"running {_shown(path)}", flush=True)  # a chapter takes seconds to a minute

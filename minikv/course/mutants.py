@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from . import arguments
+from .files import write_atomically
 from .notebooks import BEGIN, END, ROOT, is_check, read_notebook
 
 EQUIVALENT = Path(__file__).with_name("equivalent_mutants.toml")
@@ -267,10 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minikv mutants", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("chapters", nargs="*", help="chapter numbers, e.g. 02 05 (default: all)")
-    parser.add_argument("--cap", type=int, default=40, help="mutants per exercise (default 40)")
-    parser.add_argument("--timeout", type=float, default=20,
+    parser.add_argument("--cap", type=arguments.positive, default=40,
+                        help="mutants per exercise (default 40)")
+    parser.add_argument("--timeout", type=arguments.number(0, 86_400, above=True), default=20,
                         help="seconds per mutant; past it the mutant counts as killed (default 20)")
-    parser.add_argument("--json", type=Path, metavar="PATH", help="write the numbers here")
+    parser.add_argument("--json", type=arguments.output_file, metavar="PATH",
+                        help="write the numbers here")
     args = parser.parse_args(argv)
     paths = [p for p in sorted((ROOT / "solutions").glob("*.ipynb"))
              if not args.chapters or p.name[:2] in args.chapters]
@@ -296,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"total: {killed} / {n - same} killed ({same} equivalent of {n}), score "
           f"{score(killed, n, same):.1%} ({seconds:.0f} s)")
     if args.json:
-        args.json.write_text(json.dumps({"score": score(killed, n, same), "killed": killed,
+        write_atomically(args.json, json.dumps({"score": score(killed, n, same), "killed": killed,
                                          "mutants": n, "equivalent": same,
                                          "seconds": round(seconds), "exercises": rows},
                                         indent=1, ensure_ascii=False))

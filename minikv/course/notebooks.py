@@ -24,6 +24,7 @@ from pathlib import Path
 
 import nbformat
 
+from . import arguments
 from .files import read_at_most, write_atomically
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -331,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--check", action="store_true",
                     help="only report whether exercises/ is up to date")
     run = commands.add_parser("run", help="execute notebooks in place, saving outputs")
-    run.add_argument("paths", nargs="+", type=Path)
+    run.add_argument("paths", nargs="+", type=arguments.notebook)
     args = parser.parse_args(argv)
     if args.command == "run":
         try:
@@ -340,6 +341,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         return 0
+    if not (ROOT / "solutions").is_dir() or not (ROOT / "pyproject.toml").is_file():
+        # installed from a wheel, ROOT is site-packages' parent: nothing there is ours to write
+        print(f"error: exercises regenerates exercises/ from solutions/ in the course's "
+              f"repository, and {ROOT} is not one: run it in a clone", file=sys.stderr)
+        return 2
     stale = write_exercises(check=args.check)
     for path in stale:
         print(("out of date: " if args.check else "wrote ") + str(path.relative_to(ROOT)))

@@ -29,10 +29,10 @@ from tqdm import tqdm
 
 from ..engine import GPT, PRESETS, GPTConfig
 from ..engine.validate import int_at_least
-from . import corpus
+from . import arguments, corpus
 from .checkpoint import COURSE_MODELS, MODELS_DIR, load_checkpoint, read_metadata, save_checkpoint
 from .device import describe_device, resolve_device
-from .files import check_writable, write_atomically
+from .files import check_writable, claim_directory, write_atomically
 from .tokenizer import load_tokenizer
 from .variants import mean_pool_kv_heads
 
@@ -391,18 +391,7 @@ def resume(path: Path | None, run: dict, model: GPT, opt: torch.optim.Optimizer,
     return saved["step"], saved["smooth"], saved["wall"]
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _seed(text: str) -> int:
-    value = int(text)
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"must be in [0, 2**63), got {value}")
-    return value
+_positive, _seed = arguments.positive, arguments.seed  # train_head's names for them
 
 
 def output_dirs(presets: list[str], out: str | None, ship: bool) -> dict[str, Path]:
@@ -426,7 +415,10 @@ def output_dirs(presets: list[str], out: str | None, ship: bool) -> dict[str, Pa
             except (OSError, RuntimeError) as e:
                 raise ValueError(f"cannot resolve --out {out!r}: {e}") from None
     for directory in dirs.values():
-        check_writable(directory)
+        if ship:  # the shipped models' own places, chosen on purpose
+            check_writable(directory)
+        else:  # new, empty, or an earlier train's: never a folder of anyone else's files
+            claim_directory(directory, "train", replace=True)
     return dirs
 
 
@@ -453,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resumable", action="store_true",
                         help="save each phase every 100 steps (runs/<preset>.phase<N>.state); "
                              "run the same command again to go on from there after a stop")
-    parser.add_argument("--init", default=None, metavar="DIR",
+    parser.add_argument("--init", type=arguments.directory, default=None, metavar="DIR",
                         help="with --phase 2: go on from this checkpoint instead of the shipped "
                              "model (a first phase saved with --phase 1 --out DIR)")
     args = parser.parse_args(argv)
@@ -512,7 +504,8 @@ def main(argv: list[str] | None = None) -> int:
         trained[preset] = model
         stored = torch.float16 if preset in STORED_FLOAT16 else torch.float32
         metadata["stored_dtype"] = str(stored).removeprefix("torch.")
-        save_checkpoint(model, dirs[preset], metadata, dtype=stored)
+        save_checkpoint(model, dirs[preset], metadata, dtype=stored,
+                        mark=None if args.ship else "train")
         print(f"{preset}: {metadata['num_params']:,} parameters, "
               f"{metadata['wall_time_s']:.0f} s on {metadata['device']}, "
               f"train loss {metadata['final_train_loss']}, "

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from ..engine.eagle import FeatureHead
 from .checkpoint import FEATURE_HEAD, MODELS_DIR, load_course_model, save_checkpoint
 from .device import describe_device, resolve_device
-from .files import check_writable
+from .files import check_writable, claim_directory
 from .train import _positive, _seed, autocast_dtype, documents, get_batch, load_corpora, lr_at
 
 
@@ -140,12 +140,18 @@ def main(argv: list[str] | None = None) -> int:
     out = MODELS_DIR / FEATURE_HEAD if args.ship else Path(args.out or "runs/head")
     if not args.ship and out.resolve().parent == MODELS_DIR.resolve():
         parser.error(f"{out} is a shipped model's place: pass --ship to overwrite it on purpose")
-    check_writable(out)
+    try:
+        if args.ship:  # the shipped head's own place, chosen on purpose
+            check_writable(out)
+        else:  # new, empty, or an earlier train-head's: never a folder of anyone else's files
+            claim_directory(out, "train-head", replace=True)
+    except ValueError as e:
+        parser.error(str(e))
     hc = HeadConfig()
     hc = replace(hc, **{k: v for k, v in (("steps", args.steps), ("seed", args.seed))
                         if v is not None})
     head, metadata = train_head(hc, args.device)
-    save_checkpoint(head, out, metadata)
+    save_checkpoint(head, out, metadata, mark=None if args.ship else "train-head")
     print(f"saved {out} ({metadata['wall_time_s']} s; val agreement with the target "
           f"{metadata['val']['agree']:.3f})")
     return 0

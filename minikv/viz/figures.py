@@ -15,7 +15,7 @@ import torch
 
 from ..course.bugs import PositionsFromZero
 from ..course.corpus import CoinFlip
-from ..course.files import check_writable, write_atomically
+from ..course.files import claim_directory, mark_directory, write_atomically
 from ..engine import (
     GPTConfig,
     KVCache,
@@ -259,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="where to draw them (default: runs/figures; the course's own are in "
                              "figures/: `make figures`)")
     args = parser.parse_args(argv)
-    try:
-        check_writable(args.out)
+    try:  # new, empty, or figures' own (figures/ is): never a folder of anyone else's files
+        claim_directory(args.out, "figures")
     except ValueError as e:
         parser.error(str(e))
     from ..course.checkpoint import load_course_model
@@ -269,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     target, tok = load_course_model("target", device="cpu")
     draft, _ = load_course_model("draft", device="cpu")
     start = time.perf_counter()
+    mark_directory(args.out, "figures")
     for path in make_figures(target, draft, tok, args.out):
         print(path)
     print(f"done in {time.perf_counter() - start:.1f} s")
