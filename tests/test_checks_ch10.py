@@ -84,6 +84,13 @@ def test_a_keep_that_writes_into_kv_is_caught():
         ch10.check_keep_accepted(in_place)
 
 
+def test_the_engines_compact_is_refused():
+    def by_the_engine(kv, n_committed, path):
+        return ch10._keep_reference(kv, n_committed, path)
+    with pytest.raises(CheckFailed, match="KVCache.compact"):
+        ch10.check_keep_accepted(by_the_engine)
+
+
 @pytest.mark.slow
 def test_the_design_answer_is_the_best_shape_within_each_budget():
     """Every (gamma, width, branch) with width and branch up to 4 within the budget, measured

@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from ...engine.cache import KVCache
 from ...engine.sampling import SamplingParams
 from ...engine.tree import children, depths, tree_mask, tree_positions
 from ...engine.verify import accept_matching
@@ -392,7 +393,6 @@ def keep_by_hand(kv: torch.Tensor, n_committed: int, path: list[int]) -> torch.T
 
 def _keep_reference(kv, n_committed, path):
     """The engine's KVCache.compact on a cache holding kv as its keys (and its values)."""
-    from ...engine.cache import KVCache
     b, h, t, d = kv.shape
     cache = KVCache(1, b, h, d, t, dtype=kv.dtype)
     cache.update(kv, kv, 0)
@@ -469,6 +469,7 @@ KEEP = Exercise(
     },
     otherwise="keep the committed slots 0 .. n_committed - 1, then slot n_committed + node for "
               "each node of the path, in order: kv[:, :, keep] on the positions' dim",
+    forbid=(KVCache.compact,),
     unchanged="return a new tensor; leave kv as the pass wrote it",
     solution=lambda kv, n, path, parents: keep_by_hand(kv, n, path),
 )
