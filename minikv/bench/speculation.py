@@ -299,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                                 max(1, (repeats + 1) // 2), device)
     results = {"device": describe_device(device), "threads": torch.get_num_threads(),
                "proposers_date": (kept.get("proposers_date") or kept["date"]) if kept else now,
+               "proposers_threads": ((kept.get("proposers_threads") or kept["threads"]) if kept
+                                     else torch.get_num_threads()),
                "platform": platform.platform(), "torch": torch.__version__,
                "date": now,
                "prompts": list(PROMPTS), "n_tokens": n_tokens, "repeats": repeats,
@@ -348,7 +350,9 @@ the slowest plain run over the fastest speculative one, and the other way round)
 kernel: plain serving is the speculating server with a proposer that proposes nothing, one packed
 pass with a mask a step, the verify pass's kind. The server's own decode step (`paged_attention`
 through the block tables) is another kernel; its pass is timed in the last column, for reference.
-Proposers' rows from {results.get('proposers_date') or results['date']}.
+Proposers' rows from {results.get('proposers_date') or results['date']}
+({results.get('proposers_threads') or results['threads']} threads); this curve:
+{results['threads']} thread(s).
 
 {serving_table(results['serving']['rows'])}
 
