@@ -70,9 +70,9 @@ def test_speculation_pays_at_small_batches_and_not_at_large_ones_under_the_cost_
 
 
 def test_the_reported_keep_is_right_for_chains_and_wrong_for_a_second_child():
-    kv, n, path, parents = ch10._keep_case(5, [-1, 0, 1], [0, 1, 2])
+    kv, n, path = ch10._keep_case(5, [-1, 0, 1], [0, 1, 2])
     assert torch.equal(ch10.keep_as_reported(kv, n, path), ch10._keep_reference(kv, n, path))
-    kv, n, path, parents = ch10._keep_case(5, [-1, -1, 0, 0], [1])
+    kv, n, path = ch10._keep_case(5, [-1, -1, 0, 0], [1])
     assert not torch.equal(ch10.keep_as_reported(kv, n, path), ch10._keep_reference(kv, n, path))
 
 

@@ -406,16 +406,11 @@ def _keep_case(n_committed, parents, path):
     t = n_committed + len(parents)
     kv = (torch.arange(t, dtype=torch.float32)[None, None, :, None]
           + torch.arange(2.0)[None, :, None, None] / 4 + torch.arange(4.0) / 16)
-    return kv, n_committed, path, parents
+    return kv, n_committed, path
 
 
 def _slots(kept: torch.Tensor) -> str:
     return f"the slots {[int(x) for x in kept[0, 0, :, 0].floor()]}"
-
-
-def _keep(fn):
-    """A wrong keep with the checker's signature (the tree's parents are the case's, unused)."""
-    return lambda kv, n_committed, path, parents: fn(kv, n_committed, path)
 
 
 KEEP_CASES = [
@@ -428,7 +423,7 @@ KEEP_CASES = [
 ]
 
 
-def _keep_answer(got, kv, n_committed, path, parents):
+def _keep_answer(got, kv, n_committed, path):
     b, h, _, d = kv.shape
     shape = (b, h, n_committed + len(path), d)
     if not isinstance(got, torch.Tensor) or tuple(got.shape) != shape:
@@ -449,10 +444,10 @@ def _path_reversed(kv, n_committed, path):
 KEEP = Exercise(
     "keep_accepted",
     cases=KEEP_CASES,
-    describe=lambda kv, n, path, parents: (
-        f"{n} committed positions, then a tree of {len(parents)} nodes (parents={parents}) "
-        f"written after them; accepted path {path}"),
-    reference=lambda kv, n, path, parents: _keep_reference(kv, n, path),
+    describe=lambda kv, n, path: (
+        f"{n} committed positions (slots 0 to {n - 1}), then a tree of {kv.shape[2] - n} "
+        f"nodes written after them (node i at slot {n} + i); accepted path {path}"),
+    reference=_keep_reference,
     returns=_keep_answer,
     same=torch.equal,
     show=_slots,
@@ -460,23 +455,20 @@ KEEP = Exercise(
         "that is the report's bug: it keeps the slots right after the committed ones, one per "
         "accepted node, as a chain's crop does. A tree's verify pass wrote node i at slot "
         "n_committed + i, whatever its depth: a second child's K/V is not in slot "
-        "n_committed + its depth. Gather each accepted NODE's slot": _keep(keep_as_reported),
+        "n_committed + its depth. Gather each accepted NODE's slot": keep_as_reported,
         "node i sits at slot n_committed + i (the root, the last committed token, is slot "
         "n_committed - 1, already kept): an accepted node's slot is off by one":
-            _keep(_off_by_one),
+            _off_by_one,
         "the path goes root first: the node at depth 1 goes to position n_committed, the next "
-        "one after it, in the path's order": _keep(_path_reversed),
+        "one after it, in the path's order": _path_reversed,
     },
     otherwise="keep the committed slots 0 .. n_committed - 1, then slot n_committed + node for "
               "each node of the path, in order: kv[:, :, keep] on the positions' dim",
     forbid=(KVCache.compact,),
     unchanged="return a new tensor; leave kv as the pass wrote it",
-    solution=lambda kv, n, path, parents: keep_by_hand(kv, n, path),
+    solution=keep_by_hand,
 )
-
-
-def check_keep_accepted(fn) -> None:
-    KEEP.check(lambda kv, n_committed, path, parents: fn(kv, n_committed, path))
+check_keep_accepted = KEEP.check
 
 
 # --- exercise 5 (design): spend a budget of verify rows on a tree -------------------------
