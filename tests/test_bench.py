@@ -65,5 +65,9 @@ def test_quick_speculation_benchmark_writes_its_report(tmp_path):
     assert all(row["identical"] for row in r["rows"] + r["serving"]["rows"])
     assert [row["batch"] for row in r["serving"]["rows"]] == [1, 2]
     assert all(row["verify_pass_rows"] > row["decode_pass_rows"] for row in r["serving"]["rows"])
+    # plain and speculative on one kernel: the same tokens as the paged decode; spreads kept
+    assert all(row["identical_to_paged"] and row["paged_decode_pass_s"] > 0
+               and row["speedup_min"] <= row["speedup"] <= row["speedup_max"]
+               for row in r["serving"]["rows"])
     assert (tmp_path / "serving.png").stat().st_size > 0
     assert "| batch |" in (tmp_path / "README.md").read_text()

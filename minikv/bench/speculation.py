@@ -26,8 +26,9 @@ from ..course.device import describe_device, resolve_device
 from ..course.files import claim_directory, mark_directory, write_atomically
 from ..engine import GPT, GPTConfig, Request, Speculation, generate, serve, speculative_generate
 from ..engine.eagle import FeatureHead, feature_generate, tree_size
+from ..engine.speculative import Proposer
 from . import OUT_DIR as BENCHMARKS
-from . import alternate
+from . import alternate, sync
 
 OUT_DIR = BENCHMARKS / "speculation"
 PROMPTS = ("Once upon a time", "The color of dog", "A coin's state is heads. Alice flips",
@@ -95,24 +96,63 @@ class RowTimer:
             h.remove()
 
 
+class NoProposals(Proposer):
+    """A proposer that never proposes: `serve(..., speculative=Speculation(proposer=
+    NoProposals()))` decodes one token a step through the same packed pass with a mask that
+    verifies proposals, the plain server's twin on the speculating server's kernel."""
+
+    def propose(self, seq: list[int], k: int) -> list[int]:
+        return []
+
+
+def spread(times: dict[str, list[float]]) -> dict:
+    """min, median and max of each callable's seconds."""
+    return {name: {"min": min(t), "median": statistics.median(t), "max": max(t)}
+            for name, t in times.items()}
+
+
+def alternate_all(runs: dict, repeats: int, device) -> dict[str, list[float]]:
+    """Every run's seconds, the callables run in turn (A, B, A, B, ...) so drift hits all."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
 def bench_serving(target, speculation: Speculation, prompts, n_tokens, batches, repeats,
                   device) -> list[dict]:
-    """For each batch size B: B greedy requests (the prompts in turn) served together, with
-    and without speculation, timed in turn. Throughput: new tokens per second; latency: seconds
-    per new token of a request (all arrive at once and run together). Beside them what explains
-    the curve: the rows a step's pass computes (B decode rows; B × (1 + proposals) to verify),
-    that pass's median seconds, and the tokens a row commits per step."""
+    """For each batch size B: B greedy requests (the prompts in turn) served together, plainly
+    and with speculation, timed in turn. Both run on the same kernel: plain decoding is the
+    speculating server with a proposer that proposes nothing (`NoProposals`), so each of its
+    steps is ONE packed pass with a mask of B rows, the verify pass's kind (the server's own
+    decode step reads the paged cache with another kernel, `paged_attention`: its pass is
+    timed beside, for reference, and compared with nothing). Throughput: new tokens per
+    second; latency: seconds per new token of a request (all arrive at once and run
+    together); min, median and max of the alternated runs. Beside them what explains the
+    curve: the rows a step's pass computes (B plain; B × (1 + proposals) to verify), that
+    pass's median seconds, and the tokens a row commits per step."""
+    plain_spec = Speculation(gamma=1, proposer=NoProposals())
     rows = []
     for b in tqdm(batches, desc="serving"):
         reqs = [Request(prompts[i % len(prompts)], n_tokens) for i in range(b)]
-        plain_out = serve(target, reqs)
-        with RowTimer(target) as plain_t:
+        plain_out = serve(target, reqs, speculative=plain_spec)
+        paged_out = serve(target, reqs)
+        with RowTimer(target) as paged_t:
             serve(target, reqs)
+        with RowTimer(target) as plain_t:
+            serve(target, reqs, speculative=plain_spec)
         with RowTimer(target) as spec_t, RowTimer(speculation.draft) as draft_t:
             spec_out = serve(target, reqs, speculative=speculation)
-        t = alternate({"plain": lambda: serve(target, reqs),
-                       "speculative": lambda: serve(target, reqs, speculative=speculation)},
-                      repeats, device)
+        times = alternate_all(
+            {"plain": lambda: serve(target, reqs, speculative=plain_spec),
+             "speculative": lambda: serve(target, reqs, speculative=speculation)},
+            repeats, device)
+        t = {name: statistics.median(x) for name, x in times.items()}
         tokens = sum(len(o.tokens) for o in plain_out)
         steps = statistics.mean(o.stats.rounds for o in spec_out)
         new = statistics.mean(len(o.tokens) for o in spec_out)
@@ -120,20 +160,26 @@ def bench_serving(target, speculation: Speculation, prompts, n_tokens, batches, 
         judged = accepted + sum(o.stats.rejected_rounds for o in spec_out)
         # the steady passes: decode rows = B (plain), verify rows > B (speculative)
         plain_pass = [sec for r, sec in plain_t.passes if r == b]
+        paged_pass = [sec for r, sec in paged_t.passes if r == b]
         spec_pass = [(r, sec) for r, sec in spec_t.passes if r > b] or [(b, 0.0)]
         verify_steps = len([1 for r, _ in spec_t.passes if r > b]) or 1
+        plain_tokens = [o.tokens for o in plain_out]
         rows.append({
-            "batch": b, "identical": [o.tokens for o in spec_out] == [o.tokens
-                                                                      for o in plain_out],
+            "batch": b, "identical": [o.tokens for o in spec_out] == plain_tokens,
+            "identical_to_paged": [o.tokens for o in paged_out] == plain_tokens,
             "plain_s": t["plain"], "speculative_s": t["speculative"],
+            "spread": spread(times),
             "plain_tokens_per_s": tokens / t["plain"],
             "speculative_tokens_per_s": tokens / t["speculative"],
             "plain_s_per_token": t["plain"] / n_tokens,
             "speculative_s_per_token": t["speculative"] / n_tokens,
             "speedup": t["plain"] / t["speculative"],
+            "speedup_min": min(times["plain"]) / max(times["speculative"]),
+            "speedup_max": max(times["plain"]) / min(times["speculative"]),
             "alpha": accepted / judged if judged else None,
             "tokens_per_row_step": (new - 1) / steps if steps else None,
             "decode_pass_rows": b, "decode_pass_s": statistics.median(plain_pass),
+            "paged_decode_pass_s": statistics.median(paged_pass),
             "verify_pass_rows": statistics.median(r for r, _ in spec_pass),
             "verify_pass_s": statistics.median(sec for _, sec in spec_pass),
             # the draft's passes (one request at a time) over the steps that verified
@@ -142,18 +188,27 @@ def bench_serving(target, speculation: Speculation, prompts, n_tokens, batches, 
 
 
 def serving_table(rows: list[dict]) -> str:
-    lines = ["| batch | identical | tokens/s plain | tokens/s speculative | speed-up | α | "
+    lines = ["| batch | identical | tokens/s plain | tokens/s speculative | speed-up (min–max) | "
+             "α | "
              "tokens a row commits per step | decode pass: rows, ms | verify pass: rows, ms | "
-             "verify pass / decode pass |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "verify pass / decode pass | paged decode pass, ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['batch']} | {'yes' if r['identical'] else 'NO'} | "
             f"{r['plain_tokens_per_s']:.0f} | {r['speculative_tokens_per_s']:.0f} | "
-            f"{r['speedup']:.2f}× | {r['alpha']:.3f} | {r['tokens_per_row_step']:.2f} | "
+            f"{r['speedup']:.2f}× ({r['speedup_min']:.2f}–{r['speedup_max']:.2f}) | "
+            f"{r['alpha']:.3f} | {r['tokens_per_row_step']:.2f} | "
             f"{r['decode_pass_rows']}, {1e3 * r['decode_pass_s']:.1f} | "
             f"{r['verify_pass_rows']:.0f}, {1e3 * r['verify_pass_s']:.1f} | "
-            f"{r['verify_pass_s'] / r['decode_pass_s']:.2f} |")
+            f"{r['verify_pass_s'] / r['decode_pass_s']:.2f} | "
+            f"{1e3 * r['paged_decode_pass_s']:.1f} |")
     return "\n".join(lines)
+
+
+# (key, label, line style, SERIES colour): the target decoding alone, and with a draft proposing
+SERVING_SERIES = (("plain", "decode one token a step", "o-", "target"),
+                  ("speculative", "speculate, verify in one pass", "s--", "draft"))
 
 
 def plot_serving(rows: list[dict], path: Path) -> None:
@@ -162,12 +217,15 @@ def plot_serving(rows: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from ..viz.draw import SERIES
     batch = [r["batch"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for key, label, style in (("plain", "decode one token a step", "o-"),
-                              ("speculative", "speculate, verify in one pass", "s--")):
-        a.plot(batch, [r[f"{key}_tokens_per_s"] for r in rows], style, label=label)
-        b.plot(batch, [1e3 * r[f"{key}_s_per_token"] for r in rows], style, label=label)
+    for key, label, style, colour in SERVING_SERIES:
+        a.plot(batch, [r[f"{key}_tokens_per_s"] for r in rows], style, label=label,
+               color=SERIES[colour])
+        b.plot(batch, [1e3 * r[f"{key}_s_per_token"] for r in rows], style, label=label,
+               color=SERIES[colour])
     for ax, title in ((a, "throughput (new tokens / s)"), (b, "latency (ms per new token)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("requests served together (batch)")
@@ -209,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None,
                         help="default: runs/bench-spec, nothing with --quick (the committed "
                              "run: --out benchmarks/speculation)")
+    parser.add_argument("--serving-only", action="store_true",
+                        help="rerun the serving curve only; keep the proposers' rows of the "
+                             "results.json already in --out")
     args = parser.parse_args(argv)
     # never the committed benchmarks/speculation by default: a run writes there only when asked
     out = Path(args.out) if args.out else (None if args.quick else Path("runs") / "bench-spec")
@@ -234,14 +295,25 @@ def main(argv: list[str] | None = None) -> int:
         n_tokens, gammas, trees, repeats = 100, [2, 3, 4, 5, 6, 7, 8], [(2, 2), (4, 2), (2, 4)], 5
         batches, serve_tokens = [1, 2, 4, 8, 16, 32, 64], 48
     speculation = Speculation(gamma=3, draft=draft)  # the draft: timed in the serving rows
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    kept = None
+    if args.serving_only:  # the proposers' rows of an earlier run in the same folder
+        earlier = (out or OUT_DIR) / "results.json"
+        if not earlier.is_file():
+            parser.error(f"--serving-only keeps the proposers' rows of {earlier}, which does "
+                         f"not exist: run without it first, or give that run's --out")
+        kept = json.loads(earlier.read_text())
     with torch.inference_mode():
-        rows = bench_proposers(target, draft, head, prompts, n_tokens, gammas, trees, repeats,
-                               device)
+        rows = kept["rows"] if kept else bench_proposers(target, draft, head, prompts, n_tokens,
+                                                          gammas, trees, repeats, device)
         serving = bench_serving(target, speculation, prompts, serve_tokens, batches,
-                                max(1, repeats // 2), device)
+                                max(1, (repeats + 1) // 2), device)
     results = {"device": describe_device(device), "threads": torch.get_num_threads(),
+               "proposers_date": (kept.get("proposers_date") or kept["date"]) if kept else now,
+               "proposers_threads": ((kept.get("proposers_threads") or kept["threads"]) if kept
+                                     else torch.get_num_threads()),
                "platform": platform.platform(), "torch": torch.__version__,
-               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "date": now,
                "prompts": list(PROMPTS), "n_tokens": n_tokens, "repeats": repeats,
                "tree_sizes": {f"{w}x{b}": {g: tree_size(g, w, b) for g in gammas}
                               for w, b in trees},
@@ -284,7 +356,14 @@ next by as much as two methods differ).
 
 `serve(..., speculative=Speculation(gamma={results['serving']['gamma']}, draft=draft))`: B greedy
 requests of {results['serving']['n_tokens']} new tokens, the prompts in turn, all arriving at once;
-speed-up = plain serving's median time over the speculating server's (alternated runs).
+speed-up = plain serving's median time over the speculating server's (alternated runs; in brackets
+the slowest plain run over the fastest speculative one, and the other way round). Both on the same
+kernel: plain serving is the speculating server with a proposer that proposes nothing, one packed
+pass with a mask a step, the verify pass's kind. The server's own decode step (`paged_attention`
+through the block tables) is another kernel; its pass is timed in the last column, for reference.
+Proposers' rows from {results.get('proposers_date') or results['date']}
+({results.get('proposers_threads') or results['threads']} threads); this curve:
+{results['threads']} thread(s).
 
 {serving_table(results['serving']['rows'])}
 

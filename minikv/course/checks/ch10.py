@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from ...engine.cache import KVCache
 from ...engine.sampling import SamplingParams
 from ...engine.tree import children, depths, tree_mask, tree_positions
 from ...engine.verify import accept_matching
@@ -194,6 +195,17 @@ def _wrong_row(parents, tokens, choices):
         at = match[0]
 
 
+def _last_match(parents, tokens, choices):
+    path, at = [], -1
+    while True:
+        choice = choices[0 if at < 0 else 1 + at]
+        match = [c for c, p in enumerate(parents) if p == at and tokens[c] == choice]
+        if not match:
+            return path, choice
+        path.append(match[-1])
+        at = match[-1]
+
+
 def _proposal_token(parents, tokens, choices):
     path, token = path_by_hand(parents, tokens, choices)
     at = path[-1] if path else -1
@@ -223,6 +235,9 @@ PATH_CASES = [
     _path_case([-1, -1, 0, 1, 1], [8, 9, 20, 20, 22], [1, 3], 6),  # a cousin shares a token
     _path_case([-1, -1, -1, 2, 2, 4], [3, 6, 12, 1, 2, 7], [2, 4, 5], 7),
     _path_case([-1, -1, 0, 0, 3], [10, 11, 12, 13, 14], [0, 3], 8),
+    # two siblings hold the same token (children drawn independently): the first one is taken
+    _path_case([-1, -1, 0, 1], [5, 5, 9, 11], [0, 2], 9),
+    _path_case([-1, 0, 0, 1, 2, 2], [7, 3, 3, 8, 6, 6], [0, 1, 3], 10),
 ]
 
 
@@ -248,10 +263,13 @@ PATH = Exercise(
         "last committed token's)": _wrong_row,
         "where the walk stops, the token committed is the target's own choice there, not a "
         "proposal it refused": _proposal_token,
+        "two siblings may hold the same token (a sampling proposer draws children "
+        "independently): take the FIRST child that holds the target's choice, as the engine "
+        "does (its subtree is the one the walk then reads), not the last": _last_match,
     },
-    otherwise="at = root; loop: choice = the target's choice after `at`; find a child of `at` "
-              "whose token == choice; if there is one, append it and go down; else return "
-              "(path, choice)",
+    otherwise="at = root; loop: choice = the target's choice after `at`; find the first child "
+              "of `at` whose token == choice; if there is one, append it and go down; else "
+              "return (path, choice)",
     forbid=(accept_matching, *TREE_HELPERS),
     unchanged="read the tree and the choices, don't change them",
     solution=path_by_hand,
@@ -346,9 +364,9 @@ SPEEDUP = Exercise(
         "a speculative step also pays its drafting: draft_seconds + the verify pass": _no_draft,
         "the speed-up is speculative throughput over plain throughput (tokens per second): "
         "above 1 when speculation pays": _inverted,
-        "the verify pass is another kind of pass than a decode step (in this engine: a packed "
-        "pass with a mask, not the paged decode): time it with verify_seconds":
-            _decode_for_verify,
+        "time the verify pass with verify_seconds, the decode pass with decode_seconds: a "
+        "server may run them on different kernels (this engine's own decode step reads the "
+        "paged cache, its verify pass is a packed pass with a mask)": _decode_for_verify,
     },
     otherwise="plain: batch tokens per decode_seconds(batch); speculative: batch × tau tokens "
               "per (draft_seconds + verify_seconds(batch × (1 + gamma))); return their ratio",
@@ -356,4 +374,201 @@ SPEEDUP = Exercise(
 )
 check_predicted_speedup = SPEEDUP.check
 
-EXERCISES = (MASK, PATH, SPEEDUP)
+
+# --- exercise 4 (debug): keep the accepted path's K/V -------------------------------------
+
+def keep_as_reported(kv: torch.Tensor, n_committed: int, path: list[int]) -> torch.Tensor:
+    """The bug report's function: it keeps the slots right after the committed ones, one per
+    accepted node, as chapter 04's crop does for a chain."""
+    keep = list(range(n_committed)) + [n_committed + depth for depth in range(len(path))]
+    return kv[:, :, keep]
+
+
+def keep_by_hand(kv: torch.Tensor, n_committed: int, path: list[int]) -> torch.Tensor:
+    """The solution: the committed slots, then each accepted node's own slot (node i was
+    written at n_committed + i), in the path's order."""
+    keep = list(range(n_committed)) + [n_committed + node for node in path]
+    return kv[:, :, keep]
+
+
+def _keep_reference(kv, n_committed, path):
+    """The engine's KVCache.compact on a cache holding kv as its keys (and its values)."""
+    b, h, t, d = kv.shape
+    cache = KVCache(1, b, h, d, t, dtype=kv.dtype)
+    cache.update(kv, kv, 0)
+    cache.compact([n_committed + node for node in path], n_committed)
+    return cache.keys[0][:, :, :cache.get_seq_length()].clone()
+
+
+def _keep_case(n_committed, parents, path):
+    """kv (B=1, heads=2, T, head_dim=4): slot t holds t + head / 4 + dim / 16, so that a
+    returned tensor says which slots it kept (exact in floating point)."""
+    t = n_committed + len(parents)
+    kv = (torch.arange(t, dtype=torch.float32)[None, None, :, None]
+          + torch.arange(2.0)[None, :, None, None] / 4 + torch.arange(4.0) / 16)
+    return kv, n_committed, path
+
+
+def _slots(kept: torch.Tensor) -> str:
+    return f"the slots {[int(x) for x in kept[0, 0, :, 0].floor()]}"
+
+
+KEEP_CASES = [
+    _keep_case(5, [-1, -1, 0, 0], [1]),                      # the second child of the root
+    _keep_case(9, [-1, -1, 0, 0, 1, 1, 2, 2, 4, 4], [1, 4, 8]),  # the chapter's round
+    _keep_case(3, [-1, -1, 0, 1, 2, 3], [0, 2, 4]),          # first children, a 2-wide tree
+    _keep_case(6, [-1, 0, 1, 2], [0, 1, 2, 3]),              # a chain, all accepted
+    _keep_case(4, [-1, -1, -1, 2, 2, 4], [2, 4, 5]),
+    _keep_case(7, [-1, -1, 0, 0], []),                       # nothing accepted
+]
+
+
+def _keep_answer(got, kv, n_committed, path):
+    b, h, _, d = kv.shape
+    shape = (b, h, n_committed + len(path), d)
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != shape:
+        raise Refused(f"return one tensor of shape {shape}: the {n_committed} committed "
+                      f"positions, then the {len(path)} accepted nodes', on dim 2 (positions)")
+    return got
+
+
+def _off_by_one(kv, n_committed, path):
+    return torch.cat([kv[:, :, :n_committed], kv[:, :, [n_committed - 1 + n for n in path]]], 2)
+
+
+def _path_reversed(kv, n_committed, path):
+    keep = list(range(n_committed)) + [n_committed + node for node in reversed(path)]
+    return kv[:, :, keep]
+
+
+KEEP = Exercise(
+    "keep_accepted",
+    cases=KEEP_CASES,
+    describe=lambda kv, n, path: (
+        f"{n} committed positions (slots 0 to {n - 1}), then a tree of {kv.shape[2] - n} "
+        f"nodes written after them (node i at slot {n} + i); accepted path {path}"),
+    reference=_keep_reference,
+    returns=_keep_answer,
+    same=torch.equal,
+    show=_slots,
+    mistakes={
+        "that is the report's bug: it keeps the slots right after the committed ones, one per "
+        "accepted node, as a chain's crop does. A tree's verify pass wrote node i at slot "
+        "n_committed + i, whatever its depth: a second child's K/V is not in slot "
+        "n_committed + its depth. Gather each accepted NODE's slot": keep_as_reported,
+        "node i sits at slot n_committed + i (the root, the last committed token, is slot "
+        "n_committed - 1, already kept): an accepted node's slot is off by one":
+            _off_by_one,
+        "the path goes root first: the node at depth 1 goes to position n_committed, the next "
+        "one after it, in the path's order": _path_reversed,
+    },
+    otherwise="keep the committed slots 0 .. n_committed - 1, then slot n_committed + node for "
+              "each node of the path, in order: kv[:, :, keep] on the positions' dim",
+    forbid=(KVCache.compact,),
+    unchanged="return a new tensor; leave kv as the pass wrote it",
+    solution=keep_by_hand,
+)
+check_keep_accepted = KEEP.check
+
+
+# --- exercise 5 (design): spend a budget of verify rows on a tree -------------------------
+
+# The prompts and length the engine measures a tree shape on (the chapter's prompts)
+DESIGN_PROMPTS = ("Once upon a time", "The color of dog", "A coin's state is heads. Alice flips",
+                  "A coin's state is tails. Bob doesn't flip it. Carol flips")
+DESIGN_TOKENS = 48
+DESIGN_BUDGETS = (6, 12)
+_measured: dict = {}
+
+
+def tokens_per_pass(gamma: int, width: int, branch: int) -> float:
+    """Tokens the course target commits per target pass, greedy, with the feature head
+    proposing a tree γ deep (`tree=(width, branch)`; (1, 1): a chain), over the chapter's 4
+    prompts and 48 new tokens each: the engine's measurement (cached)."""
+    key = (gamma, width, branch)
+    if key not in _measured:
+        from ...course.checkpoint import load_course_model, load_feature_head
+        from ...course.tokenizer import load_tokenizer
+        from ...engine.eagle import feature_generate
+        if "models" not in _measured:
+            target = load_course_model("target", "cpu")[0]
+            _measured["models"] = (target, load_feature_head(target), load_tokenizer())
+        target, head, tok = _measured["models"]
+        tree = None if (width, branch) == (1, 1) else (width, branch)
+        with torch.inference_mode():
+            outs = [feature_generate(target, head, tok.encode(p), DESIGN_TOKENS, gamma=gamma,
+                                     tree=tree) for p in DESIGN_PROMPTS]
+        _measured[key] = (sum(o.stats.new_tokens for o in outs)
+                          / sum(o.stats.target_passes for o in outs))
+    return _measured[key]
+
+
+def rows_of(gamma: int, width: int, branch: int) -> int:
+    """The most proposals a tree γ deep holds: `branch` at depth 1, then `width` growing
+    nodes of `branch` children at each further depth (engine/eagle.py's tree_size)."""
+    from ...engine.eagle import tree_size
+    return tree_size(gamma, width, branch)
+
+
+def _design_answer(got, budget):
+    hint = ("return (gamma, width, branch): three positive ints, the tree feature_generate "
+            "grows with gamma=gamma, tree=(width, branch); (gamma, 1, 1) is a chain")
+    values = int_list(got) if isinstance(got, (tuple, list)) else None
+    if values is None or len(values) != 3 or min(values) < 1:
+        raise Refused(hint)
+    rows = rows_of(*values)
+    if rows > budget:
+        raise Refused(f"over budget: {tuple(values)} holds up to {rows} proposals, the budget "
+                      f"is {budget} rows per round; shrink it", expected=f"at most {budget} rows")
+    return tuple(values)
+
+
+def _design_best(budget):
+    return (budget, 1, 1)  # the deepest chain; tests/test_checks_ch10.py proves it is the best
+
+
+def _design_same(got, want) -> bool:
+    return tokens_per_pass(*got) >= 0.97 * tokens_per_pass(*want)
+
+
+def _design_otherwise(runs) -> str:
+    """Each wrong choice named by its kind, with the engine's numbers for it and the best."""
+    lines = []
+    for (budget,), got in runs:
+        best = _design_best(budget)
+        if tokens_per_pass(*got) >= 0.97 * tokens_per_pass(*best):
+            continue
+        gamma, width, branch = got
+        if (width, branch) == (1, 1):
+            kind = (f"a chain of {gamma}, {budget - gamma} rows unspent: each position deeper "
+                    f"adds the chance that every guess so far was right")
+        elif gamma == 1:
+            kind = ("a bush: every row a guess for the NEXT position only, so a round commits "
+                    "at most 2 tokens")
+        else:
+            kind = (f"a tree ({width} growing nodes of {branch} children, {gamma} deep), like "
+                    f"the chapter's: its second guesses hedge a position the first guess "
+                    f"usually gets, and cost rows that depth would have used")
+        lines.append(f"budget {budget}: your {tuple(got)} is {kind}; it commits "
+                     f"{tokens_per_pass(*got):.2f} tokens a pass, the engine measured "
+                     f"{tokens_per_pass(*best):.2f} for {best}")
+    why = ("the head's first guess is right about 9 times in 10 here (the chapter's α), so a "
+           "row spent one position deeper earns more than a row spent on a second guess; "
+           "measure shapes with tokens_per_pass before you choose")
+    return "; ".join(lines) + ". " + why
+
+
+DESIGN = Exercise(
+    "choose_tree",
+    cases=[(b,) for b in DESIGN_BUDGETS],
+    describe=lambda budget: (f"a budget of {budget} proposed rows per round, per request "
+                             f"(the feature head proposing, greedy)"),
+    reference=_design_best,
+    returns=_design_answer,
+    same=_design_same,
+    show=lambda t: f"{tuple(t)}: {tokens_per_pass(*t):.2f} tokens per target pass",
+    otherwise=_design_otherwise,
+)
+check_choose_tree = DESIGN.check
+
+EXERCISES = (MASK, PATH, SPEEDUP, KEEP, DESIGN)
