@@ -125,19 +125,21 @@ def _inverted(m, d, tile):
 
 
 def _remembered(answers) -> str:
-    """The hint when an answer's max is above everything the step was given: it remembered
-    scores from earlier calls (a non-online solution: each prefix recomputed)."""
+    """The hint when a new max is not max(m, the tile's max): the step used scores it was not
+    given (remembered from earlier calls: a global max, a prefix recomputed) or dropped the m it
+    was given: not online."""
     for (m, d, tile), (m_new, _) in answers:
-        if m_new > max(m, float(tile.max())) + 1e-6:
+        if not math.isclose(m_new, max(m, float(tile.max())), rel_tol=1e-6, abs_tol=1e-6):
             return STEP_HINTS["remembered"]
     return STEP_HINTS["otherwise"]
 
 
 STEP_HINTS = {
-    "remembered": "your m is larger than m and every score of this tile: the step remembered "
-                  "scores from earlier calls (the check's tiles come from several rows, "
-                  "interleaved). An online kernel keeps only m and d between tiles; the scores "
-                  "before are gone, so bring d to the new max instead of recomputing it",
+    "remembered": "your new m is not max(m, the max of this tile): the step is not online. It "
+                  "gets the state (m, d) and one tile, nothing else (the check's tiles come from "
+                  "several rows, interleaved): a max taken over scores kept from earlier calls, "
+                  "or one that ignores the m it is given, is wrong here. Keep only m and d, and "
+                  "bring d to the new max",
     "otherwise": "m after the tile is the largest score seen, max(m, max of the tile); d after "
                  "it is the sum of exp(x - new m) over every score seen: the terms already in d "
                  "were taken against the old m (how does exp(x - m_new) relate to exp(x - m)?)",
@@ -466,18 +468,20 @@ def _unscaled_scores(m, d, acc, q, k_tile, v_tile):
 
 
 def _remembered_keys(answers) -> str:
-    """The hint when a new max is above everything the step was given (it kept earlier keys)."""
+    """The hint when a new max is not max(m, this tile's row max): not online."""
     for (m, d, acc, q, k_tile, v_tile), (m_new, _, _) in answers:
         top = torch.maximum(m, (q @ k_tile.T / math.sqrt(q.shape[1])).amax(1, keepdim=True))
-        if bool((m_new > top.double() + 1e-5).any()):
+        if not torch.allclose(m_new, top.double(), atol=1e-5, rtol=1e-5):
             return TILE_STEP_HINTS["remembered"]
     return TILE_STEP_HINTS["otherwise"]
 
 
 TILE_STEP_HINTS = {
-    "remembered": "your m is above m and every score of this tile: the step remembered keys "
-                  "from earlier calls (the check's tiles come from several walks, interleaved). "
-                  "A kernel keeps only m, d and acc between tiles: the keys before are gone",
+    "remembered": "your new m is not max(m, this tile's largest scores): the step is not "
+                  "online. It gets the state (m, d, acc) and one tile of keys, nothing else (the "
+                  "check's tiles come from several walks, interleaved): a global max over keys "
+                  "kept from earlier calls, or one that ignores the m it is given, is wrong here. "
+                  "Keep only m, d and acc between tiles",
     "otherwise": "per tile: s = q kᵀ/√hs; m_new = max(m, row max of s); p = exp(s - m_new); "
                  "d and acc both hold exps against the old m: bring both to m_new, then add "
                  "the tile's Σp and p v",
@@ -520,7 +524,9 @@ check_tile_step_fixed = TILE_STEP.check
 DESIGN_T = 512
 TILE_SIZES = (16, 32, 64, 128, 256)
 TILE_MARGIN = 0.02
-TILE_CASES_DESIGN = [(64, 64 * 1024), (64, 160 * 1024), (128, 96 * 1024), (32, 40 * 1024)]
+# round budgets, then budgets exactly at a working set (it fits) and just under one (it does not)
+TILE_CASES_DESIGN = [(64, 64 * 1024), (64, 160 * 1024), (128, 96 * 1024), (32, 40 * 1024),
+                     (64, 82_944), (64, 82_432), (64, 26_880)]
 
 
 def on_chip_bytes(block_q: int, block_k: int, hs: int, number: int = 4) -> int:
