@@ -1,9 +1,10 @@
 """Checkers for chapter 08 (a modern model: what rotary positions change for the cache), each
 against the engine's RoPE (minikv/engine/rope.py) or target-rope, in a few CPU seconds, from data
 (the recipe in __init__.py): rope_key (turn a key by hand), move_key (move a turned key to another
-position without its input), decode_one_head (debug: a cache that holds keys before their turn)
-and predict_reindexed (predict, then measure: which answers a window's re-indexed numbering
-changes, measured on target-rope).
+position without its input), decode_one_head (debug: a cache that holds keys before their turn),
+predict_reindexed (predict, then measure: which answers a window's re-indexed numbering
+changes, measured on target-rope) and choose_long_window (design: sinks, a window, a numbering and
+θ for texts 4x the trained length under a memory budget, against the engine's SinkWindowCache).
 """
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """Checkers for chapter 09 (the attention kernel that reads the cache), each against the engine's
 readable kernels (minikv/engine/flash.py), in a few CPU seconds, from data (the recipe in
-__init__.py): running_stats (the online softmax by hand: the running max and sum after every
-tile), merge_partials (two partial results into one, the split-KV merge), predict_tiles
-(predict, then measure: how many tiles a causal FlashAttention computes, masks and skips,
-measured by tiled_attention's IO) and tiled_attention_fixed (debug: a tiled attention that
-forgets to rescale its output).
+__init__.py): online_step (the online softmax's step by hand: one tile into the running max and
+sum; the step never sees the row, so only an online solution can pass), merge_partials (two
+partial results into one, the split-KV merge), predict_tiles (predict, then measure: how many
+tiles a causal FlashAttention computes, masks and skips, measured by tiled_attention's IO),
+tile_step_fixed (debug: a tiled attention's step that forgets to rescale its output) and
+choose_tiles (design: tile shapes for an on-chip memory budget, the bytes measured by IO).
 """
 from __future__ import annotations
 
