@@ -115,3 +115,30 @@ def test_the_window_picture_draws_what_the_cache_held_and_nothing_else():
             else:
                 assert f"evicted-{t}-{j}" in gids and f"held-{t}-{j}" not in gids
     assert sum(g.startswith("held-") for g in gids) == sum(map(len, held)) == 1 + 2 + 3 + 4 + 5 * 5
+
+
+def test_the_walk_picture_colours_slots_by_their_token_and_marks_reads_neutrally():
+    """Chapter 09's walk: every slot in its token's colour (prompt, then generated), "read so far"
+    a neutral dot, never a state's colour; the running numbers' hues are no state's either; the
+    static picture carries the caption with the rescale factor."""
+    import torch
+
+    from minikv.engine.flash import walk
+    from minikv.viz.tiles import READ_MARK, RUNNING, draw_walk, walk_caption
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(6, 2, 4, 8, generator=g), torch.randn(6, 2, 4, 8, generator=g)
+    keys[3, :, 1] *= 4
+    q, steps = torch.randn(4, 8, generator=g), []
+    walk(q, keys, values, [5, 3, 0], 0, 11, steps=steps)
+    fig = draw_walk(steps, 1, [5, 3, 0], 4, 11, steps[-1].out, head=1, prompt_len=7)
+    pages = fig.axes[0]
+    slots = {int(p.get_gid().split(":")[1]): mcolors.to_hex(p.get_facecolor())
+             for p in pages.patches if (p.get_gid() or "").startswith("slot:")}
+    assert slots == {p: mcolors.to_hex(COLORS["prompt" if p < 7 else "generated"]) if p < 11
+                     else "#ffffff" for p in range(12)}
+    reads = [line for line in pages.lines if (line.get_gid() or "").startswith("read:")]
+    assert sorted(int(line.get_gid().split(":")[1]) for line in reads) == list(range(8))
+    states = {mcolors.to_hex(c) for c in COLORS.values()}
+    assert {mcolors.to_hex(c) for c in (READ_MARK, *RUNNING.values())}.isdisjoint(states)
+    caption = next(t.get_text() for t in pages.texts if t.get_gid() == "caption")
+    assert caption == f"tile 2: {walk_caption(steps, 1, 1)}"

@@ -1,9 +1,10 @@
 """Checkers for chapter 08 (a modern model: what rotary positions change for the cache), each
 against the engine's RoPE (minikv/engine/rope.py) or target-rope, in a few CPU seconds, from data
 (the recipe in __init__.py): rope_key (turn a key by hand), move_key (move a turned key to another
-position without its input), decode_one_head (debug: a cache that holds keys before their turn)
-and predict_reindexed (predict, then measure: which answers a window's re-indexed numbering
-changes, measured on target-rope).
+position without its input), decode_one_head (debug: a cache that holds keys before their turn),
+predict_reindexed (predict, then measure: which answers a window's re-indexed numbering
+changes, measured on target-rope) and choose_long_window (design: sinks, a window, a numbering and
+θ for texts 4x the trained length under a memory budget, against the engine's SinkWindowCache).
 """
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ from functools import lru_cache
 
 import torch
 
-from ...engine import GPT
+from ...engine import GPT, kv_cache_bytes
 from ...engine.attention import window_attention
 from ...engine.rope import rope_angles, rotate, turn
-from ...engine.window import feed
+from ...engine.window import SinkWindowCache, feed
 from ..checkpoint import load_course_model
 from ..corpus import coin_flip_eval
 from ..tokenizer import load_tokenizer
-from . import Exercise, integer, tensor
+from . import Exercise, as_int, call, expect, fail, guarded, integer, passed, tensor
 
 THETA = 10000.0
 
@@ -284,5 +285,109 @@ PREDICT = Exercise(
     solution=predict_by_hand,
 )
 check_predict_reindexed = PREDICT.check
+
+# --- exercise 5 (design): a window for a text 4x the trained length, under a memory budget --------
+# target-rope, trained on 256 positions, must read texts of CONTEXT tokens with at most `budget`
+# bytes of fp32 K/V per sequence: the learner picks sinks, a window, a numbering and a rope_theta.
+# Graded against the engine: the bytes by kv_cache_bytes, the distances a query meets by driving a
+# SinkWindowCache of that numbering through CONTEXT tokens.
+CONTEXT, TRAINED = 1024, 256
+LONG_BUDGETS = (1_000_000, 3_000_000, 8_000_000, 15_000_000)
+
+
+@lru_cache(maxsize=None)
+def _rope_config():
+    model, _ = load_course_model("target-rope", "cpu")
+    return model.config
+
+
+def window_bytes(sinks: int, window: int) -> int:
+    """Bytes of fp32 K/V the cache holds once full: sinks + window positions of target-rope."""
+    return kv_cache_bytes(_rope_config(), sinks + window, dtype=torch.float32)
+
+
+@lru_cache(maxsize=None)
+def farthest_distance(sinks: int, window: int, rope: str) -> int:
+    """The largest distance from a new token to a key it reads, over CONTEXT tokens through a
+    SinkWindowCache(sinks, window, rope=...), measured by driving the engine's cache (its
+    positions, or its slots when it numbers by slot) a token at a time."""
+    cfg = _rope_config()
+    cache = SinkWindowCache(1, 1, 2, sinks, window, block_size=CONTEXT, rope=rope,
+                            rope_theta=cfg.rope_theta)
+    x, farthest = torch.zeros(1, 1, 1, 2), 0
+    for _ in range(CONTEXT):
+        at = cache.get_seq_length()                # the new token's position, as numbered
+        held = cache.positions if rope == "true" else range(len(cache.positions))
+        farthest = max([farthest, *(at - p for p in held)])
+        cache.update(x, x, 0)
+    return farthest
+
+
+def choose_long_window_by_hand(budget: int) -> dict:
+    """The solution: number by slot, so no distance exceeds sinks + window; hold what the budget
+    pays for, but no more than the trained distances allow; keep θ (the distances are trained)."""
+    per = 12 * 2 * 8 * 24 * 4
+    held = min(budget // per, TRAINED - 1)
+    return {"sinks": 4, "window": held - 4, "rope": "reindex", "rope_theta": 10000.0}
+
+
+LW = {
+    "dict": "return a dict with the keys sinks, window, rope ('true', 'reindex' or 'rerotate') "
+            "and rope_theta",
+    "too_big": "over the budget: the cache holds sinks + window positions, {per:,} bytes each "
+               "(12 layers × K and V × 8 heads × 24 numbers × 4 bytes): {slots} fit",
+    "true": "at true positions the sinks stay at their true distance, up to {far:,} positions "
+            "from the newest token, far past the {trained} the model was trained on (section 5: "
+            "the loss rises from there); number by slot ('reindex' or 'rerotate')",
+    "too_wide": "numbered by slot, the farthest distance is sinks + window ({far} here), past the "
+                "largest distance training showed ({top}): keep sinks + window at most {top}, "
+                "even when the budget pays for more",
+    "theta": "the window numbered by slot shows only trained distances: keep the trained "
+             "rope_theta ({theta:g}); a scaled θ (NTK) turns every pair by angles training "
+             "never showed, for a full cache read past its length, not for a window",
+    "no_sinks": "keep a few sinks: a trained model parks attention on the first tokens "
+                "(chapter 07)",
+    "wasted": "the budget pays for {slots} positions and the trained distances allow {top}: "
+              "a longer window only helps, hold {want}",
+}
+
+
+@guarded
+def check_choose_long_window(choose_long_window) -> None:
+    """choose_long_window(budget) -> {sinks, window, rope, rope_theta}: fits the budget, meets
+    no distance beyond the trained ones, keeps θ, holds what budget and training allow."""
+    name, cfg = "choose_long_window", _rope_config()
+    per, top = window_bytes(0, 1), TRAINED - 1
+    for budget in LONG_BUDGETS:
+        case = (f"target-rope (trained on {TRAINED} positions) reading {CONTEXT}-token texts, "
+                f"{budget:,} bytes of fp32 K/V per sequence")
+        got = call(name, case, choose_long_window, budget)
+        keys = ("sinks", "window", "rope", "rope_theta")
+        ok = isinstance(got, dict) and sorted(got) == sorted(keys)
+        sinks, window = (as_int(got.get(k)) if ok else None for k in ("sinks", "window"))
+        theta = got.get("rope_theta") if ok else None
+        expect(ok and sinks is not None and window is not None and sinks >= 0 and window >= 1
+               and got["rope"] in ("true", "reindex", "rerotate")
+               and isinstance(theta, (int, float)) and not isinstance(theta, bool), name, case,
+               "{'sinks': int, 'window': int, 'rope': 'reindex', 'rope_theta': float}", got,
+               LW["dict"])
+        slots = budget // per
+        held = window_bytes(sinks, window)
+        expect(held <= budget, name, case, f"at most {budget:,} bytes", f"{held:,} bytes for "
+               f"{sinks} + {window} positions", LW["too_big"].format(per=per, slots=slots))
+        expect(sinks >= 1, name, case, "a few sinks", sinks, LW["no_sinks"])
+        far = farthest_distance(sinks, window, got["rope"])
+        if far > top:
+            fail(name, case, f"no distance beyond {top}", f"distances up to {far:,}",
+                 LW["true" if got["rope"] == "true" else "too_wide"].format(
+                     far=far, trained=TRAINED, top=top))
+        expect(float(theta) == cfg.rope_theta, name, case, f"rope_theta={cfg.rope_theta:g}",
+               theta, LW["theta"].format(theta=cfg.rope_theta))
+        want = min(slots, top)
+        expect(sinks + window >= want, name, case, f"sinks + window = {want}",
+               f"{sinks} + {window} = {sinks + window}",
+               LW["wasted"].format(slots=slots, top=top, want=want))
+    passed(name, len(LONG_BUDGETS))
+
 
 EXERCISES = (ROPE_KEY, MOVE_KEY, DECODE, PREDICT)
