@@ -84,19 +84,19 @@ def _cuts_hint(answers) -> str:
 
 CUTS = ck.Exercise(
     "clause_cuts", cases=[(load_tokenizer(), prompt) for prompt in _Q], reference=clause_cuts,
-    describe=lambda tok, prompt: (f"{prompt!r} ({len(_Q[prompt].steps)} "
+ describe=lambda tok, prompt: (f"{prompt!r} ({len(_Q[prompt].steps)} "
                                      f"{'person' if len(_Q[prompt].steps) == 1 else 'people'})"),
     returns=_cut_list, otherwise=_cuts_hint, mistakes={
-           CUT["first_cut"]: lambda tok, prompt: clause_cuts(tok, prompt)[1:],
-           CUT["last_cut"]: lambda tok, prompt: clause_cuts(tok, prompt)[:-1],
-           CUT["characters"]: _per_cut(lambda tok, q, i: len(q.prefix(i))),
-           CUT["words"]: _per_cut(lambda tok, q, i: len(q.prefix(i).split())),
-           CUT["last_token"]: lambda tok, prompt: [c - 1 for c in clause_cuts(tok, prompt)],
-           CUT["next_token"]: lambda tok, prompt: [c + 1 for c in clause_cuts(tok, prompt)],
-           CUT["questions"]: _per_cut(lambda tok, q, i: len(tok.encode(q.question(i)))),
-           CUT["separators"]: _per_cut(lambda tok, q, i: len(tok.encode(q.prefix(0))) + sum(
-               len(tok.encode(f"{who} flips" if flips else f"{who} doesn't flip"))
-               for who, flips in q.steps[:i])),
+        CUT["first_cut"]: lambda tok, prompt: clause_cuts(tok, prompt)[1:],
+        CUT["last_cut"]: lambda tok, prompt: clause_cuts(tok, prompt)[:-1],
+        CUT["characters"]: _per_cut(lambda tok, q, i: len(q.prefix(i))),
+        CUT["words"]: _per_cut(lambda tok, q, i: len(q.prefix(i).split())),
+        CUT["last_token"]: lambda tok, prompt: [c - 1 for c in clause_cuts(tok, prompt)],
+        CUT["next_token"]: lambda tok, prompt: [c + 1 for c in clause_cuts(tok, prompt)],
+        CUT["questions"]: _per_cut(lambda tok, q, i: len(tok.encode(q.question(i)))),
+        CUT["separators"]: _per_cut(lambda tok, q, i: len(tok.encode(q.prefix(0))) + sum(
+            len(tok.encode(f"{who} flips" if flips else f"{who} doesn't flip"))
+            for who, flips in q.steps[:i])),
     })
 check_clause_cuts = CUTS.check
 EXERCISES = [CUTS]
@@ -177,8 +177,8 @@ def check_intermediate_answers(intermediate_answers) -> None:
                 raise ck.CheckFailed(f"{name}: wrong for {case}\n  your function called "
                                      f"{e.called}()\n  hint: {ASK['no_copy']}") from None
             ck.expect(isinstance(got, (list, tuple)), name, case, want, got, ASK["not_a_list"] + (
-                   " (did you forget to return it?)" if got is None else
-                   f", not a {type(got).__name__}"))
+                " (did you forget to return it?)" if got is None else
+                f", not a {type(got).__name__}"))
             ck.expect(all(isinstance(a, str) for a in got), name, case, want, got, ASK["not_str"])
             hint = ASK["count"].format(n=n, n1=n + 1)
             ck.expect(len(got) == n + 1, name, case, want, list(got),
@@ -201,8 +201,8 @@ def _check_kv_work(name, case, model, count, statement, cot, cuts, suffix, cache
               ASK["cot_work"])
     recomputed = sum(cuts) + asks * s
     ck.expect(count <= most, name, where, want, count, ASK["too_much"] + (
-           ASK["from_scratch"].format(count=count, recomputed=recomputed) if count >= recomputed
-           else "") + ASK["recomputed"].format(S=S, s=s))
+        ASK["from_scratch"].format(count=count, recomputed=recomputed) if count >= recomputed
+        else "") + ASK["recomputed"].format(S=S, s=s))
     ck.fail(name, where, want, count, ASK["too_little"].format(S=S, asks=asks, s=s)
             + (ASK["empty_too"] if cache.get_seq_length() == 0 else ""))
 
@@ -302,8 +302,8 @@ def check_shared_prefix_answers(shared_prefix_answers) -> None:
                 one_cache = [generate(model, s, n_new, cache=shared).tokens for s in suffixes]
                 shifted = row == ref.tokens[1:] + row[-1:] or row[1:] == ref.tokens[:-1]
                 ck.fail(name, f"{case}, suffix {k}", want[k], row, SHARE["contaminated"] if len(
-                       suffixes) > 1 and tokens == one_cache else SHARE["shifted"] if shifted
-                        else SHARE["otherwise"])
+                    suffixes) > 1 and tokens == one_cache else SHARE["shifted"] if shifted
+                     else SHARE["otherwise"])
     ck.passed(name, len(cases))
 
 
@@ -320,9 +320,9 @@ def _check_prefix_work(name, case, count, passes, prefix, suffixes, n_new) -> No
     if len(passes) != 1 + m * n_new:
         singles = sum(1 for shape in passes if shape is not None and shape[1] == 1)
         ck.fail(name, case + " (forward passes)", 1 + m * n_new, len(passes), (
-               SHARE["no_prefill"].format(P=P) if P > 1 and (P, ) not in [
-                   shape[1:] for shape in passes if shape] else SHARE["token_by_token"]
-               if singles > m * (n_new - 1) else "") + SHARE["passes"])
+            SHARE["no_prefill"].format(P=P) if P > 1 and (P, ) not in [
+                shape[1:] for shape in passes if shape] else SHARE["token_by_token"]
+            if singles > m * (n_new - 1) else "") + SHARE["passes"])
 
 
 def _check_prefix_cache(name, case, model, prefix_cache, prefix, suffixes, n_new) -> None:
