@@ -84,8 +84,8 @@ def _cuts_hint(answers) -> str:
 
 CUTS = ck.Exercise(
     "clause_cuts", cases=[(load_tokenizer(), prompt) for prompt in _Q], reference=clause_cuts,
- describe=lambda tok, prompt: (f"{prompt!r} ({len(_Q[prompt].steps)} "
-                                     f"{'person' if len(_Q[prompt].steps) == 1 else 'people'})"),
+    describe=lambda tok, prompt: (f"{prompt!r} ({len(_Q[prompt].steps)} "
+                                  f"{'person' if len(_Q[prompt].steps) == 1 else 'people'})"),
     returns=_cut_list, otherwise=_cuts_hint, mistakes={
         CUT["first_cut"]: lambda tok, prompt: clause_cuts(tok, prompt)[1:],
         CUT["last_cut"]: lambda tok, prompt: clause_cuts(tok, prompt)[:-1],
