@@ -40,7 +40,7 @@ def _real_bytes(cfg, s, b, nb, kvh):
 
 
 def _times(f):  # a wrong cache_bytes: the right count changed by f(cfg, s, b, nb, kvh, right)
-    return lambda cfg, s, b, nb, kvh: f(cfg, s, b, nb, kvh, _bytes(cfg, s, b, nb, kvh))
+    return lambda cfg, s, b, nb, kvh: f(cfg, s, b, nb, kvh, right=_bytes(cfg, s, b, nb, kvh))
 
 
 _GPT2, _LLAMA = GPTConfig.preset("gpt2"), GPTConfig(vocab_size=32000, block_size=4096, n_layer=32,
