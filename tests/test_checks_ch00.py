@@ -56,7 +56,7 @@ def test_solutions_pass_and_leave_the_random_state_alone(capsys):
     ch00.check_load_gpt2(load_gpt2_fixed)
     ch00.check_load_gpt2(loader(  # also right: the shape test, plus the square one by name
         lambda name, t, ours: t.shape != ours.shape or name.endswith("attn.c_proj.weight")))
-    ch00.check_choose_width(lambda: 200)
+    ch00.check_choose_width(lambda budget=24 * 2**20: ch00._widest(budget))
     assert capsys.readouterr().out.count("✓") == 8
     assert torch.equal(torch.get_rng_state(), state), "a checker moved the caller's random state"
 
@@ -137,7 +137,8 @@ def load_gpt2_untied(state_dict, config):
           (lambda: 184, "hint: n_embd=184 fits (19.61 MiB), but a wider model fits too"),
           (lambda: 204, "GPTConfig refuses n_embd=204 with n_head=8"),
           (lambda: 768, "over budget: count every parameter"),
-          (lambda: 200.0, "a positive int"), (lambda: None, "a positive int")),
+          (lambda: 200.0, "a positive int"), (lambda: None, "a positive int"),
+          (lambda *budget: 200, "choose from the `budget` argument")),
 ])
 def test_wrong_answers_are_named(check, wrong, fragment):
     with pytest.raises(CheckFailed) as info:

@@ -96,13 +96,13 @@ def test_solutions_pass_and_leave_the_random_state_alone(capsys):
         start, start + n)))  # also right: positions given, continuing where the cache ends
     ch01.check_pass_cost(lambda *a: tuple(np.int64(v) for v in cost(*a)))
     gpt2 = minikv.GPTConfig.preset("gpt2")  # also right: from pass_cost, or 13% low (no attention)
-    for right in (lambda: 64 * 284e6 / (495e6 / 2 + 64 * 73.7e6 / 2),
-                  lambda w=cost(gpt2, 0, 0, 2)[1], f=cost(gpt2, 1, 1000, 2): 64 * f[0] / (
-                      w + 64 * (f[1] - w)), lambda: 64 * 247e6 / (248e6 + 64 * 37e6)):
+    for right in (lambda b=64: b * 284e6 / (495e6 / 2 + b * 73.7e6 / 2),
+                  lambda b=64, w=cost(gpt2, 0, 0, 2)[1], f=cost(gpt2, 1, 1000, 2): b * f[0] / (
+                      w + b * (f[1] - w)), lambda b=64: b * 247e6 / (248e6 + b * 37e6)):
         ch01.check_predict_batched_intensity(right)
     ch01.check_decoder(decoder(lambda logits: logits[:, -1:].argmax(dim=-1)))
     ch01.check_decoder(decoder(lambda logits: torch.tensor([[int(logits[0, -1].argmax())]])))
-    ch01.check_choose_chunk(lambda: 500)
+    ch01.check_choose_chunk(lambda prompt=1000: {1000: 500, 866: 439, 1294: 647}[prompt])
     assert capsys.readouterr().out.count("✓") == 10
     assert torch.equal(torch.get_rng_state(), state), "a checker moved the caller's random state"
 
@@ -173,6 +173,8 @@ WRONG = [(ch01.check_greedy_decode, *w) for w in [
         (12.7, "you counted only the keys"),
         (20.0, "the weights once, plus each sequence's cached K/V"),
         (None, "a positive number"), ("7", "a positive number")]] + [
+    (ch01.check_predict_batched_intensity, lambda *batch: 6.97, "predict for the `batch` given")
+] + [
     (ch01.check_predict_batched_intensity, lambda: engine_generate(
         minikv.GPT(minikv.GPTConfig.preset("tiny")), [1], 2).tokens[0], CALLED)] + [
     (ch01.check_decoder, *w) for w in [
@@ -190,7 +192,8 @@ WRONG = [(ch01.check_greedy_decode, *w) for w in [
         (256, "A full chunk is already memory-bound"), (12, "a CPU's crossover"),
         (1000, "no chunking at all"), (4096, "no chunking at all"),
         (520, "a smaller chunk also keeps them all so"), (0, "a positive int"),
-        (500.0, "a positive int")]]
+        (500.0, "a positive int")]] + [
+    (ch01.check_choose_chunk, lambda *prompt: 500, "choose for the `prompt` given")]
 
 
 @pytest.mark.parametrize("case", WRONG)

@@ -154,7 +154,7 @@ SOLUTIONS = [  # (checker, arguments, what its ✓ line starts with)
     (PAIRS, (lambda: (80, 28),), "predict_attention_pairs: as counted, 80"),
     (FIXED, (FixedCache,), "FixedCache: all 4"),
     (FIXED, (FixedCachePerLayer,), "FixedCache: all 4"),
-    (HEADS, (lambda: 8,), "choose_kv_heads: 8 K/V heads"),
+    (HEADS, (lambda budget=40 * 2**30: ch02._most_heads(budget),), "choose_kv_heads: 8 K/V heads"),
     (WORK, (lambda p, n: (torch.rand(1), kv_work(p, n))[1],), "kv_work: all 9"),  # draws
 ]
 
@@ -226,6 +226,7 @@ WRONG = [  # (checker, arguments, a fragment of the message that names the mista
              (16, "you counted only the keys"), (32, "plain multi-head attention"),
              (4, "more K/V heads fit too"), (1, "more K/V heads fit too"),
              (0, "a positive int"), (8.0, "a positive int")),
+    (HEADS, (lambda *budget: 8,), "choose from the `budget` argument"),
 ]
 
 

@@ -81,8 +81,7 @@ def expect(condition: bool, exercise: str, case: str, expected, got, hint: str =
         fail(exercise, case, expected, got, hint)
 
 
-def call(exercise: str, case: str, fn, *args, **kwargs):
-    """Run the learner's function; a crash becomes a failed case that names the input."""
+def call(exercise: str, case: str, fn, *args, **kwargs):  # a crash: a failed case naming the input
     return call_hinted(exercise, case, lambda e: "your function raised on this input", fn, *args,
                        **kwargs)
 
@@ -102,9 +101,8 @@ def passed(exercise: str, n_cases: int) -> None:
 
 
 def tiny_model(seed: int, std: float = 0.1, **config_overrides) -> GPT:
-    """A small random GPT (the "tiny" preset) on the CPU, in eval mode, whose weight matrices are
-    re-drawn from N(0, std): larger weights than the default init, so greedy tokens vary. Seeded
-    with `seed` under `torch.random.fork_rng`, so the caller's random state is left alone."""
+    """A random "tiny" GPT on the CPU, its matrices drawn from N(0, std) (so greedy tokens vary),
+    seeded under fork_rng (the caller's random state stays)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = GPT(GPTConfig.preset("tiny", **config_overrides)).eval()
@@ -136,8 +134,7 @@ def fresh(chapter: str):
 
 
 @contextlib.contextmanager
-def _one_thread():
-    """Tiny models decode fastest on one thread, and stay fast when other work shares the CPU."""
+def _one_thread():  # tiny models decode fastest on one thread, also when the CPU is shared
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -147,8 +144,7 @@ def _one_thread():
 
 
 def guarded(check):
-    """Run a checker under torch.random.fork_rng: neither the checker nor the learner's code it
-    calls changes the notebook's random state."""
+    """Run a checker under fork_rng: the notebook's random state stays as it was."""
     @functools.wraps(check)
     def run(*args, **kwargs):
         with torch.random.fork_rng(devices=[]):
@@ -157,7 +153,6 @@ def guarded(check):
 
 
 def one_thread(check):
-    """Run a checker on one thread (see _one_thread)."""
     @functools.wraps(check)
     def run(*args, **kwargs):
         with _one_thread():
@@ -211,8 +206,8 @@ def prediction(exercise: str, case: str, fn, *engine_functions,
 
 
 def as_int(value):
-    """`value` as an int when it is one (a Python int, a numpy or 0-d torch integer), else None: a
-    float such as 25.0 or 25.5 is not an int, and neither is a bool."""
+    """`value` as an int if it is one (Python, numpy or 0-d torch; not 25.0, not a bool), else
+    None."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
@@ -271,13 +266,11 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(df, stat / 2))
 
 
-def cache_state(cache) -> tuple:
-    """Everything a KVCache holds: its length and every layer's keys and values (cloned)."""
+def cache_state(cache) -> tuple:  # a KVCache's length and every layer's K and V, cloned
     return cache.get_seq_length(), [t.clone() for t in cache.keys + cache.values]
 
 
-def same_cache_prefix(before: tuple, cache, keep: int) -> bool:
-    """True when `cache` still holds, in every layer, the first `keep` positions of `before`."""
+def same_cache_prefix(before: tuple, cache, keep: int) -> bool:  # the first `keep` positions?
     _, tensors = before
     return all(torch.equal(a[:, :, :keep], b[:, :, :keep])
                for a, b in zip(tensors, cache.keys + cache.values))
@@ -286,8 +279,7 @@ def same_cache_prefix(before: tuple, cache, keep: int) -> bool:
 # --- exercises that return a value, checked from data (the recipe above) -------------------------
 
 def kind(value) -> str:
-    """What `value` is, for messages: 'a float', 'an int', 'a numpy.ndarray', 'None', 'a tensor
-    of shape (2, 3), torch.float32'."""
+    """What `value` is, for messages: 'a float', 'None', 'a tensor of shape (2, 3), ...'."""
     if value is None:
         return "None"
     if isinstance(value, torch.Tensor):
@@ -369,8 +361,7 @@ def diagnose(mistakes: dict, wrong: list, returns=_as_is, same=operator.eq) -> s
     return "; or ".join(h for h, mistake in mistakes.items() if gives(mistake, *wrong[0]))
 
 
-def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> bool:
-    """Same shape, and equal within `tol` (absolute and relative) in float64."""
+def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> bool:  # float64, abs and rel
     return a.shape == b.shape and bool(torch.allclose(a.double(), b.double(), atol=tol, rtol=tol))
 
 

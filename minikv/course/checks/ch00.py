@@ -1,7 +1,6 @@
-"""Checkers for chapter 00 (setup and a tiny GPT): count_params and encode_documents (tables,
-against models built on the meta device and the course tokenizer), forward_by_hand (against
-model(idx), no GPT.forward), predict_generation (predict, then measure), load_gpt2_fixed (debug:
-logits against the source) and choose_width (design). The hints are in hints/ch00.toml."""
+"""Chapter 00's checkers: count_params and encode_documents (tables), forward_by_hand, predict_
+generation (predict, then measure), load_gpt2_fixed (debug) and choose_width (design). Hints:
+hints/ch00.toml."""
 from __future__ import annotations
 
 import bisect
@@ -12,29 +11,14 @@ import torch.nn.functional as F
 
 from ...engine import GPT, GPTConfig, generate
 from ...engine.model import causal_attention
+from .. import checks as ck
 from ..checkpoint import load_course_model
 from ..tokenizer import load_tokenizer
-from . import (
-    Exercise,
-    Refused,
-    as_int,
-    call,
-    call_hinted,
-    close,
-    expect_tensor,
-    fail,
-    forbid,
-    guarded,
-    hints,
-    int_list,
-    kind,
-    named,
-    passed,
-    prediction,
-    tiny_model,
-)
 
-H = hints("ch00")
+H = ck.hints("ch00")
+COUNT, ENC, FWD, GEN, LOAD, WIDTH = (H[k] for k in (
+    "count_params", "encode_documents", "forward_by_hand", "predict_generation",
+    "load_gpt2_fixed", "choose_width"))
 
 
 # --- exercise 1: count the parameters -----------------------------------------------------------
@@ -44,73 +28,64 @@ def _num_params(cfg: GPTConfig) -> int:
         return GPT(cfg).num_params()
 
 
-def _off_by(extra):
-    """A wrong count: the right one plus extra(C, L, V, P)."""
-    return lambda cfg: _num_params(cfg) + extra(cfg.n_embd, cfg.n_layer, cfg.vocab_size,
-                                                cfg.block_size)
+def _off_by(extra):  # a wrong count: the right one plus extra(C, L, V, P)
+    return lambda c: _num_params(c) + extra(c.n_embd, c.n_layer, c.vocab_size, c.block_size)
 
 
 def _a_count(got, cfg) -> int:
-    h, floats = H["count_params"], isinstance(got, float) or "float" in type(got).__name__
-    if as_int(got) is None:
-        raise Refused(h["refused"].format(type=type(got).__name__)
-                      + (h["refused_float"] if floats else ""))
-    return as_int(got)
+    if ck.as_int(got) is None:
+        raise ck.Refused(COUNT["refused"].format(type=type(got).__name__) + (
+            COUNT["refused_float"] if "float" in type(got).__name__ else ""))
+    return ck.as_int(got)
 
 
-COUNT_PARAMS = Exercise(
+COUNT_PARAMS = ck.Exercise(
     "count_params",
     cases=[(GPTConfig.preset(p),) for p in ("gpt2", "target", "draft", "tiny", "small")]
     + [(GPTConfig(vocab_size=10, block_size=3, n_layer=1, n_head=1, n_embd=2),),
        (GPTConfig(vocab_size=97, block_size=33, n_layer=5, n_head=3, n_embd=24),)],
     describe=lambda cfg: (f"GPTConfig(vocab_size={cfg.vocab_size}, block_size={cfg.block_size}, "
                           f"n_layer={cfg.n_layer}, n_embd={cfg.n_embd})"),
-    reference=_num_params, returns=_a_count,
-    mistakes=named(H["count_params"],
-                   lm_head=_off_by(lambda C, L, V, P: V * C),
-                   ln_f=_off_by(lambda C, L, V, P: -2 * C),
-                   biases=_off_by(lambda C, L, V, P: -L * 9 * C),
-                   layernorms=_off_by(lambda C, L, V, P: -L * 4 * C),
-                   biases_and_layernorms=_off_by(lambda C, L, V, P: -L * 13 * C),
-                   matrices_only=_off_by(lambda C, L, V, P: -L * 13 * C - 2 * C),
-                   wpe=_off_by(lambda C, L, V, P: -P * C),
-                   c_proj=_off_by(lambda C, L, V, P: -L * (C * C + C)),
-                   mlp_width=_off_by(lambda C, L, V, P: -L * (6 * C * C + 3 * C))),
-    otherwise=H["count_params"]["otherwise"])
+    reference=_num_params, returns=_a_count, otherwise=COUNT["otherwise"],
+    mistakes=ck.named(COUNT, lm_head=_off_by(lambda C, L, V, P: V * C),
+                      ln_f=_off_by(lambda C, L, V, P: -2 * C),
+                      biases=_off_by(lambda C, L, V, P: -L * 9 * C),
+                      layernorms=_off_by(lambda C, L, V, P: -L * 4 * C),
+                      biases_and_layernorms=_off_by(lambda C, L, V, P: -L * 13 * C),
+                      matrices_only=_off_by(lambda C, L, V, P: -L * 13 * C - 2 * C),
+                      wpe=_off_by(lambda C, L, V, P: -P * C),
+                      c_proj=_off_by(lambda C, L, V, P: -L * (C * C + C)),
+                      mlp_width=_off_by(lambda C, L, V, P: -L * (6 * C * C + 3 * C))))
 check_count_params = COUNT_PARAMS.check
 
 
 # --- exercise 2: documents as one token stream --------------------------------------------------
 def _a_stream(got, tok, docs) -> list[int]:
-    h = H["encode_documents"]
     if isinstance(got, torch.Tensor) or type(got).__module__ == "numpy":
-        raise Refused(h["array"].format(type=f"{type(got).__module__}.{type(got).__name__}"))
+        raise ck.Refused(ENC["array"].format(type=f"{type(got).__module__}.{type(got).__name__}"))
     if not isinstance(got, (list, tuple)):
-        raise Refused(h["not_list"].format(type=type(got).__name__))
+        raise ck.Refused(ENC["not_list"].format(type=type(got).__name__))
     if any(isinstance(t, (list, tuple)) for t in got):
-        raise Refused(h["nested"])
-    if int_list(got) is None:
-        bad = next(t for t in got if as_int(t) is None)
-        raise Refused(h["not_int"].format(bad=bad, type=type(bad).__name__))
-    return int_list(got)
+        raise ck.Refused(ENC["nested"])
+    if ck.int_list(got) is None:
+        bad = next(t for t in got if ck.as_int(t) is None)
+        raise ck.Refused(ENC["not_int"].format(bad=bad, type=type(bad).__name__))
+    return ck.int_list(got)
 
 
 def _each(tok, docs, before=(), after=(), skip_empty=False) -> list[int]:
     return [t for d in docs if d or not skip_empty for t in [*before, *tok.encode(d), *after]]
 
 
-_TOK = load_tokenizer()
-ENCODE_DOCUMENTS = Exercise(
-    # the first case tells the usual mistakes apart (with one document, several look alike);
-    # docs are tuples, so that the learner's function cannot change a case
-    "encode_documents", cases=[(_TOK, docs) for docs in (
+ENCODE_DOCUMENTS = ck.Exercise(  # the first case tells the mistakes apart; tuples stay whole
+    "encode_documents", cases=[(load_tokenizer(), docs) for docs in (
         ("héllo wörld ☕", "", "A coin's state is heads."),
         ("Once upon a time", " there was a dog."), ("The color of dog can vary widely.",), (),
         ("a", "b", "a b"), ("",))],
-    describe=lambda tok, docs: f"docs={list(docs)!r}",
-    reference=lambda tok, docs: _each(tok, docs, after=[tok.eot_token]), returns=_a_stream,
-    mistakes=named(
-        H["encode_documents"], no_eot=_each,
+    describe=lambda tok, docs: f"docs={list(docs)!r}", returns=_a_stream,
+    reference=lambda tok, docs: _each(tok, docs, after=[tok.eot_token]),
+    mistakes=ck.named(
+        ENC, no_eot=_each,
         between=lambda tok, docs: tok.encode("<|endoftext|>".join(docs), allowed_special="all"),
         one_at_end=lambda tok, docs: _each(tok, docs) + [tok.eot_token],
         joined=lambda tok, docs: tok.encode(" ".join(docs)) + [tok.eot_token],
@@ -119,7 +94,7 @@ ENCODE_DOCUMENTS = Exercise(
         as_text=lambda tok, docs: [t for d in docs for t in tok.encode(
             d + "<|endoftext|>", disallowed_special=())],
         gpt2_eot=lambda tok, docs: _each(tok, docs, after=[50256])),
-    otherwise=H["encode_documents"]["otherwise"])
+    otherwise=ENC["otherwise"])
 check_encode_documents = ENCODE_DOCUMENTS.check
 EXERCISES = (COUNT_PARAMS, ENCODE_DOCUMENTS)
 
@@ -142,18 +117,7 @@ def _forward(model: GPT, idx: torch.Tensor, mistake: str = "", blocks: int | Non
     return model.lm_head(x if mistake == "no_ln_f" else tr.ln_f(x))
 
 
-def _forward_mistakes(model: GPT) -> dict:
-    """hint -> wrong forward_by_hand, for this model (its number of blocks)."""
-    h, n = H["forward_by_hand"], len(model.transformer.h)
-    return ({h[m]: functools.partial(_forward, mistake=m) for m in FORWARD_MISTAKES}
-            | {h["blocks"].format(k=k, n=n): functools.partial(_forward, blocks=k)
-               for k in range(1, n)}
-            | named(h, last=lambda model, idx: _forward(model, idx)[:, -1],
-                    batch=lambda model, idx: _forward(model, idx)[0]))
-
-
-def _crash(fn, *args) -> str:
-    """How fn(*args) crashes ('' if it does not)."""
+def _crash(fn, *args) -> str:  # how fn(*args) crashes ('' if it does not)
     try:
         fn(*args)
     except Exception as e:  # noqa: BLE001 - a usual mistake that crashes as the learner's did
@@ -161,40 +125,44 @@ def _crash(fn, *args) -> str:
     return ""
 
 
-@guarded
+@ck.guarded
 def check_forward_by_hand(forward_by_hand) -> None:
-    """forward_by_hand(model, idx) == model(idx) (within 1e-5), without GPT.forward."""
-    name, h = "forward_by_hand", H["forward_by_hand"]
-    target, tok = load_course_model("target", "cpu")
+    name, (target, tok) = "forward_by_hand", load_course_model("target", "cpu")
     g = torch.Generator().manual_seed(0)
     cases = [(model, torch.randint(0, 512, shape, generator=g), label) for model, shape, label in (
-        (tiny_model(0), (1, 6), "tiny random model"),
-        (tiny_model(1, n_layer=3), (2, 9), "tiny random model, 3 layers, batch of 2"),
-        (tiny_model(2, n_layer=1, n_head=2), (3, 1),
+        (ck.tiny_model(0), (1, 6), "tiny random model"),
+        (ck.tiny_model(1, n_layer=3), (2, 9), "tiny random model, 3 layers, batch of 2"),
+        (ck.tiny_model(2, n_layer=1, n_head=2), (3, 1),
          "tiny random model, 1 layer, batch of 3, one token each"),
-        (tiny_model(3, n_layer=4), (1, 40), "tiny random model, 4 layers, 40 tokens"))]
+        (ck.tiny_model(3, n_layer=4), (1, 40), "tiny random model, 4 layers, 40 tokens"))]
     cases.append((target, torch.tensor([tok.encode("The color of dog can vary widely.")]),
                   "the course target"))
     for model, idx, label in cases:
-        shape, mistakes = (*idx.shape, model.config.vocab_size), _forward_mistakes(model)
+        n, shape = len(model.transformer.h), (*idx.shape, model.config.vocab_size)
+        mistakes = ({FWD[m]: functools.partial(_forward, mistake=m) for m in FORWARD_MISTAKES}
+                    | {FWD["blocks"].format(k=k, n=n): functools.partial(_forward, blocks=k)
+                       for k in range(1, n)}
+                    | ck.named(FWD, last=lambda model, idx: _forward(model, idx)[:, -1],
+                               batch=lambda model, idx: _forward(model, idx)[0]))
         case = f"{label}, idx of shape {tuple(idx.shape)}"
         with torch.inference_mode():  # computed before the learner's function runs
             want = model(idx)
-        with forbid(name, GPT.forward):
-            got = call_hinted(name, case, lambda e: next(
-                (h[m] for m in FORWARD_MISTAKES if _crash(mistakes[h[m]], model, idx) ==
+        with ck.forbid(name, GPT.forward):
+            got = ck.call_hinted(name, case, lambda e: next(
+                (FWD[m] for m in FORWARD_MISTAKES if _crash(mistakes[FWD[m]], model, idx) ==
                  f"{type(e).__name__}: {e}"), "your function raised on this input"),
                 forward_by_hand, model, idx.clone())
-        refused = (h["numpy"] if type(got).__module__ == "numpy" else h["not_tensor"]
+        refused = (FWD["numpy"] if type(got).__module__ == "numpy" else FWD["not_tensor"]
                    if not isinstance(got, torch.Tensor) else
-                   "" if got.is_floating_point() else h["ids"])
+                   "" if got.is_floating_point() else FWD["ids"])
         if refused:
-            fail(name, case, f"a float tensor of shape {shape}", kind(got), refused)
+            ck.fail(name, case, f"a float tensor of shape {shape}", ck.kind(got), refused)
         with torch.inference_mode():  # float64 logits are as right as float32 ones
-            expect_tensor(name, case, got.detach().cpu().to(want.dtype), want, mistakes=mistakes,
-                          inputs=(model, idx), hints={"shape": h["shape"].format(shape=shape),
-                                                      "close": h["otherwise"]})
-    passed(name, len(cases))
+            ck.expect_tensor(name, case, got.detach().cpu().to(want.dtype), want,
+                             mistakes=mistakes, inputs=(model, idx),
+                             hints={"shape": FWD["shape"].format(shape=shape),
+                                    "close": FWD["otherwise"]})
+    ck.passed(name, len(cases))
 
 
 # --- exercise 4: predict, then measure: what one generation costs -------------------------------
@@ -204,7 +172,7 @@ PREDICT_QUESTION = "A coin's state is tails. Alice doesn't flip, then Bob flips,
 def _generation_mistakes(P: int, words: int, chars: int, n_new: int, limit: int) -> list:
     """((passes, kv) or None for any, hint): n_new tokens after P, stopped by EOS before limit."""
     h = {k: v.format(limit=limit, words=words, chars=chars, P=P, n_new=n_new)
-         for k, v in H["predict_generation"].items()}
+         for k, v in GEN.items()}
     return [((limit, P + limit - 1), h["all"]), ((None, P + limit - 1), h["all_kv"]),
             ((limit, None), h["all_passes"]), ((None, P + n_new), h["last_fed_kv"]),
             ((n_new + 1, None), h["last_fed"]), ((None, n_new - 1), h["no_prompt"]),
@@ -214,35 +182,32 @@ def _generation_mistakes(P: int, words: int, chars: int, n_new: int, limit: int)
             ((None, words + n_new - 1), h["words"]), ((None, chars + n_new - 1), h["chars"])]
 
 
-@guarded
+@ck.guarded
 def check_predict_generation(predict_generation) -> None:
-    """predict_generation() -> (forward passes, K/V vectors per layer), measured by generate."""
-    name, h = "predict_generation", H["predict_generation"]
-    predicted = prediction(name, f"{name}()", predict_generation, GPT.forward, generate,
-                           why=h["ran"])
-    values = int_list(predicted)
+    name = "predict_generation"
+    predicted = ck.prediction(name, f"{name}()", predict_generation, GPT.forward, generate,
+                              why=GEN["ran"])
+    values = ck.int_list(predicted)
     if values is None or len(values) != 2:
-        fail(name, "predict_generation()", "a pair of ints (forward_passes, kv_computed)",
-             predicted, h["refused"])
-    target, tok = load_course_model("target", "cpu")
-    prompt = PREDICT_QUESTION + " What's the state? A:"
-    ids, limit = tok.encode(prompt), 40
+        ck.fail(name, f"{name}()", "a pair of ints (forward_passes, kv_computed)", predicted,
+                GEN["refused"])
+    (target, tok), prompt, limit = load_course_model("target", "cpu"), \
+        PREDICT_QUESTION + " What's the state? A:", 40
+    ids = tok.encode(prompt)
     out = generate(target, ids, limit, eos_id=tok.eot_token)  # the measurement
     want = [out.stats.forward_passes, out.stats.kv_computed]
     if values == want:
-        print(f"✓ {name}: as measured, {want[0]} forward passes and {want[1]} K/V vectors per "
-              f"layer")
-        return
-    mistakes = _generation_mistakes(len(ids), len(prompt.split()), len(prompt), len(out.tokens),
-                                    limit)
-    hint = next((h for pair, h in mistakes
-                 if all(m is None or m == v for m, v in zip(pair, values))
-                 and any(m is not None and m != w for m, w in zip(pair, want))), "")
-    fail(name, f"generate(target, tok.encode({prompt!r}), {limit}, eos_id=tok.eot_token): it "
-         f"wrote {[tok.decode([t]) for t in out.tokens]}",
-         f"{want[0]} forward passes, {want[1]} K/V vectors per layer (measured)",
-         f"you predicted {values[0]} passes, {values[1]} K/V vectors",
-         hint or h["otherwise"].format(P=len(ids), n_new=len(out.tokens)))
+        return print(f"✓ {name}: as measured, {want[0]} forward passes and {want[1]} K/V "
+                     f"vectors per layer")
+    hint = next((h for pair, h in _generation_mistakes(
+        len(ids), len(prompt.split()), len(prompt), len(out.tokens), limit)
+        if all(m is None or m == v for m, v in zip(pair, values))
+        and any(m is not None and m != w for m, w in zip(pair, want))), "")
+    ck.fail(name, f"generate(target, tok.encode({prompt!r}), {limit}, eos_id=tok.eot_token): it "
+            f"wrote {[tok.decode([t]) for t in out.tokens]}",
+            f"{want[0]} forward passes, {want[1]} K/V vectors per layer (measured)",
+            f"you predicted {values[0]} passes, {values[1]} K/V vectors",
+            hint or GEN["otherwise"].format(P=len(ids), n_new=len(out.tokens)))
 
 
 # --- exercise 5: debug a GPT-2 checkpoint loader ------------------------------------------------
@@ -271,94 +236,91 @@ def shipped_load(state_dict, config, transpose=lambda name, t, ours: t.shape != 
 
 
 def _loader_error_hint(e: Exception) -> str:
-    text, h = f"{type(e).__name__}: {e}", H["load_gpt2_fixed"]
-    return (h["mask_buffer"] if isinstance(e, KeyError) and "attn.bias" in text else
-            h["no_head"] if isinstance(e, KeyError) and "lm_head" in text else
-            h["embeddings"] if "wte" in text or "wpe" in text else
-            h["shape"] if "size" in text or "shape" in text else h["raised"])
+    text = f"{type(e).__name__}: {e}"
+    return LOAD["mask_buffer" if isinstance(e, KeyError) and "attn.bias" in text else
+                "no_head" if isinstance(e, KeyError) and "lm_head" in text else
+                "embeddings" if "wte" in text or "wpe" in text else
+                "shape" if "size" in text or "shape" in text else "raised"]
 
 
-@guarded
+@ck.guarded
 def check_load_gpt2(load_gpt2_fixed) -> None:
-    """load_gpt2_fixed(state_dict, config) -> a tied minikv.GPT with the source model's logits."""
-    name, h = "load_gpt2_fixed", H["load_gpt2_fixed"]
-    target, tok = load_course_model("target", "cpu")
+    name, (target, tok) = "load_gpt2_fixed", load_course_model("target", "cpu")
     g = torch.Generator().manual_seed(5)
-    cases = [(tiny_model(11), "a tiny random model (2 layers, n_embd 64)", True),
-             (tiny_model(12, n_layer=3, n_head=2, n_embd=48), "a 3-layer random model, no "
-              "'lm_head.weight' in the checkpoint", False),
-             (target, "the course target", True)]
+    cases = [(ck.tiny_model(11), "a tiny random model (2 layers, n_embd 64)", True),
+             (ck.tiny_model(12, n_layer=3, n_head=2, n_embd=48), "a 3-layer random model, no "
+              "'lm_head.weight' in the checkpoint", False), (target, "the course target", True)]
     for model, label, head in cases:
         case = f"{label}: load_gpt2_fixed(its Hugging Face-layout state dict, its config)"
         idx = (torch.tensor([tok.encode("The color of dog can vary widely.")]) if model is target
                else torch.randint(0, model.config.vocab_size, (2, 11), generator=g))
         with torch.inference_mode():
             want = model(idx)
-        with forbid(name, GPT.from_gpt2_state_dict):
-            got = call_hinted(name, case, _loader_error_hint, load_gpt2_fixed,
-                              _hf_layout(model, head), model.config)
+        with ck.forbid(name, GPT.from_gpt2_state_dict):
+            got = ck.call_hinted(name, case, _loader_error_hint, load_gpt2_fixed,
+                                 _hf_layout(model, head), model.config)
         if not isinstance(got, GPT):
-            fail(name, case, "a minikv.GPT", type(got).__name__, h["not_model"]
-                 + (" (did you forget to return it?)" if got is None else ""))
-        if got.eval().lm_head.weight is not got.transformer.wte.weight:
-            fail(name, case, "lm_head.weight IS transformer.wte.weight (tied)",
-                 "two different tensors", h["untied"])
+            ck.fail(name, case, "a minikv.GPT", type(got).__name__, LOAD["not_model"]
+                    + (" (did you forget to return it?)" if got is None else ""))
+        ck.expect(got.eval().lm_head.weight is got.transformer.wte.weight, name, case,
+                  "lm_head.weight IS transformer.wte.weight (tied)", "two different tensors",
+                  LOAD["untied"])
         with torch.inference_mode():
-            logits = got(idx)
-        if close(logits, want):
+            logits, buggy = got(idx), shipped_load(_hf_layout(model, head), model.config)(idx)
+        if ck.close(logits, want):
             continue
-        with torch.inference_mode():
-            buggy = shipped_load(_hf_layout(model, head), model.config)(idx)
         ours = model.state_dict()
         wrong = [n for n, t in got.state_dict().items() if not torch.equal(t, ours.get(n, t))]
-        hint = h["shipped"] if close(logits, buggy) else h["differ"].format(
+        hint = LOAD["shipped"] if ck.close(logits, buggy) else LOAD["differ"].format(
             wrong=wrong[:4], more=" ..." if len(wrong) > 4 else "") + (
-            h["c_proj"] if wrong and all(n.endswith("attn.c_proj.weight") for n in wrong) else
-            h["otherwise"] if wrong else "")
-        error = float((logits.double() - want.double()).abs().max())
-        fail(name, case, "the checkpoint's model's logits (within 1e-5)",
-             f"logits off by up to {error:.3g}", hint)
-    passed(name, len(cases))
+            LOAD["c_proj"] if wrong and all(n.endswith("attn.c_proj.weight") for n in wrong) else
+            LOAD["otherwise"] if wrong else "")
+        ck.fail(name, case, "the checkpoint's model's logits (within 1e-5)",
+                f"logits off by up to {float((logits.double() - want.double()).abs().max()):.3g}",
+                hint)
+    ck.passed(name, len(cases))
 
 
 # --- exercise 6: design: the widest model that fits a memory budget -----------------------------
-WIDTH_BUDGET = 24 * 2**20  # bytes of float32 weights
+WIDTH_BUDGET = 24 * 2**20  # bytes of float32 weights, choose_width()'s default
 WIDTH_SHAPE = dict(vocab_size=1024, block_size=256, n_layer=12, n_head=8)
 
 
-def _weight_bytes(n_embd: int) -> int:
-    """float32 bytes of minikv.GPT's parameters (the tied head once), built on the meta device."""
+def _weight_bytes(n_embd: int) -> int:  # float32 bytes of the parameters (the tied head once)
     return _num_params(GPTConfig(n_embd=n_embd, **WIDTH_SHAPE)) * 4
 
 
-def _widest(budget: int) -> int:
-    """The largest multiple of 8 whose model's float32 weights fit `budget` bytes."""
+def _widest(budget: int) -> int:  # the largest multiple of 8 whose float32 weights fit
     return 8 * bisect.bisect_right(range(1, 128), budget, key=lambda m: _weight_bytes(8 * m))
 
 
-@guarded
+@ck.guarded
 def check_choose_width(choose_width) -> None:
-    """choose_width() -> the widest n_embd (a multiple of 8) whose float32 weights fit 24 MiB."""
-    name, h = "choose_width", H["choose_width"]
-    got = call(name, "choose_width()", choose_width)
-    width = as_int(got)
-    case = (f"GPTConfig(vocab_size=1024, block_size=256, n_layer=12, n_head=8, n_embd=your "
-            f"choice), float32 weights within 24 MiB = {WIDTH_BUDGET:,} bytes")
-    if width is None or width <= 0:
-        fail(name, case, "a positive int n_embd", got, h["refused"])
-    if width % WIDTH_SHAPE["n_head"]:
-        fail(name, case, "an n_embd that 8 heads split evenly", width,
-             h["heads"].format(width=width))
-    used = _weight_bytes(width)
-    shown = f"n_embd={width}: {used:,} bytes ({used / 2**20:.2f} MiB)"
-    if used > WIDTH_BUDGET:
-        embeddings = (WIDTH_SHAPE["vocab_size"] + WIDTH_SHAPE["block_size"]) * width  # wte, wpe
-        fail(name, case, f"at most {WIDTH_BUDGET:,} bytes", shown, h["embeddings"].format(
-            embeddings=embeddings, width=width, mib=4 * embeddings / 2**20)
-            if used - 4 * embeddings <= WIDTH_BUDGET else
-            h["two_bytes"] if used // 2 <= WIDTH_BUDGET else h["over"])
-    if width != _widest(WIDTH_BUDGET):
-        fail(name, case, "the widest n_embd whose weights fit", shown,
-             h["wider"].format(width=width, mib=used / 2**20)
-             + (h["mb"] if width == _widest(24 * 10**6) else ""))
-    print(f"✓ {name}: n_embd={width} is the widest that fits ({used / 2**20:.2f} MiB of 24)")
+    name = "choose_width"  # the default budget first, then others: exactly full, a byte short
+    for budget in (None, _weight_bytes(200), _weight_bytes(200) - 1, 4 * 2**20, 100 * 2**20):
+        args, b = (() if budget is None else (budget,)), budget or WIDTH_BUDGET
+        got = ck.call(name, f"choose_width({', '.join(map(str, args))})", choose_width, *args)
+        width, best = ck.as_int(got), _widest(b)
+        case = (f"GPTConfig(vocab_size=1024, block_size=256, n_layer=12, n_head=8, n_embd=your "
+                f"choice), float32 weights within {b:,} bytes ({b / 2**20:g} MiB)")
+        if width is None or width <= 0:
+            ck.fail(name, case, "a positive int n_embd", got, WIDTH["refused"])
+        ck.expect(width % 8 == 0, name, case, "an n_embd that 8 heads split evenly", width,
+                  WIDTH["heads"].format(width=width))
+        used = _weight_bytes(width)
+        shown = f"n_embd={width}: {used:,} bytes ({used / 2**20:.2f} MiB)"
+        if width != best and budget is not None and width == _widest(WIDTH_BUDGET):
+            ck.fail(name, case, f"n_embd={best}", shown, WIDTH["budget"])
+        if used > b:
+            embeddings = (WIDTH_SHAPE["vocab_size"] + WIDTH_SHAPE["block_size"]) * width
+            ck.fail(name, case, f"at most {b:,} bytes", shown, WIDTH["embeddings"].format(
+                embeddings=embeddings, width=width, mib=4 * embeddings / 2**20)
+                if used - 4 * embeddings <= b else
+                WIDTH["two_bytes"] if used // 2 <= b else WIDTH["over"])
+        ck.expect(width == best, name, case, "the widest n_embd whose weights fit", shown,
+                  WIDTH["wider"].format(width=width, mib=used / 2**20) + (
+                      WIDTH["mb"] if budget is None and width == _widest(24 * 10**6) else ""))
+        if budget is None:
+            message = (f"✓ {name}: n_embd={width} is the widest that fits ({used / 2**20:.2f} "
+                       f"MiB of 24)")
+    print(message)

@@ -8,31 +8,12 @@ import random
 import torch
 
 from ...engine import GPT, KVCache, KVCounter, generate
+from .. import checks as ck
 from ..checkpoint import load_course_model
 from ..corpus import CoinFlip, coin_flip_eval
 from ..tokenizer import load_tokenizer
-from . import (
-    CheckFailed,
-    EngineCalled,
-    Exercise,
-    PassCounter,
-    Refused,
-    as_int,
-    call,
-    call_hinted,
-    expect,
-    fail,
-    forbid,
-    guarded,
-    hints,
-    int_list,
-    kind,
-    passed,
-    prediction,
-    tiny_model,
-)
 
-H = hints("ch03")
+H = ck.hints("ch03")
 CUT, ASK, SHARE, SLOTS, FORK, PLAN = (H[k] for k in (
     "clause_cuts", "intermediate_answers", "shared_prefix_answers", "predict_differing_slots",
     "FixedForkCache", "choose_fork_plan"))
@@ -75,14 +56,14 @@ def _per_cut(length):  # a wrong clause_cuts: length(tok, question, i) for each 
 
 
 def _cut_list(got, *case) -> list[int]:
-    if int_list(got) is None:
+    if ck.int_list(got) is None:
         floats = "float" in str(getattr(got, "dtype", "")) or (isinstance(got, (list, tuple))
                                                               and len(got) > 0
                                                               and all(isinstance(v, float)
                                                                       for v in got))
-        raise Refused(CUT["floats"] if floats else CUT["not_a_list"]
-                      + ("" if got is None else " (did you forget to return it?)"))
-    return int_list(got)
+        raise ck.Refused(CUT["floats"] if floats else CUT["not_a_list"]
+                         + ("" if got is None else " (did you forget to return it?)"))
+    return ck.int_list(got)
 
 
 def _cuts_hint(answers) -> str:
@@ -101,7 +82,7 @@ def _cuts_hint(answers) -> str:
     return hint
 
 
-CUTS = Exercise(
+CUTS = ck.Exercise(
     "clause_cuts", cases=[(load_tokenizer(), prompt) for prompt in _Q], reference=clause_cuts,
     describe=lambda tok, prompt: (f"{prompt!r} ({len(_Q[prompt].steps)} "
                                   f"{'person' if len(_Q[prompt].steps) == 1 else 'people'})"),
@@ -162,13 +143,11 @@ def _holds(model: GPT, cache: KVCache, ids: list[int], extra: int = 0) -> bool:
             and _differs(model, cache, ids) is None)
 
 
-@guarded
+@ck.guarded
 def check_intermediate_answers(intermediate_answers) -> None:
-    """intermediate_answers(model, tok, question, cache) -> the greedy answer after each person
-    i = 0..n, asked on the one cache given (no fork, no new cache), left holding the statement."""
     name = "intermediate_answers"
     (target, tok), draft = load_course_model("target", "cpu"), load_course_model("draft", "cpu")[0]
-    noise, qs = tiny_model(3, vocab_size=tok.n_vocab), coin_flip_eval(1, seed=32)  # one per n
+    noise, qs = ck.tiny_model(3, vocab_size=tok.n_vocab), coin_flip_eval(1, seed=32)  # one per n
     cases = [(target, "target", q) for q in (qs[0], qs[2], qs[4], qs[7], *QUESTIONS[-2:-4:-1])]
     cases += [(draft, "draft", qs[5]), (draft, "draft", qs[6]), (noise, "a random model", qs[3]),
               (noise, "a random model", QUESTIONS[-1])]  # answers nowhere near the truth
@@ -191,25 +170,25 @@ def check_intermediate_answers(intermediate_answers) -> None:
                 return ASK["cot_overflow"] if cot != statement and 0 < cache.get_seq_length() \
                     and _holds(model, cache, cot[:cache.get_seq_length()]) else ASK["full"]
             try:
-                with KVCounter(model) as counter, forbid(name, KVCache.fork, KVCache.__init__):
-                    got = call_hinted(name, case, overflow, intermediate_answers, model, tok, q,
-                                      cache)
-            except EngineCalled as e:
-                raise CheckFailed(f"{name}: wrong for {case}\n  your function called "
-                                  f"{e.called}()\n  hint: {ASK['no_copy']}") from None
-            expect(isinstance(got, (list, tuple)), name, case, want, got, ASK["not_a_list"] + (
+                with KVCounter(model) as counter, ck.forbid(name, KVCache.fork, KVCache.__init__):
+                    got = ck.call_hinted(name, case, overflow, intermediate_answers, model, tok, q,
+                                         cache)
+            except ck.EngineCalled as e:
+                raise ck.CheckFailed(f"{name}: wrong for {case}\n  your function called "
+                                     f"{e.called}()\n  hint: {ASK['no_copy']}") from None
+            ck.expect(isinstance(got, (list, tuple)), name, case, want, got, ASK["not_a_list"] + (
                 " (did you forget to return it?)" if got is None else
                 f", not a {type(got).__name__}"))
-            expect(all(isinstance(a, str) for a in got), name, case, want, got, ASK["not_str"])
+            ck.expect(all(isinstance(a, str) for a in got), name, case, want, got, ASK["not_str"])
             hint = ASK["count"].format(n=n, n1=n + 1)
-            expect(len(got) == n + 1, name, case, want, list(got),
-                   ASK["no_zero"] + hint if list(got) == want[1:] else hint)
+            ck.expect(len(got) == n + 1, name, case, want, list(got),
+                      ASK["no_zero"] + hint if list(got) == want[1:] else hint)
             _check_kv_work(name, case, model, counter.count, statement, cot, cuts, suffix, cache)
             _check_main_cache(name, case, model, cache, statement, cot, cuts, suffix)
             hint = ASK["states"] if list(got) == q.states and want != q.states else \
                 ASK["space"] if [g.strip() for g in got] == want else ASK["otherwise"]
-            expect(all(g in a for g, a in zip(got, accepted)), name, case, want, list(got), hint)
-    passed(name, len(cases))
+            ck.expect(all(g in a for g, a in zip(got, accepted)), name, case, want, list(got), hint)
+    ck.passed(name, len(cases))
 
 
 def _check_kv_work(name, case, model, count, statement, cot, cuts, suffix, cache) -> None:
@@ -218,14 +197,14 @@ def _check_kv_work(name, case, model, count, statement, cot, cuts, suffix, cache
     where, want = case + " (K/V vectors your function computed, per layer)", f"{least} to {most}"
     if least <= count <= most:
         return
-    expect(cot == statement or not _holds(model, cache, cot), name, where, want, count,
-           ASK["cot_work"])
+    ck.expect(cot == statement or not _holds(model, cache, cot), name, where, want, count,
+              ASK["cot_work"])
     recomputed = sum(cuts) + asks * s
-    expect(count <= most, name, where, want, count, ASK["too_much"] + (
+    ck.expect(count <= most, name, where, want, count, ASK["too_much"] + (
         ASK["from_scratch"].format(count=count, recomputed=recomputed) if count >= recomputed
         else "") + ASK["recomputed"].format(S=S, s=s))
-    fail(name, where, want, count, ASK["too_little"].format(S=S, asks=asks, s=s)
-         + (ASK["empty_too"] if cache.get_seq_length() == 0 else ""))
+    ck.fail(name, where, want, count, ASK["too_little"].format(S=S, asks=asks, s=s)
+            + (ASK["empty_too"] if cache.get_seq_length() == 0 else ""))
 
 
 def _check_main_cache(name, case, model, cache, statement, cot, cuts, suffix) -> None:
@@ -233,20 +212,20 @@ def _check_main_cache(name, case, model, cache, statement, cot, cuts, suffix) ->
     S, s, length = len(statement), len(suffix), cache.get_seq_length()
     where = case + " (the cache you were given, after your function returned)"
     want, now = f"{S} positions: the statement's K/V in every layer", f"{length} positions"
-    expect(length > 0, name, where, want, "an empty cache", ASK["empty"])
-    expect(cot == statement or not _holds(model, cache, cot), name, where, want, now,
-           ASK["cot_cache"])
+    ck.expect(length > 0, name, where, want, "an empty cache", ASK["empty"])
+    ck.expect(cot == statement or not _holds(model, cache, cot), name, where, want, now,
+              ASK["cot_cache"])
     overlap = [t for a, b in zip([0] + cuts[:-1], cuts) for t in statement[max(a - 1, 0):b]]
-    expect(overlap == statement or not _holds(model, cache, overlap), name, where, want,
-           f"{length} positions = {S} + {len(overlap) - S}", ASK["overlap"])
-    expect(not any(_holds(model, cache, statement[:c] + suffix, extra=2) for c in cuts[:-1]),
-           name, where, want, now, ASK["cropped_statement"])
+    ck.expect(overlap == statement or not _holds(model, cache, overlap), name, where, want,
+              f"{length} positions = {S} + {len(overlap) - S}", ASK["overlap"])
+    ck.expect(not any(_holds(model, cache, statement[:c] + suffix, extra=2) for c in cuts[:-1]),
+              name, where, want, now, ASK["cropped_statement"])
     asked = length - S  # the suffix (and up to two answer tokens) once per question?
-    expect(all(asked != len(cuts) * (s + j) for j in range(3)), name, where, want,
-           f"{length} positions = {S} + {len(cuts)} x {asked // len(cuts)}",
-           ASK["suffix_stayed"].format(asks=len(cuts)))
-    expect(abs(length - S) not in (1, len(cuts)), name, where, want, now, ASK["roll_back"])
-    expect(length == S, name, where, want, now, ASK["length"])
+    ck.expect(all(asked != len(cuts) * (s + j) for j in range(3)), name, where, want,
+              f"{length} positions = {S} + {len(cuts)} x {asked // len(cuts)}",
+              ASK["suffix_stayed"].format(asks=len(cuts)))
+    ck.expect(abs(length - S) not in (1, len(cuts)), name, where, want, now, ASK["roll_back"])
+    ck.expect(length == S, name, where, want, now, ASK["length"])
     bad = _differs(model, cache, statement)
     if bad is None:
         return
@@ -254,10 +233,10 @@ def _check_main_cache(name, case, model, cache, statement, cot, cuts, suffix) ->
     for start, end in zip([0] + cuts[:-1], cuts):
         model(torch.tensor([statement[start:end]], device=model.device), cache=restarted,
               positions=torch.arange(end - start, device=model.device))
-    expect(_first_difference(cache, restarted, S) is not None, name, where, want,
-           f"different K/V from position {bad} on (in some layer)", ASK["positions"])
-    fail(name, where, want, f"different K/V from position {bad} on (in some layer, key or value)",
-         ASK["overwritten"])
+    ck.expect(_first_difference(cache, restarted, S) is not None, name, where, want,
+              f"different K/V from position {bad} on (in some layer)", ASK["positions"])
+    ck.fail(name, where, want, f"different K/V from position {bad} on (in some layer, key or "
+            f"value)", ASK["overwritten"])
 
 
 # --- exercise 3: prefix sharing by hand ---------------------------------------------------------
@@ -271,12 +250,10 @@ _COIN = ("A coin's state is heads. Alice flips, then Bob doesn't flip", ". What'
          ", then Carol flips. What's the state? A:")  # a prefix, two questions
 
 
-@guarded
+@ck.guarded
 def check_shared_prefix_answers(shared_prefix_answers) -> None:
-    """shared_prefix_answers(model, prefix_ids, suffixes, n_new) -> (continuations, prefix_cache),
-    the prefix prefilled once, each suffix on a fork of its cache, which keeps the prefix only."""
     name = "shared_prefix_answers"
-    (target, tok), a, b = load_course_model("target", "cpu"), tiny_model(4), tiny_model(5)
+    (target, tok), a, b = load_course_model("target", "cpu"), ck.tiny_model(4), ck.tiny_model(5)
     ids, (coin, *questions) = _random_ids(33, a), (tok.encode(s) for s in _COIN)
     cases = [
         (a, "a random model", ids(12), [ids(3), ids(1), ids(5)], 6),
@@ -294,26 +271,27 @@ def check_shared_prefix_answers(shared_prefix_answers) -> None:
             # the reference: each prefix + suffix generated from scratch, with its logits
             refs = [generate(model, prefix + s, n_new, return_logits=True) for s in suffixes]
             want = [r.tokens for r in refs]
-            with KVCounter(model) as counter, PassCounter(model) as passes:
-                got = call_hinted(name, case, too_small, shared_prefix_answers, model,
-                                  list(prefix), [list(s) for s in suffixes], n_new)
-            expect(isinstance(got, tuple) and len(got) == 2, name, case,
-                   "(continuations, prefix_cache)", kind(got), SHARE["no_cache"]
-                   if isinstance(got, (list, tuple)) and len(got) == len(want)
-                   and all(isinstance(g, (list, tuple, torch.Tensor)) for g in got)
-                   else SHARE["not_a_pair"])
+            with KVCounter(model) as counter, ck.PassCounter(model) as passes:
+                got = ck.call_hinted(name, case, too_small, shared_prefix_answers, model,
+                                     list(prefix), [list(s) for s in suffixes], n_new)
+            ck.expect(isinstance(got, tuple) and len(got) == 2, name, case,
+                      "(continuations, prefix_cache)", ck.kind(got), SHARE["no_cache"]
+                      if isinstance(got, (list, tuple)) and len(got) == len(want)
+                      and all(isinstance(g, (list, tuple, torch.Tensor)) for g in got)
+                      else SHARE["not_a_pair"])
             rows = got[0] if not isinstance(got[0], torch.Tensor) or got[0].dim() != 2 else [
                 *got[0]]
-            expect(isinstance(rows, (list, tuple)), name, case, want, got[0], SHARE["not_a_list"])
-            expect(len(rows) == len(suffixes), name, case, want, got[0],
-                   SHARE["count"].format(m=len(suffixes)))
-            tokens = [int_list(r) for r in rows]
-            expect(None not in tokens, name, case, want, got[0], SHARE["not_ints"])
+            ck.expect(isinstance(rows, (list, tuple)), name, case, want, got[0],
+                      SHARE["not_a_list"])
+            ck.expect(len(rows) == len(suffixes), name, case, want, got[0],
+                      SHARE["count"].format(m=len(suffixes)))
+            tokens = [ck.int_list(r) for r in rows]
+            ck.expect(None not in tokens, name, case, want, got[0], SHARE["not_ints"])
             for t, s in zip(tokens, suffixes):
                 more = len(t) - n_new
-                expect(more == 0, name, case, want, tokens, SHARE["length"].format(n_new=n_new) + (
-                    SHARE["with_suffix"] if more in (len(s), len(s) + len(prefix)) else
-                    SHARE["one_short"] if more == -1 else ""))
+                ck.expect(more == 0, name, case, want, tokens, SHARE["length"].format(
+                    n_new=n_new) + (SHARE["with_suffix"] if more in (len(s), len(s) + len(prefix))
+                                    else SHARE["one_short"] if more == -1 else ""))
             _check_prefix_work(name, case, counter.count, passes.passes, prefix, suffixes, n_new)
             _check_prefix_cache(name, case, model, got[1], prefix, suffixes, n_new)
             for k, (ref, row) in enumerate(zip(refs, tokens)):
@@ -323,25 +301,25 @@ def check_shared_prefix_answers(shared_prefix_answers) -> None:
                                                                      for s in suffixes))
                 one_cache = [generate(model, s, n_new, cache=shared).tokens for s in suffixes]
                 shifted = row == ref.tokens[1:] + row[-1:] or row[1:] == ref.tokens[:-1]
-                fail(name, f"{case}, suffix {k}", want[k], row, SHARE["contaminated"] if len(
+                ck.fail(name, f"{case}, suffix {k}", want[k], row, SHARE["contaminated"] if len(
                     suffixes) > 1 and tokens == one_cache else SHARE["shifted"] if shifted
                      else SHARE["otherwise"])
-    passed(name, len(cases))
+    ck.passed(name, len(cases))
 
 
 def _check_prefix_work(name, case, count, passes, prefix, suffixes, n_new) -> None:
     P, m = len(prefix), len(suffixes)
     right = P + sum(len(s) + n_new - 1 for s in suffixes)
     if count != right:
-        fail(name, case + " (K/V vectors your function computed, per layer)",
-             f"{P} + sum(len(suffix) + n_new - 1) = {right}", count,
-             SHARE["fed_back"].format(n1=n_new - 1) if count == right + m else
-             SHARE["recomputed"].format(P=P) if count >= right + (m - 1) * P and m > 1
-             or count == right + P else SHARE["too_much"] if count > right else
-             SHARE["too_little"])
+        ck.fail(name, case + " (K/V vectors your function computed, per layer)",
+                f"{P} + sum(len(suffix) + n_new - 1) = {right}", count,
+                SHARE["fed_back"].format(n1=n_new - 1) if count == right + m else
+                SHARE["recomputed"].format(P=P) if count >= right + (m - 1) * P and m > 1
+                or count == right + P else SHARE["too_much"] if count > right else
+                SHARE["too_little"])
     if len(passes) != 1 + m * n_new:
         singles = sum(1 for shape in passes if shape is not None and shape[1] == 1)
-        fail(name, case + " (forward passes)", 1 + m * n_new, len(passes), (
+        ck.fail(name, case + " (forward passes)", 1 + m * n_new, len(passes), (
             SHARE["no_prefill"].format(P=P) if P > 1 and (P, ) not in [
                 shape[1:] for shape in passes if shape] else SHARE["token_by_token"]
             if singles > m * (n_new - 1) else "") + SHARE["passes"])
@@ -350,34 +328,32 @@ def _check_prefix_work(name, case, count, passes, prefix, suffixes, n_new) -> No
 def _check_prefix_cache(name, case, model, prefix_cache, prefix, suffixes, n_new) -> None:
     where, P = case + " (the prefix cache you returned)", len(prefix)
     want = f"a KVCache holding the {P} prefix positions, as a prefill leaves them"
-    expect(isinstance(prefix_cache, KVCache), name, where, want, kind(prefix_cache),
-           SHARE["not_a_cache"])
-    expect(prefix_cache.n_layer == model.config.n_layer and prefix_cache.batch_size == 1
-           and prefix_cache.n_head == model.config.n_head, name, where, want, repr(prefix_cache),
-           SHARE["other_cache"])
+    ck.expect(isinstance(prefix_cache, KVCache), name, where, want, ck.kind(prefix_cache),
+              SHARE["not_a_cache"])
+    ck.expect(prefix_cache.n_layer == model.config.n_layer and prefix_cache.batch_size == 1
+              and prefix_cache.n_head == model.config.n_head, name, where, want, repr(prefix_cache),
+              SHARE["other_cache"])
     length = prefix_cache.get_seq_length()
     grown = [P + sum(len(s) + n_new - 1 for s in suffixes[:k + 1]) for k in range(len(suffixes))]
-    expect(length <= P, name, where, want, f"{length} positions", SHARE["grown"] + (
+    ck.expect(length <= P, name, where, want, f"{length} positions", SHARE["grown"] + (
         SHARE["one_cache"] if length in grown or length in [g + k + 1 for k, g in enumerate(grown)]
         else "") + SHARE["fork_it"])
-    expect(length == P, name, where, want, f"{length} positions", SHARE["shrunk"])
+    ck.expect(length == P, name, where, want, f"{length} positions", SHARE["shrunk"])
     bad = _differs(model, prefix_cache, prefix)
-    expect(bad is None, name, where, want, f"different K/V from position {bad} on (in some layer)",
-           SHARE["overwritten"])
+    ck.expect(bad is None, name, where, want, f"different K/V from position {bad} on (in some "
+              f"layer)", SHARE["overwritten"])
 
 
 # --- exercise 4: predict, then measure: which slots the start state reaches ---------------------
 
-@guarded
+@ck.guarded
 def check_predict_differing_slots(predict_differing_slots) -> None:
-    """predict_differing_slots() -> how many (layer, position) slots of the target's cache differ
-    between "A coin's state is heads. Alice flips, then Bob flips" and the same from tails."""
     name = "predict_differing_slots"
-    got = prediction(name, f"{name}()", predict_differing_slots, GPT.forward, generate,
-                     why=SLOTS["why"])
-    value = as_int(got)
+    got = ck.prediction(name, f"{name}()", predict_differing_slots, GPT.forward, generate,
+                        why=SLOTS["why"])
+    value = ck.as_int(got)
     if value is None:
-        fail(name, f"{name}()", "an int (a number of slots)", got, SLOTS["not_an_int"])
+        ck.fail(name, f"{name}()", "an int (a number of slots)", got, SLOTS["not_an_int"])
     target, tok = load_course_model("target", "cpu")
     with torch.no_grad():
         ids, other = (tok.encode(CoinFlip(s, (("Alice", True), ("Bob", True))).prefix(2))
@@ -399,9 +375,9 @@ def check_predict_differing_slots(predict_differing_slots) -> None:
     mistakes = {L * after: "every_layer_alike", L: "one_per_layer", after: "one_layer",
                 L * T: "every_slot", (L - 1) * after: "layer_0",
                 1 + (L - 1) * (after - 1): "own_slot", 0: "none"}
-    fail(name, f"the target's caches of {tok.decode(ids)!r} and of the same with 'tails': "
-         f"{L} layers x {T} positions, the start state at position {start}", want, value,
-         SLOTS[mistakes.get(value, "otherwise")])
+    ck.fail(name, f"the target's caches of {tok.decode(ids)!r} and of the same with 'tails': "
+            f"{L} layers x {T} positions, the start state at position {start}", want, value,
+            SLOTS[mistakes.get(value, "otherwise")])
 
 
 # --- exercise 5: debug a fork that shares its buffers -------------------------------------------
@@ -442,15 +418,13 @@ def _fork_diagnosis(source, forks) -> str:
     return FORK["length"] if twin.get_seq_length() != source.get_seq_length() else ""
 
 
-@guarded
+@ck.guarded
 def check_fork(FixedForkCache) -> None:
-    """FixedForkCache(minikv.KVCache) with its own fork(): requests served one after the other and
-    taking turns as from scratch, the source untouched, without the engine's KVCache.fork."""
     name = "FixedForkCache"
-    expect(isinstance(FixedForkCache, type) and issubclass(FixedForkCache, KVCache), name,
-           "FixedForkCache", "a subclass of the notebook's ForkableCache", kind(FixedForkCache),
-           FORK["not_a_class"])
-    (target, tok), a = load_course_model("target", "cpu"), tiny_model(4)
+    ck.expect(isinstance(FixedForkCache, type) and issubclass(FixedForkCache, KVCache), name,
+              "FixedForkCache", "a subclass of the notebook's ForkableCache",
+              ck.kind(FixedForkCache), FORK["not_a_class"])
+    (target, tok), a = load_course_model("target", "cpu"), ck.tiny_model(4)
     ids, (coin, *questions) = _random_ids(34, a), (tok.encode(s) for s in _COIN)
     cases = [
         (a, "a random model, requests one after the other", ids(10), [ids(3), ids(5)], 6, False),
@@ -467,19 +441,19 @@ def check_fork(FixedForkCache) -> None:
             case = f"{label}: prefix {len(prefix)} tokens, suffixes {suffixes}, n_new={n_new}"
             want = [generate(model, prefix + s, n_new, return_logits=True) for s in suffixes]
             seen.clear()
-            with forbid(name, KVCache.fork):
-                source, forks, tokens = call_hinted(name, case, crashed, _serve, model,
-                                                    FixedForkCache, prefix, suffixes, n_new,
-                                                    turns, seen)
+            with ck.forbid(name, KVCache.fork):
+                source, forks, tokens = ck.call_hinted(name, case, crashed, _serve, model,
+                                                       FixedForkCache, prefix, suffixes, n_new,
+                                                       turns, seen)
             for k, (ref, got) in enumerate(zip(want, tokens)):
                 hint = _fork_diagnosis(source, forks) or FORK["otherwise"]
-                expect(not _diverges(ref, got), name, f"{case}, request {k}", ref.tokens, got,
-                       FORK["turns"] + hint if turns else hint)
-            expect(source.get_seq_length() == len(prefix) and _differs(model, source, prefix)
-                   is None, name, case + " (the source cache afterwards)",
-                   f"the prefix's {len(prefix)} positions, as prefilled", "changed",
-                   _fork_diagnosis(source, forks) or FORK["source"])
-    passed(name, len(cases))
+                ck.expect(not _diverges(ref, got), name, f"{case}, request {k}", ref.tokens, got,
+                          FORK["turns"] + hint if turns else hint)
+            ck.expect(source.get_seq_length() == len(prefix) and _differs(model, source, prefix)
+                      is None, name, case + " (the source cache afterwards)",
+                      f"the prefix's {len(prefix)} positions, as prefilled", "changed",
+                      _fork_diagnosis(source, forks) or FORK["source"])
+    ck.passed(name, len(cases))
 
 
 # --- exercise 6: design: requests served at once on forks, in a memory budget --------------------
@@ -487,22 +461,20 @@ def check_fork(FixedForkCache) -> None:
 DOC, QUESTION, ANSWER, FORK_BUDGET = 100, 11, 20, 48 * 2**20
 
 
-@guarded
+@ck.guarded
 def check_choose_fork_plan(choose_fork_plan) -> None:
-    """choose_fork_plan() -> (max_len of the document's cache, requests served at once): the
-    smallest max_len that holds a request on a fork, and the most requests in 48 MiB, measured."""
     name = "choose_fork_plan"
-    got = call(name, f"{name}()", choose_fork_plan)
-    pair = int_list(got)
+    got = ck.call(name, f"{name}()", choose_fork_plan)
+    pair = ck.int_list(got)
     case = (f"a {DOC}-token document's cache on the course target (float32), requests of a "
             f"{QUESTION}-token question and a {ANSWER}-token answer, each on its own fork, "
             f"{FORK_BUDGET // 2**20} MiB for all caches alive at once")
     if pair is None or len(pair) != 2 or min(pair) < 1:
-        fail(name, case, "a pair of positive ints (max_len, requests)", got, PLAN["not_a_pair"])
+        ck.fail(name, case, "a pair of positive ints (max_len, requests)", got, PLAN["not_a_pair"])
     (max_len, requests), (target, _) = pair, load_course_model("target", "cpu")
     if max_len > target.config.block_size:
-        fail(name, case, f"a max_len the target accepts (at most {target.config.block_size})",
-             max_len, PLAN["too_long"])
+        ck.fail(name, case, f"a max_len the target accepts (at most {target.config.block_size})",
+                max_len, PLAN["too_long"])
     try:  # the document prefilled, then one request on a fork of its cache
         with torch.no_grad():
             fork = _prefilled(target, [t % target.config.vocab_size for t in range(DOC)],
@@ -511,21 +483,21 @@ def check_choose_fork_plan(choose_fork_plan) -> None:
     except ValueError:
         fork = None
     if fork is None:
-        fail(name, case, "a max_len with which a request fits in its fork",
-             f"max_len={max_len}: the fork overflows", PLAN["no_document"] if max_len < DOC else
-             PLAN["overflow"] + (PLAN["no_answer"] if max_len == DOC + QUESTION else ""))
+        ck.fail(name, case, "a max_len with which a request fits in its fork",
+                f"max_len={max_len}: the fork overflows", PLAN["no_document"] if max_len < DOC else
+                PLAN["overflow"] + (PLAN["no_answer"] if max_len == DOC + QUESTION else ""))
     per_cache, alive = fork.allocated_nbytes, requests + 1  # the document's cache and each fork
     used, need = alive * per_cache, DOC + QUESTION + ANSWER - 1  # the last token is never fed
-    expect(used <= FORK_BUDGET, name, case, f"at most {FORK_BUDGET:,} bytes",
-           f"{alive} caches of {per_cache:,} bytes = {used:,}",
-           PLAN["document_left_out"] if requests * per_cache <= FORK_BUDGET else
-           PLAN["half_precision"] if requests * per_cache // 2 <= FORK_BUDGET else
-           PLAN["over_budget"])
-    expect(max_len == need, name, case, "the smallest max_len that fits a request",
-           f"max_len={max_len} ({per_cache:,} bytes per cache)",
-           PLAN["too_roomy"] + (PLAN["last_token"] if max_len == need + 1 else ""))
-    expect(requests == FORK_BUDGET // per_cache - 1, name, case, "the most requests that fit",
-           f"{requests} requests: {used:,} bytes", PLAN["more_fit"] + (
-               PLAN["megabytes"] if requests == 48 * 10**6 // per_cache - 1 else ""))
+    ck.expect(used <= FORK_BUDGET, name, case, f"at most {FORK_BUDGET:,} bytes",
+              f"{alive} caches of {per_cache:,} bytes = {used:,}",
+              PLAN["document_left_out"] if requests * per_cache <= FORK_BUDGET else
+              PLAN["half_precision"] if requests * per_cache // 2 <= FORK_BUDGET else
+              PLAN["over_budget"])
+    ck.expect(max_len == need, name, case, "the smallest max_len that fits a request",
+              f"max_len={max_len} ({per_cache:,} bytes per cache)",
+              PLAN["too_roomy"] + (PLAN["last_token"] if max_len == need + 1 else ""))
+    ck.expect(requests == FORK_BUDGET // per_cache - 1, name, case, "the most requests that fit",
+              f"{requests} requests: {used:,} bytes", PLAN["more_fit"] + (
+                  PLAN["megabytes"] if requests == 48 * 10**6 // per_cache - 1 else ""))
     print(f"✓ {name}: max_len {max_len}, {requests} requests: {alive} caches of {per_cache:,} "
           f"bytes, {used / 2**20:.2f} MiB of {FORK_BUDGET // 2**20}")
