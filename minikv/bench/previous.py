@@ -85,6 +85,9 @@ def bench_vs_previous(ref: str, target, prompts: list[list[int]], repeats: int,
     crowd = [prompts[i % len(prompts)] for i in range(batch)]
     rows = {"decode": {k: [] for k in models}, "serving": {k: [] for k in models}}
     with torch.inference_mode():
+        for engine, model in models.values():  # untimed: the first run of each pays warm-up
+            decode_seconds(engine, model, prompts[0], 8)
+            serving_step_seconds(engine, model, crowd, 2)
         for _ in range(repeats):
             for name, (engine, model) in models.items():
                 rows["decode"][name].append(decode_seconds(engine, model, prompts[0], n_tokens))
