@@ -1,15 +1,6 @@
-"""Checkers for chapter 04 (seed 004, speculative decoding: draft, verify, roll back), on the CPU,
-leaving the caller's random state alone; the hints students read are in hints/ch04.toml.
-
-- speculative_round: greedy rounds on tiny target/draft pairs, γ = 1..6, looped to 40+ tokens: each
-  round's tokens against the chapter's, its passes, both caches whole; the engine's round forbidden.
-- residual (a table): the distribution a refused draw is replaced from, for any acceptance a(x).
-- alpha_from_trace (a table): α pooled and per proposal index, on real traces; None if unjudged.
-- best_gamma (a table): the argmax of the chapter's speed-up formula, as an int.
-- predict_perfect_draft (predict, then measure): four counts of a run whose draft is the target.
-- accept_sampled (debug): one round of speculative sampling, by its outcomes' distribution.
-- choose_gamma (design, a table): γ (0: none) for a batch under the stated cost model.
-"""
+"""Chapter 04's checkers (speculative decoding), against the engine on the CPU, leaving the caller's
+random state alone: speculative_round, predict_perfect_draft and accept_sampled (code); residual,
+alpha_from_trace, best_gamma and choose_gamma (tables). The hints are in hints/ch04.toml."""
 from __future__ import annotations
 
 import contextlib
@@ -23,67 +14,41 @@ import torch
 
 from ...engine import GPT, GPTConfig, KVCache, generate, speculative_generate
 from ...engine.verify import accept_matching, verify_and_commit
+from .. import checks as ck
 from ..checkpoint import load_course_model
-from . import (
-    Exercise,
-    PassCounter,
-    Refused,
-    as_int,
-    cache_state,
-    call_hinted,
-    chi_square_p,
-    expect,
-    fail,
-    forbid,
-    guarded,
-    hints,
-    int_list,
-    one_thread,
-    passed,
-    prediction,
-    same_cache_prefix,
-    tiny_model,
-)
 
-H = hints("ch04")
+H = ck.hints("ch04")
 ROUND, RES, ALPHA_H, BEST, PERFECT, SAMPLED, DESIGN_H = (H[k] for k in (
     "speculative_round", "residual", "alpha_from_trace", "best_gamma", "predict_perfect_draft",
     "accept_sampled", "choose_gamma"))
 
-
 def _type(value) -> str:
     return f"{type(value).__module__}.{type(value).__name__}".replace("builtins.", "")
-
 
 def _crash_hint(error: type, hint: str, says: str = ""):
     return lambda e: (hint if isinstance(e, error) and says in str(e)
                       else "your function raised on this input")
 
-
-# --- exercise 1: one speculative round ----------------------------------------------------------
-
+# --- exercise 1: one speculative round -----------------------------------------------------------
 @functools.cache
 def tiny_pair(seed: int) -> tuple[GPT, GPT]:
-    """A random 2-layer target and the 1-layer draft of its first block, its second block damped
-    so that α is about 0.6-0.85. Built once per seed, without touching the caller's RNG."""
-    target = tiny_model(seed)
+    """A random 2-layer target, its second block damped (α about 0.6-0.85), and the 1-layer draft
+    of its first block."""
+    target = ck.tiny_model(seed)
     with torch.no_grad():
         for block in target.transformer.h[1:]:
             block.attn.c_proj.weight.mul_(0.3)
             block.mlp.c_proj.weight.mul_(0.3)
     with torch.random.fork_rng(devices=[]):
         draft = GPT(GPTConfig.preset("tiny", n_layer=1)).eval()
-    draft.load_state_dict({k: v for k, v in target.state_dict().items()  # all but blocks 1..
-                           if k.split(".")[:2] != ["transformer", "h"] or k.split(".")[2] == "0"})
+    draft.load_state_dict(target.state_dict(), strict=False)  # blocks 1.. have no place in it
     return target, draft
 
-
-# (pair seed, prompt, γ): γ = 1..6, several prompts, each run to 40+ new tokens
+# (pair seed, prompt, γ): γ = 1..6, several prompts, each run to NEW_TOKENS+ new tokens
 ROUND_CASES = [(0, [3, 17, 200, 41, 9], 1), (1, [100, 7], 2), (2, [3, 17, 200, 41, 9], 3),
                (1, [55, 56, 57, 58, 59, 60, 61, 62], 4), (1, [5], 5), (2, [100, 7], 6),
                (0, [100, 7], 3)]
 NEW_TOKENS = 40
-
 
 def _matching(proposals, choices, shift=0):
     """Leading proposals equal to the target's choice `shift` rows later."""
@@ -92,9 +57,7 @@ def _matching(proposals, choices, shift=0):
         n += 1
     return n
 
-
-# hint -> what a wrong round commits, from the proposals and the target's choices: the ones it may
-# commit ([] where the mistake changes nothing)
+# hint -> what a round with that mistake may commit, from the proposals and the target's choices
 COMMIT_MISTAKES = {
     ROUND["draft_token"]: lambda p, c: [p[:_matching(p, c) + 1]] if _matching(p, c) < len(p)
     else [],
@@ -105,38 +68,26 @@ COMMIT_MISTAKES = {
                                         + [c[sum(map(operator.eq, p, c))]]],
 }
 
-
 def _pass_hints(target_passes, draft_passes, gamma, first_draft_rows, seq_len):
     """(expected, got, hint) for the first wrong pass count or shape, or None."""
     want_t, want_d = [(1, gamma + 1)], [(1, first_draft_rows)] + [(1, 1)] * (gamma - 1)
     if target_passes != want_t:
-        return f"target passes of shape {want_t}", f"{target_passes}", ROUND[next(
-            key for wrong, key in ((len(target_passes) > 1, "target_pass_each"),
-                                   (target_passes == [(1, gamma)], "target_proposals_only"),
-                                   (target_passes == [(1, seq_len + gamma)],
-                                    "target_whole_sequence"),
-                                   (not target_passes, "no_target_pass"), (True, "target_pass"))
-            if wrong)]
+        return f"target passes of shape {want_t}", f"{target_passes}", ROUND[
+            "target_pass_each" if len(target_passes) > 1 else "target_proposals_only"
+            if target_passes == [(1, gamma)] else "target_whole_sequence"
+            if target_passes == [(1, seq_len + gamma)] else "target_pass" if target_passes
+            else "no_target_pass"]
     if draft_passes != want_d:
+        first = draft_passes[:1]
         return f"draft passes of shape {want_d}", f"{draft_passes}", ROUND["draft_passes"].format(
-            gamma=gamma) if len(draft_passes) != gamma else ROUND[next(
-                key for wrong, key in (
-                    (draft_passes[:1] == [(1, 1)] and first_draft_rows > 1, "draft_last_token"),
-                    (draft_passes[:1] == [(1, seq_len)], "draft_whole_sequence"),
-                    (True, "draft_pass")) if wrong)]
+            gamma=gamma) if len(draft_passes) != gamma else ROUND[
+            "draft_last_token" if first == [(1, 1)] and first_draft_rows > 1 else
+            "draft_whole_sequence" if first == [(1, seq_len)] else "draft_pass"]
     return None
 
-
-def _cache_length_hint(name: str, got: int, want: int, after_pass: int, seq_len: int) -> str:
-    return ROUND[next(key for wrong, key in (
-        (got == 0 and want > 0, "reset"), (got == after_pass > want, "no_crop"),
-        (got == seq_len - 1 > want, "grew"), (got == seq_len, "newest"), (True, "crop"))
-        if wrong)].format(cache=name)
-
-
 def _check_round(name, case, round_fn, target, draft, seq, t_cache, d_cache, gamma) -> None:
-    """Run one round of the learner's and check everything it did."""
-    before_seq, t_before, d_before = list(seq), cache_state(t_cache), cache_state(d_cache)
+    """Run one round of the learner's, and check what it returned, did to seq, ran, kept."""
+    before_seq, t_before, d_before = list(seq), ck.cache_state(t_cache), ck.cache_state(d_cache)
     proposals, d_fork = [], d_cache.fork()  # the chapter's round, on forks of the caches
     for _ in range(gamma):
         pending = (before_seq + proposals)[d_fork.get_seq_length():]
@@ -145,55 +96,49 @@ def _check_round(name, case, round_fn, target, draft, seq, t_cache, d_cache, gam
     choices = target(torch.tensor([seq[-1:] + proposals]), cache=t_cache.fork())[0].argmax(-1)
     choices = choices.tolist()  # the target's choice at each of its γ + 1 rows
     n = _matching(proposals, choices)
-    expected = proposals[:n] + [choices[n]]
-    case = f"{case}, round at len(seq) = {len(before_seq)}"
-    crop_without_min = _crash_hint(ValueError, ROUND["crop_without_min"], says="crop")
-    with forbid(name, speculative_generate, verify_and_commit, accept_matching), \
-            PassCounter(target) as t_passes, PassCounter(draft) as d_passes:
-        got = call_hinted(name, case, crop_without_min, round_fn, target, draft, seq, t_cache,
-                          d_cache, gamma)
-    # what it returned, and what it did to seq
-    tokens = int_list(got)
+    expected, case = proposals[:n] + [choices[n]], f"{case}, round at len(seq) = {len(seq)}"
+    with ck.forbid(name, speculative_generate, verify_and_commit, accept_matching), \
+            ck.PassCounter(target) as t_passes, ck.PassCounter(draft) as d_passes:
+        got = ck.call_hinted(name, case, _crash_hint(ValueError, ROUND["crop_without_min"], "crop"),
+                             round_fn, target, draft, seq, t_cache, d_cache, gamma)
+    tokens = ck.int_list(got)
     if tokens is None:
-        fail(name, case, expected, got, ROUND["returned_none"] if got is None else
-             ROUND["not_a_list"].format(type=_type(got)))
-    expect(seq != before_seq, name, case, f"seq extended by {expected}", "seq unchanged",
-           ROUND["in_place"])
-    expect(seq == before_seq + tokens, name, case, f"seq == seq before the round + the returned "
-           f"tokens ({tokens})", f"seq grew by {seq[len(before_seq):]}", ROUND["appended"])
-    # the passes it made
+        ck.fail(name, case, expected, got, ROUND["returned_none"] if got is None else
+                ROUND["not_a_list"].format(type=_type(got)))
+    ck.expect(seq != before_seq, name, case, f"seq extended by {expected}", "seq unchanged",
+              ROUND["in_place"])
+    ck.expect(seq == before_seq + tokens, name, case, f"seq == seq before the round + the "
+              f"returned tokens ({tokens})", f"seq grew by {seq[len(before_seq):]}",
+              ROUND["appended"])
     wrong = _pass_hints(t_passes.passes, d_passes.passes, gamma, len(before_seq) - d_before[0],
                         len(before_seq))
     if wrong:
-        fail(name, case, *wrong)
-    # what it committed
+        ck.fail(name, case, *wrong)
     if tokens != expected:
         hints = [h for h, wrong in COMMIT_MISTAKES.items() if tokens in wrong(proposals, choices)]
-        fail(name, case, f"{expected} (the draft proposed {proposals}; the target's rows chose "
-             f"{choices})", tokens, "; or ".join(hints) or ROUND["commit"])
-    # both caches, whole: lengths, then every layer's keys and values
-    committed = len(seq)
-    for label, cache, model, before, after_pass in (
+        ck.fail(name, case, f"{expected} (the draft proposed {proposals}; the target's rows chose "
+                f"{choices})", tokens, "; or ".join(hints) or ROUND["commit"])
+    for label, cache, model, before, after_pass in (  # both caches: lengths, then every K/V
             ("target", t_cache, target, t_before, len(before_seq) + gamma),
             ("draft", d_cache, draft, d_before, len(before_seq) + gamma - 1)):
-        want = min(after_pass, committed - 1)
-        got_len = cache.get_seq_length()
-        expect(got_len == want, name, case, f"{label} cache length {want}",
-               f"{label} cache length {got_len}",
-               _cache_length_hint(label, got_len, want, after_pass, committed))
+        want, got_len = min(after_pass, len(seq) - 1), cache.get_seq_length()
+        ck.expect(got_len == want, name, case, f"{label} cache length {want}",
+                  f"{label} cache length {got_len}", ROUND[
+                      "reset" if got_len == 0 and want > 0 else "no_crop" if got_len == after_pass
+                      > want else "grew" if got_len == len(seq) - 1 > want else "newest"
+                      if got_len == len(seq) else "crop"].format(cache=label))
         fresh = KVCache.for_model(model, max_len=max(want, 1))  # the committed tokens' K/V
         if want:
             model(torch.tensor([seq[:want]]), cache=fresh)
-        expect(same_cache_prefix(before, cache, min(before[0], want)) and all(
+        ck.expect(ck.same_cache_prefix(before, cache, min(before[0], want)) and all(
             torch.allclose(a[:, :, :want], b[:, :, :want], atol=1e-4, rtol=1e-4)
             for a, b in zip(cache.keys + cache.values, fresh.keys + fresh.values)), name, case,
             f"the {label} cache's K/V (every layer, keys and values) equal to a fresh "
             f"computation of the first {want} committed tokens", "different K/V",
             ROUND["overwritten"])
 
-
-@one_thread
-@guarded
+@ck.one_thread
+@ck.guarded
 def check_speculative_round(speculative_round) -> None:
     """speculative_round(target, draft, seq, t_cache, d_cache, gamma) -> the tokens one greedy
     round commits (seq extended in place, both caches cropped), looped to 40+ tokens."""
@@ -210,38 +155,29 @@ def check_speculative_round(speculative_round) -> None:
             while len(seq) - len(prompt) < NEW_TOKENS:
                 _check_round(name, case, speculative_round, target, draft, seq, t_cache, d_cache,
                              gamma)
-            new = seq[len(prompt):]
-            alone = generate(target, prompt, len(new)).tokens
-            expect(new == alone, name, case, f"target-only greedy decoding: {alone}", new,
-                   ROUND["target_only"])
-    passed(name, len(ROUND_CASES))
-
+            new, alone = seq[len(prompt):], generate(target, prompt, len(seq) - len(prompt)).tokens
+            ck.expect(new == alone, name, case, f"target-only greedy decoding: {alone}", new,
+                      ROUND["target_only"])
+    ck.passed(name, len(ROUND_CASES))
 
 # --- exercise 2: the residual distribution ------------------------------------------------------
-
 def _distributions(seed: int, n: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     p, q = (torch.rand(n, generator=g, dtype=torch.float64) ** 3 for _ in range(2))
     return p / p.sum(), q / q.sum()
 
-
 def _normalised(t: torch.Tensor) -> torch.Tensor:
     return t / t.sum()
-
 
 def chapter_acceptance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """min(1, p(x)/q(x)), section 5's rule (1 where the draft never proposes x: q(x) = 0)."""
     return torch.where(q > 0, (p / q.clamp(min=1e-300)).clamp(max=1), torch.ones_like(p))
 
-
 def reference_residual(p: torch.Tensor, q: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """What acceptance leaves of p, p(x) - q(x) a(x), as a distribution: the only r with which
-    q a + (1 - Σ q a) r = p."""
+    """p(x) - q(x) a(x), normalised: the only r with which q a + (1 - Σ q a) r = p."""
     return _normalised((p - q * a).clamp(min=0))
 
-
-# (label, the acceptance rule a(x) from p and q): the chapter's rule, then rules it does not answer
-ACCEPTANCE_RULES = [
+ACCEPTANCE_RULES = [  # (label, a(x) from p and q): the chapter's rule, then others
     ("section 5's rule a = min(1, p/q)", chapter_acceptance),
     ("a cautious rule that accepts half as often, a = min(1, p/q) / 2",
      lambda p, q: chapter_acceptance(p, q) / 2),
@@ -249,18 +185,15 @@ ACCEPTANCE_RULES = [
     ("a stricter rule, a = min(1, p/q) squared", lambda p, q: chapter_acceptance(p, q) ** 2),
 ]
 
-
 def _as_list(t) -> list:
     return [round(x, 4) for x in t.tolist()]
 
-
 def _residual_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(p, q, a), a labelled with its rule; the rejection branch has a positive probability in
-    every case (p differs from q). The last 8: one speculative step under each rule."""
-    pairs = [_distributions(s) for s in range(8)]
-    pairs.append((torch.tensor([0.5, 0.5, 0.0], dtype=torch.float64),
-                  torch.tensor([0.2, 0.6, 0.2], dtype=torch.float64)))
-    pairs.append((torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.tensor([0.4, 0.3, 0.2, 0.1])))
+    """(p, q, a), a labelled with its rule, p != q; the last 8: one speculative step per rule."""
+    pairs = [_distributions(s) for s in range(8)] + [
+        (torch.tensor([0.5, 0.5, 0.0], dtype=torch.float64),
+         torch.tensor([0.2, 0.6, 0.2], dtype=torch.float64)),
+        (torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.tensor([0.4, 0.3, 0.2, 0.1]))]
     labelled = [(label, p, q, rule) for i, (label, rule) in enumerate(ACCEPTANCE_RULES)
                 for p, q in (pairs if i == 0 else pairs[2 * i:2 * i + 3] + pairs[-2:])]
     labelled += [(f"one speculative step under {label}", *_distributions(s), rule)
@@ -272,52 +205,40 @@ def _residual_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         cases.append((p, q, a))
     return cases
 
-
 def _as_distribution(got, p, q, a):
     if not isinstance(got, torch.Tensor):
-        raise Refused(RES["not_a_tensor"].format(type=_type(got)))
+        raise ck.Refused(RES["not_a_tensor"].format(type=_type(got)))
     if got.shape != p.shape or not got.is_floating_point():
-        raise Refused(RES["shape"], f"a float tensor of shape {tuple(p.shape)}")
+        raise ck.Refused(RES["shape"], f"a float tensor of shape {tuple(p.shape)}")
     return got
 
-
-def _residual_otherwise(runs) -> str:
-    p, q, a = next(case for case, got in runs if not RESIDUAL.same(got, reference_residual(*case)))
-    return RES["step"] if a.label.startswith("one speculative step") else RES["otherwise"]
-
-
-RESIDUAL = Exercise(
+RESIDUAL = ck.Exercise(
     "residual", cases=_residual_cases(),
     describe=lambda p, q, a: f"{a.label}: p={_as_list(p)}, q={_as_list(q)}, a={_as_list(a)}",
     reference=reference_residual, returns=_as_distribution, show=_as_list,
     same=lambda got, want: torch.allclose(got.double(), want.double(), atol=1e-6),
     unchanged=RES["in_place"],
-    mistakes={
-        RES["any_rule"]: lambda p, q, a: _normalised((p - q).clamp(min=0)),
-        RES["unnormalised"]: lambda p, q, a: (p - q * a).clamp(min=0),
-        RES["absolute"]: lambda p, q, a: _normalised((p - q).abs()),
-        RES["p_itself"]: lambda p, q, a: p,
-        RES["reversed"]: lambda p, q, a: _normalised((q - p).clamp(min=0)),
-        RES["q_itself"]: lambda p, q, a: q,
-        RES["p_refused"]: lambda p, q, a: _normalised(p * (1 - a)),
-        RES["q_refused"]: lambda p, q, a: _normalised(q * (1 - a)),
-    },
-    otherwise=_residual_otherwise)
+    mistakes=ck.named(
+        RES, any_rule=lambda p, q, a: _normalised((p - q).clamp(min=0)),
+        unnormalised=lambda p, q, a: (p - q * a).clamp(min=0),
+        absolute=lambda p, q, a: _normalised((p - q).abs()), p_itself=lambda p, q, a: p,
+        reversed=lambda p, q, a: _normalised((q - p).clamp(min=0)), q_itself=lambda p, q, a: q,
+        p_refused=lambda p, q, a: _normalised(p * (1 - a)),
+        q_refused=lambda p, q, a: _normalised(q * (1 - a))),
+    otherwise=lambda runs: RES["step" if next(
+        a for (p, q, a), got in runs if not RESIDUAL.same(got, reference_residual(p, q, a))
+    ).label.startswith("one speculative step") else "otherwise"])
 check_residual = RESIDUAL.check
 
-
-# --- exercise 3: α from a trace -----------------------------------------------------------------
-
+# --- exercise 3: α from a trace ------------------------------------------------------------------
 def _rounds(trace) -> list[tuple[int, bool, int]]:
     """(accepted, ended in a rejection?, proposals) of each verification round."""
     return [(len(e.accepted), bool(e.rejected), len(e.input_ids))
             for e in trace if e.kind == "verify"]
 
-
 def reference_alpha(trace, index: int | None = None) -> float | None:
-    """α pooled over the trace (index None), or of the index-th proposal of a round (0: the
-    first): accepted / judged, None when nothing was judged. Proposal i of a round is judged when
-    every proposal before it was accepted, and a round stops at its first rejection."""
+    """accepted / judged, pooled (index None) or of a round's index-th proposal; None if unjudged.
+    A proposal is judged when every one before it in its round was accepted."""
     rounds = _rounds(trace)
     if index is None:
         accepted = sum(a for a, _, _ in rounds)
@@ -327,19 +248,16 @@ def reference_alpha(trace, index: int | None = None) -> float | None:
         judged = accepted + sum(a == index and r for a, r, _ in rounds)
     return accepted / judged if judged else None
 
-
 def _ratio(a, b):
     return a / b if b else None
-
 
 def _pooled(wrong):
     """A wrong pooled α, of the rounds' (accepted, rejected?, proposed); right at every index."""
     return lambda trace, index=None: (wrong(_rounds(trace), sum(a for a, _, _ in _rounds(trace)))
                                       if index is None else reference_alpha(trace, index))
 
-
 def _alpha_otherwise(runs) -> str:
-    """The hint when no pooled mistake explains the answers: a per-index mistake names its index."""
+    """A per-index mistake, named with its index."""
     (trace, index), got = next((case, got) for case, got in runs
                                if not _same(got, reference_alpha(*case)))
     rounds, i = _rounds(trace), index or 0
@@ -353,7 +271,6 @@ def _alpha_otherwise(runs) -> str:
     hints = [h for wrong, h in mistakes if wrong is not None and _same(got, wrong)]
     return "; or ".join(dict.fromkeys(hints)) or ALPHA_H["otherwise"]
 
-
 class _Trace(tuple):
     """A trace's events (which cannot be changed), labelled with the run they come from."""
 
@@ -365,7 +282,6 @@ class _Trace(tuple):
     def __reduce__(self):  # copy.deepcopy, which the runner gives the learner
         return _Trace, (self.label, tuple(self))
 
-
 class _Lazy(UserList):
     """Cases made on first use: those that run the models wait for the check."""
 
@@ -373,7 +289,6 @@ class _Lazy(UserList):
         self.make = make
 
     data = functools.cached_property(lambda self: self.make())
-
 
 def _alpha_runs():
     """(label, the run)."""
@@ -390,11 +305,11 @@ def _alpha_runs():
     yield "a draft that is the target itself (never wrong), γ = 3", speculative_generate(
         target, target, prompt, 20, gamma=3, trace=True)
     yield "an unrelated random draft, γ = 3", speculative_generate(
-        target, tiny_model(7), prompt, 20, gamma=3, trace=True)
+        target, ck.tiny_model(7), prompt, 20, gamma=3, trace=True)
     yield "1 new token: the prefill alone, no round", speculative_generate(
         target, draft, prompt, 1, gamma=3, trace=True)
-    course_target, tok = load_course_model("target", "cpu")
-    course_draft, _ = load_course_model("draft", "cpu")
+    (course_target, tok), (course_draft, _) = (load_course_model(m, "cpu")
+                                               for m in ("target", "draft"))
     # a coin flip: the distilled draft agrees on the whole of a short story (α = 1 there), while
     # here it misses now and then, so a wrong estimator shows
     ids = tok.encode("A coin's state is heads. Alice flips")
@@ -403,7 +318,6 @@ def _alpha_runs():
     yield "the course pair, temperature 0.8, γ = 3", speculative_generate(
         course_target, course_draft, ids, 60, gamma=3, temperature=0.8, seed=1, trace=True)
 
-
 def _alpha_cases() -> list[tuple]:
     """(trace, None) for every run, then (trace, index) up to past its longest round."""
     with torch.inference_mode():
@@ -411,66 +325,54 @@ def _alpha_cases() -> list[tuple]:
     return [(t, None) for t in traces] + [
         (t, i) for t in traces for i in range(max((n for _, _, n in _rounds(t)), default=0) + 2)]
 
-
 def _same(got, want) -> bool:
     return got is want if got is None or want is None else math.isclose(got, want, rel_tol=1e-9,
                                                                          abs_tol=1e-12)
 
-
 def _as_alpha(got, trace, index):
     if reference_alpha(trace, index) is None:
         if got is not None:
-            raise Refused(ALPHA_H["unjudged"])
+            raise ck.Refused(ALPHA_H["unjudged"])
         return None
     if isinstance(got, bool) or not isinstance(got, (int, float)):
-        raise Refused(ALPHA_H["none"] if got is None else
-                      ALPHA_H["not_a_float"].format(type=_type(got)))
+        raise ck.Refused(ALPHA_H["none"] if got is None else
+                         ALPHA_H["not_a_float"].format(type=_type(got)))
     return got
 
-
-ALPHA = Exercise(
+ALPHA = ck.Exercise(
     "alpha_from_trace", cases=_Lazy(_alpha_cases),
     describe=lambda trace, index: trace.label + ("" if index is None else f", index={index}"),
     reference=reference_alpha, returns=_as_alpha, same=_same,
     raised=_crash_hint(ZeroDivisionError, ALPHA_H["divided_by_zero"]),
-    mistakes={
-        ALPHA_H["per_proposal"]: _pooled(lambda r, ok: _ratio(ok, sum(n for _, _, n in r))),
-        ALPHA_H["every_round_rejects"]: _pooled(lambda r, ok: _ratio(ok, ok + len(r))),
-        ALPHA_H["round_average"]: _pooled(lambda r, ok: _ratio(
-            sum(a / n for a, _, n in r if n), sum(n > 0 for _, _, n in r))),
-        ALPHA_H["own_token"]: _pooled(lambda r, ok: _ratio(
-            ok + len(r), ok + len(r) + sum(j for _, j, _ in r))),
-        ALPHA_H["clean_rounds"]: _pooled(lambda r, ok: _ratio(
-            len(r) - sum(j for _, j, _ in r), len(r))),
-    },
+    mistakes=ck.named(
+        ALPHA_H, per_proposal=_pooled(lambda r, ok: _ratio(ok, sum(n for _, _, n in r))),
+        every_round_rejects=_pooled(lambda r, ok: _ratio(ok, ok + len(r))),
+        round_average=_pooled(lambda r, ok: _ratio(sum(a / n for a, _, n in r if n),
+                                                   sum(n > 0 for _, _, n in r))),
+        own_token=_pooled(lambda r, ok: _ratio(ok + len(r), ok + len(r) + sum(j for _, j, _ in r))),
+        clean_rounds=_pooled(lambda r, ok: _ratio(len(r) - sum(j for _, j, _ in r), len(r)))),
     otherwise=_alpha_otherwise)
 check_alpha_from_trace = ALPHA.check
 
-
-# --- exercise 4: choose γ -----------------------------------------------------------------------
-
+# --- exercise 4: choose γ ------------------------------------------------------------------------
 def speedup(alpha: float, c: float, gamma: int) -> float:
     """The chapter's formula, (1 - α^(γ+1)) / ((1 - α)(γc + 1)); at α = 1 its limit."""
     tokens = gamma + 1 if alpha == 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
     return tokens / (gamma * c + 1)
 
-
 def _argmax(values: list[float], lo: int = 1) -> int:
     """lo + the index of the first maximum: the smallest γ on a tie."""
     return lo + values.index(max(values))
 
-
 def reference_best_gamma(alpha: float, c: float, max_gamma: int) -> int:
     return _argmax([speedup(alpha, c, g) for g in range(1, max_gamma + 1)])
 
-
 def _as_gamma(got, *case):
-    if as_int(got) is None:
-        raise Refused(BEST["not_an_int"].format(type=_type(got)))
-    return as_int(got)
+    if ck.as_int(got) is None:
+        raise ck.Refused(BEST["not_an_int"].format(type=_type(got)))
+    return ck.as_int(got)
 
-
-BEST_GAMMA = Exercise(
+BEST_GAMMA = ck.Exercise(
     "best_gamma",
     # the chapter's measured numbers, edges (α = 0 and 1, c = 0, ties) and small max_gamma; every
     # case but the exact ties has a clear winner
@@ -482,30 +384,24 @@ BEST_GAMMA = Exercise(
     describe=lambda alpha, c, max_gamma: f"alpha={alpha}, c={c}, max_gamma={max_gamma}",
     reference=reference_best_gamma, returns=_as_gamma,
     raised=_crash_hint(ZeroDivisionError, BEST["divided_by_zero"]),
-    mistakes={
-        BEST["alpha_1"]: lambda alpha, c, m: 1 if alpha == 1 else reference_best_gamma(alpha, c, m),
-        BEST["from_0"]: lambda alpha, c, m: reference_best_gamma(alpha, c, m) - 1,
-        BEST["tie"]: lambda alpha, c, m: m + 1 - _argmax([speedup(alpha, c, g)
-                                                          for g in range(m, 0, -1)]),
-        BEST["no_draft_cost"]: lambda alpha, c, m: reference_best_gamma(alpha, 0.0, m),
-        BEST["exponent"]: lambda alpha, c, m: _argmax(
-            [(g if alpha == 1 else (1 - alpha ** g) / (1 - alpha)) / (g * c + 1)
-             for g in range(1, m + 1)]),
-        BEST["one_more"]: lambda alpha, c, m: reference_best_gamma(alpha, c, m) + 1,
-    },
+    mistakes=ck.named(
+        BEST, alpha_1=lambda a, c, m: 1 if a == 1 else reference_best_gamma(a, c, m),
+        from_0=lambda a, c, m: reference_best_gamma(a, c, m) - 1,
+        tie=lambda a, c, m: m + 1 - _argmax([speedup(a, c, g) for g in range(m, 0, -1)]),
+        no_draft_cost=lambda a, c, m: reference_best_gamma(a, 0.0, m),
+        exponent=lambda a, c, m: _argmax([(g if a == 1 else (1 - a ** g) / (1 - a)) / (g * c + 1)
+                                          for g in range(1, m + 1)]),
+        one_more=lambda a, c, m: reference_best_gamma(a, c, m) + 1),
     otherwise=lambda runs: BEST["alpha_1"] if next(
         case for case, got in runs if got != reference_best_gamma(*case))[0] == 1 else
     BEST["otherwise"])
 check_best_gamma = BEST_GAMMA.check
 
-
-# --- exercise 5 (predict, then measure): a draft that is never wrong ----------------------------
-
+# --- exercise 5 (predict, then measure): a draft that is never wrong -----------------------------
 PERFECT_PROMPT, PERFECT_NEW, PERFECT_GAMMA = "Once upon a time", 30, 4
 PREDICTED = {"target_passes": "target forward passes", "draft_passes": "draft forward passes",
              "target_kv": "K/V vectors the target computes (per layer)",
              "draft_kv": "K/V vectors the draft computes (per layer)"}
-
 
 def perfect_draft_run() -> tuple[int, object, dict[str, int]]:
     """The run predicted, measured by the engine: (prompt length, its output, {quantity: count})."""
@@ -519,11 +415,10 @@ def perfect_draft_run() -> tuple[int, object, dict[str, int]]:
                            "draft_passes": out.stats.draft_passes,
                            "target_kv": kv("prefill", "verify"), "draft_kv": kv("draft")}
 
-
 def _prediction_mistakes(P: int, N: int, gamma: int, R: int, proposed: int,
                          draft_passes: int) -> dict[str, list[tuple[int, str]]]:
-    """For each quantity, (a usual wrong prediction, the reasoning that gives it), from the
-    prompt's length P, the new tokens N, γ, the rounds R, the proposals and the draft's passes."""
+    """Per quantity, (a usual wrong prediction, its hint), from the prompt's length P, the new
+    tokens N, γ, the rounds R, the proposals and the draft's passes."""
     return {quantity: [(value, PERFECT[key]) for value, key in wrong] for quantity, wrong in {
         "target_passes": [(R, "rounds_only"), (1 + math.ceil((N - 1) / gamma), "gamma_per_round"),
                           (math.ceil(N / gamma), "gamma_no_prefill"), (N, "target_only")],
@@ -535,46 +430,43 @@ def _prediction_mistakes(P: int, N: int, gamma: int, R: int, proposed: int,
         "draft_kv": [(draft_passes, "row_per_pass"), (draft_passes - 1 + P + 1, "caught_up_once"),
                      (P + N - 1, "one_behind"), (P + N, "level")]}.items()}
 
-
-@one_thread
-@guarded
+@ck.one_thread
+@ck.guarded
 def check_predict_perfect_draft(predict_perfect_draft) -> None:
     """predict_perfect_draft() -> {"target_passes", "draft_passes", "target_kv", "draft_kv"}: the
     counts of speculative_generate(target, target, "Once upon a time", 30, gamma=4)."""
     name = "predict_perfect_draft"
     case = (f"speculative_generate(target, target, tok.encode({PERFECT_PROMPT!r}), "
             f"{PERFECT_NEW}, gamma={PERFECT_GAMMA}): the target as its own draft, greedy")
-    got = prediction(name, case, predict_perfect_draft, speculative_generate, generate,
-                     verify_and_commit, GPT.forward)
+    got = ck.prediction(name, case, predict_perfect_draft, speculative_generate, generate,
+                        verify_and_commit, GPT.forward)
     if not isinstance(got, dict) or set(got) != set(PREDICTED):
-        fail(name, case, f"a dict with the keys {sorted(PREDICTED)}",
-             sorted(got) if isinstance(got, dict) else got, PERFECT["not_a_dict"]
-             + (" (did you forget to return it?)" if got is None else ""))
+        ck.fail(name, case, f"a dict with the keys {sorted(PREDICTED)}",
+                sorted(got) if isinstance(got, dict) else got, PERFECT["not_a_dict"]
+                + (" (did you forget to return it?)" if got is None else ""))
     for key, value in got.items():
-        expect(as_int(value) is not None, name, case, f"{key}: an int", f"{key}: {value!r}",
-               PERFECT["fraction"])
+        ck.expect(ck.as_int(value) is not None, name, case, f"{key}: an int", f"{key}: {value!r}",
+                  PERFECT["fraction"])
     P, out, measured = perfect_draft_run()
     assert out.stats.rejected == 0, ("this machine's target disagreed with itself at a near-tie "
                                      "(chapter 05): the run this prediction is about needs α = 1")
     mistakes = _prediction_mistakes(P, PERFECT_NEW, PERFECT_GAMMA, out.stats.rounds,
                                     out.stats.proposed, measured["draft_passes"])
-    wrong = [key for key in PREDICTED if as_int(got[key]) != measured[key]]
+    wrong = [key for key in PREDICTED if ck.as_int(got[key]) != measured[key]]
     if wrong:
-        key, you = wrong[0], as_int(got[wrong[0]])
-        hints = [h for w, h in mistakes[key] if w != measured[key] and w == you]
-        reason = "; or ".join(dict.fromkeys(hints)) or PERFECT["otherwise"]
+        key, you = wrong[0], ck.as_int(got[wrong[0]])
+        reason = "; or ".join(dict.fromkeys(h for w, h in mistakes[key]
+                                            if w != measured[key] and w == you))
         others = f" (and {len(wrong) - 1} more of your predictions)" if len(wrong) > 1 else ""
-        fail(name, f"{case}: {PREDICTED[key]}{others}", measured[key], you,
-             f"you predicted {you} {PREDICTED[key]}; the engine counted {measured[key]}: "
-             f"{reason}")
+        ck.fail(name, f"{case}: {PREDICTED[key]}{others}", measured[key], you,
+                f"you predicted {you} {PREDICTED[key]}; the engine counted {measured[key]}: "
+                f"{reason or PERFECT['otherwise']}")
     print(f"  measured: {measured['target_passes']} target and {measured['draft_passes']} draft "
           f"passes, {measured['target_kv']} and {measured['draft_kv']} K/V vectors per layer "
           f"for {PERFECT_NEW} new tokens after a {P}-token prompt")
-    passed(name, len(PREDICTED))
-
+    ck.passed(name, len(PREDICTED))
 
 # --- exercise 6 (debug): one round of speculative sampling ---------------------------------------
-
 def accept_sampled_buggy(p, q, proposals, generator):
     """The notebook's broken round, verbatim: the bonus token is drawn from row γ - 1 (the loop
     variable left over from the loop), not from row γ."""
@@ -585,18 +477,14 @@ def accept_sampled_buggy(p, q, proposals, generator):
             return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
     return len(proposals), int(torch.multinomial(p[i], 1, generator=generator))  # noqa: F821
 
-
 def _chapter_accept(p, q):
     return min(1.0, p / q) if q > 0 else 1.0
-
 
 def _norm_max(p_row, q_row):
     return _normalised((p_row - q_row).clamp(min=0))
 
-
-RIGHT_RULE = (_chapter_accept, _norm_max, lambda p, q, g: p[g])
-# ((accept, residual, bonus): the rule a usual mistake runs, the symptom and the mistake)
-SAMPLED_MISTAKES = [
+RIGHT_RULE = (_chapter_accept, _norm_max, lambda p, q, g: p[g])  # (accept, residual, bonus)
+SAMPLED_MISTAKES = [  # (the rule a usual mistake runs, its hint)
     ((_chapter_accept, _norm_max, lambda p, q, g: p[g - 1] if g else p[0]),
      SAMPLED["last_proposal_row"]),
     ((_chapter_accept, _norm_max, lambda p, q, g: q[g - 1] if g else p[0]), SAMPLED["draft_bonus"]),
@@ -608,12 +496,9 @@ SAMPLED_MISTAKES = [
       lambda p, q, g: p[g]), SAMPLED["absolute"]),
 ]
 
-
 def outcome_distribution(p: torch.Tensor, q: torch.Tensor, proposals: list[int],
                          rule: tuple) -> torch.Tensor:
-    """Exact probability of every outcome (accepted k, token y) of one round by `rule` (accept,
-    residual, bonus), as a tensor (γ + 1, vocab): k accepted, then y from row k's residual or the
-    bonus."""
+    """Exact probability (γ + 1, vocab) of every outcome (k accepted, then token y) by `rule`."""
     (accept, residual, bonus), gamma, reach = rule, len(proposals), 1.0
     out = torch.zeros(gamma + 1, p.size(1), dtype=torch.float64)
     for i, x in enumerate(proposals):
@@ -622,7 +507,6 @@ def outcome_distribution(p: torch.Tensor, q: torch.Tensor, proposals: list[int],
         reach *= keep
     out[gamma] = reach * bonus(p, q, gamma).double()
     return out
-
 
 def _sampled_cases() -> list[tuple[str, torch.Tensor, torch.Tensor, list[int]]]:
     """(what the case is about, p (γ + 1, vocab), q (γ, vocab), proposals)."""
@@ -644,11 +528,9 @@ def _sampled_cases() -> list[tuple[str, torch.Tensor, torch.Tensor, list[int]]]:
          rows([.10, .60, .20, .10]), torch.zeros(0, 4), []),
     ]
 
-
 TRIALS = 2400
 
-
-@guarded
+@ck.guarded
 def check_accept_sampled(accept_sampled) -> None:
     """accept_sampled(p, q, proposals, generator) -> (accepted, token): one round of speculative
     sampling, whose outcomes over seeded trials follow the closed form of section 5's rule."""
@@ -657,21 +539,20 @@ def check_accept_sampled(accept_sampled) -> None:
     for label, p, q, proposals in cases:
         case = f"{label}: p rows {[_as_list(r) for r in p]}, q rows " \
                f"{[_as_list(r) for r in q]}, proposals {proposals}, {TRIALS} seeded trials"
-        p_in, q_in = p.clone(), q.clone()
-
-        def outcome(g):
-            got = call_hinted(name, case, crashed, accept_sampled, p_in, q_in, list(proposals), g)
-            pair = int_list(got) if isinstance(got, (tuple, list)) else None
-            expect(pair is not None and len(pair) == 2, name, case, "(accepted, token): two ints",
-                   got, SAMPLED["not_a_pair"])
-            expect(0 <= pair[0] <= len(proposals) and 0 <= pair[1] < p.size(1), name, case,
-                   f"accepted in 0..{len(proposals)}, a token in 0..{p.size(1) - 1}", tuple(pair),
-                   SAMPLED["out_of_range"])
-            return tuple(pair)
+        p_in, q_in, results = p.clone(), q.clone(), []
         seeds = [1_000 * t + len(proposals) for t in range(TRIALS)]  # one generator per trial
-        results = [outcome(torch.Generator().manual_seed(s)) for s in seeds]
-        expect(torch.equal(p_in, p) and torch.equal(q_in, q), name, case, "p and q left as they "
-               "were", "they changed", SAMPLED["in_place"])
+        for s in seeds:
+            got = ck.call_hinted(name, case, crashed, accept_sampled, p_in, q_in, list(proposals),
+                                 torch.Generator().manual_seed(s))
+            pair = ck.int_list(got) if isinstance(got, (tuple, list)) else None
+            ck.expect(pair is not None and len(pair) == 2, name, case, "(accepted, token): two "
+                      "ints", got, SAMPLED["not_a_pair"])
+            ck.expect(0 <= pair[0] <= len(proposals) and 0 <= pair[1] < p.size(1), name, case,
+                      f"accepted in 0..{len(proposals)}, a token in 0..{p.size(1) - 1}",
+                      tuple(pair), SAMPLED["out_of_range"])
+            results.append(tuple(pair))
+        ck.expect(torch.equal(p_in, p) and torch.equal(q_in, q), name, case, "p and q left as "
+                  "they were", "they changed", SAMPLED["in_place"])
         buggy = None  # the buggy round's outcomes, where it runs (it crashes with no proposal)
         with contextlib.suppress(NameError, UnboundLocalError):
             buggy = [accept_sampled_buggy(p, q, list(proposals), torch.Generator().manual_seed(s))
@@ -680,20 +561,19 @@ def check_accept_sampled(accept_sampled) -> None:
         for k, y in results:
             counts[k, y] += 1
         want = outcome_distribution(p, q, proposals, RIGHT_RULE)
-        if chi_square_p(counts, want) < 1e-6:
-            fits = [h for rule, h in SAMPLED_MISTAKES
-                    if not torch.allclose(outcome_distribution(p, q, proposals, rule), want,
-                                          atol=1e-9)
-                    and chi_square_p(counts, outcome_distribution(p, q, proposals, rule)) > 1e-4]
-            hint = SAMPLED["buggy"] + SAMPLED_MISTAKES[0][1] if results == buggy else \
-                "; or ".join(fits) or SAMPLED["otherwise"]
-            fail(name, case, "outcomes distributed as the rule says: accepted 0..γ with "
-                 f"frequencies near {_as_list(want.sum(1))}",
-                 f"accepted 0..γ with frequencies {_as_list(counts.sum(1) / TRIALS)}", hint)
-    passed(name, len(cases) * TRIALS)
+        if ck.chi_square_p(counts, want) < 1e-6:
+            fits = [h for rule, h in SAMPLED_MISTAKES if not torch.allclose(
+                wrong := outcome_distribution(p, q, proposals, rule), want, atol=1e-9)
+                and ck.chi_square_p(counts, wrong) > 1e-4]
+            ck.fail(name, case, "outcomes distributed as the rule says: accepted 0..γ with "
+                    f"frequencies near {_as_list(want.sum(1))}",
+                    f"accepted 0..γ with frequencies {_as_list(counts.sum(1) / TRIALS)}",
+                    SAMPLED["buggy"] + SAMPLED_MISTAKES[0][1] if results == buggy else
+                    "; or ".join(fits) or SAMPLED["otherwise"])
+    ck.passed(name, len(cases) * TRIALS)
 
-
-# --- exercise 7 (design): γ for a batch -----------------------------------------------------------
+# --- exercise 7 (design): γ for a batch ----------------------------------------------------------
+MAX_GAMMA = 16
 
 def batch_speedup(alpha: float, c: float, batch: int, balance: float, gamma: int) -> float:
     """Tokens per unit of time over plain batched decoding (γ = 0: 1), when a target pass of n
@@ -701,25 +581,18 @@ def batch_speedup(alpha: float, c: float, batch: int, balance: float, gamma: int
     return 1.0 if gamma == 0 else speedup(alpha, 0.0, gamma) * max(1.0, batch / balance) / (
         gamma * c + max(1.0, batch * (gamma + 1) / balance))
 
-
-MAX_GAMMA = 16
-
-
 def _best(value, lo: int = 0) -> int:
     return _argmax([value(g) for g in range(lo, MAX_GAMMA + 1)], lo)
-
 
 def reference_choose_gamma(alpha: float, c: float, batch: int, balance: float) -> int:
     return _best(lambda g: batch_speedup(alpha, c, batch, balance, g))  # the smaller γ on a tie
 
-
 def _as_choice(got, *case):
-    if as_int(got) is None or not 0 <= as_int(got) <= MAX_GAMMA:
-        raise Refused(DESIGN_H["not_an_int"].format(max=MAX_GAMMA))
-    return as_int(got)
+    if ck.as_int(got) is None or not 0 <= ck.as_int(got) <= MAX_GAMMA:
+        raise ck.Refused(DESIGN_H["not_an_int"].format(max=MAX_GAMMA))
+    return ck.as_int(got)
 
-
-DESIGN = Exercise(
+DESIGN = ck.Exercise(
     "choose_gamma",
     # (α, c, batch, balance): one request (the chapter's formula), batches below and past the
     # balance point, α = 1 (once with the best γ at the cap), a draft too dear, and an exact tie
@@ -732,20 +605,16 @@ DESIGN = Exercise(
     reference=reference_choose_gamma, returns=_as_choice,
     explain=lambda *case: ", ".join(f"γ = {g}: {batch_speedup(*case, g):.3f}x"
                                     for g in (0, reference_choose_gamma(*case))),
-    mistakes={
-        DESIGN_H["tie"]: lambda *case: MAX_GAMMA - _argmax(
+    mistakes=ck.named(
+        DESIGN_H, tie=lambda *case: MAX_GAMMA - _argmax(
             [batch_speedup(*case, g) for g in range(MAX_GAMMA, -1, -1)], 0),
-        DESIGN_H["one_request"]: lambda alpha, c, batch, balance: reference_best_gamma(
-            alpha, c, MAX_GAMMA),
-        DESIGN_H["never_pays"]: lambda *case: _best(lambda g: batch_speedup(*case, g), lo=1),
-        DESIGN_H["exponent"]: lambda alpha, c, batch, balance: _best(
-            lambda g: 1.0 if g == 0 else (g + 1 if alpha == 1 else (1 - alpha ** g) / (1 - alpha))
+        one_request=lambda a, c, batch, balance: reference_best_gamma(a, c, MAX_GAMMA),
+        never_pays=lambda *case: _best(lambda g: batch_speedup(*case, g), lo=1),
+        exponent=lambda a, c, batch, balance: _best(
+            lambda g: 1.0 if g == 0 else (g + 1 if a == 1 else (1 - a ** g) / (1 - a))
             * max(1.0, batch / balance) / (g * c + max(1.0, batch * (g + 1) / balance))),
-        DESIGN_H["no_draft_cost"]: lambda alpha, c, batch, balance: reference_choose_gamma(
-            alpha, 0.0, batch, balance),
-    },
+        no_draft_cost=lambda a, c, batch, balance: reference_choose_gamma(a, 0.0, batch, balance)),
     otherwise=DESIGN_H["otherwise"])
-
 
 def check_choose_gamma(choose_gamma) -> None:
     """DESIGN's check, with the best γ as the batch grows printed before its ✓ line."""
@@ -754,6 +623,5 @@ def check_choose_gamma(choose_gamma) -> None:
     print("  the best γ as the batch grows (α = 0.9, c = 0.05, balance = 64): " + ", ".join(
         f"{b} → {reference_choose_gamma(0.9, 0.05, b, 64)}" for b in (1, 4, 16, 32, 48, 64, 128)))
     print(line.getvalue(), end="")
-
 
 EXERCISES = (BEST_GAMMA, RESIDUAL, ALPHA)

@@ -18,15 +18,12 @@ from .. import checks as ck
 H = ck.hints("ch05")
 _tiny = functools.cache(lambda: ck.tiny_model(0))  # a small random GPT whose greedy output wanders
 
-
 # --- exercise 1: the same request draws the same tokens wherever it runs --------------------------
 C, DRAWS, MULTIPLIERS = H["choose"], 2000, (10, 100, 1_000, 10_000, 100_000)
 DIST_LOGITS = torch.tensor([1.0, 0.6, 0.2, 0.0, -0.3, -0.8])
 
-
 def _logits(seed: int, vocab: int = 8, scale: float = 2.0) -> torch.Tensor:
     return torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * scale
-
 
 def _chooser(choose, name: str = "choose"):
     """The learner's choose, each call checked: an int in range, logits and global RNG untouched."""
@@ -50,11 +47,9 @@ def _chooser(choose, name: str = "choose"):
         return got
     return pick
 
-
 @ck.guarded
 def check_choose(choose) -> None:
-    """choose(logits, seed, position, temperature) -> a token id: the argmax at temperature 0, else
-    a draw from softmax(logits / temperature) by a generator seeded from (seed, position) only."""
+    """choose(logits, seed, position, temperature) -> a token id, seeded by (seed, position)."""
     name, pick, nearly = "choose", _chooser(choose), "temperature 1.0, nearly equal logits"
     with ck.forbid(name, SamplingParams.choose):
         for i, temperature in itertools.product(range(10), (0, 0.0)):  # greedy: the argmax
@@ -127,25 +122,20 @@ def check_choose(choose) -> None:
                         if drawn[0] else C["times_temperature"] if drawn[1] else C["softmax"])
     ck.passed(name, 20 + 12 + 24 + 5 * 40 + 2 * 39 + 40 + 80 * (1 + len(MULTIPLIERS)) + 3 * DRAWS)
 
-
 # --- exercise 2: a batch-invariant sum ------------------------------------------------------------
 SPLIT = H["invariant_split_sum"]
 
-
 def _chunk_sums(x: torch.Tensor, chunk: int) -> list[torch.Tensor]:
     return [x[i:i + chunk].sum() for i in range(0, x.numel(), chunk)]
-
 
 def fixed_schedule_sum(x: torch.Tensor, n_splits: int, chunk: int) -> torch.Tensor:
     """The one schedule, whatever n_splits: chunk sums x[i:i+chunk].sum(), added left to right."""
     sums = _chunk_sums(x, chunk)
     return sum(sums[1:], sums[0])
 
-
 def _equal_pieces(x: torch.Tensor, n_splits: int, chunk: int) -> torch.Tensor:
     size = math.ceil(x.numel() / n_splits)
     return sum((x[w * size:(w + 1) * size].sum() for w in range(n_splits)), torch.zeros(()))
-
 
 def _worker_totals(x: torch.Tensor, n_splits: int, chunk: int) -> torch.Tensor:
     sums = _chunk_sums(x, chunk)
@@ -154,7 +144,6 @@ def _worker_totals(x: torch.Tensor, n_splits: int, chunk: int) -> torch.Tensor:
               if sums[w * per:(w + 1) * per]]
     return sum(totals[1:], totals[0])
 
-
 def _split_sum_otherwise(answers) -> str:
     """The hint when no usual mistake explains the sums: do they change with n_splits?"""
     bits: dict[int, set] = {}
@@ -162,14 +151,12 @@ def _split_sum_otherwise(answers) -> str:
         bits.setdefault(id(x), set()).add(got.view(torch.int32).item())
     return SPLIT["depends_on_splits" if any(len(v) > 1 for v in bits.values()) else "otherwise"]
 
-
 def _vectors() -> list[tuple[torch.Tensor, int]]:
     """(x, chunk): magnitudes from 1e-3 to 1e3, so the summation order shows in the last bits."""
     g = torch.Generator().manual_seed(0)
     return [(torch.randn(n, generator=g) * 10 ** (torch.rand(n, generator=g) * 6 - 3), chunk)
             for n, chunk in [(1, 16), (15, 16), (16, 16), (17, 16), (100, 16), (257, 16),
                              (1000, 16), (4096, 16), (103, 5)]]
-
 
 SPLIT_SUM = ck.Exercise(
     "invariant_split_sum",
@@ -191,14 +178,11 @@ SPLIT_SUM = ck.Exercise(
     otherwise=_split_sum_otherwise)
 check_invariant_split_sum = SPLIT_SUM.check
 
-
 # --- exercise 3: the replay's schedule ------------------------------------------------------------
 SCHED = H["verify_schedule"]
 
-
 def reference_schedule(n: int, window: int) -> list[tuple[int, int]]:
-    """(first, proposals) of every replay of a request with n new tokens and no rollback: it
-    computes new token `first` (T₀ is 0), judges the proposals after it, then adds its own token."""
+    """(first, proposals) of every replay of n new tokens, no rollback (T₀ is token 0)."""
     passes, first = [], 0
     while first < n - 1:
         k = min(window - 1, n - 2 - first)
@@ -206,10 +190,8 @@ def reference_schedule(n: int, window: int) -> list[tuple[int, int]]:
         first += k + 1
     return passes
 
-
 def served_schedule(n: int, window: int) -> list[tuple[int, int]]:
-    """(first, proposals) of the replays serve() runs for a deterministic request of n new
-    tokens served with two sampled ones (the tables' test compares it with reference_schedule)."""
+    """(first, proposals) of serve()'s replays of a deterministic request beside two sampled."""
     prompt = [1, 2, 3, 4]
     requests = [Request(prompt, n, deterministic=True),
                 Request([11, 12, 13], 9, temperature=1.0, seed=1),
@@ -218,7 +200,6 @@ def served_schedule(n: int, window: int) -> list[tuple[int, int]]:
         out = serve(_tiny(), requests, replay_window=window, trace=True)[0]
     return [(e.cache_len_before - len(prompt), len(e.input_ids))
             for e in out.trace if e.kind == "verify"]
-
 
 def _pass_list(got, *case) -> list[tuple[int, int]]:
     """The contract: a list of (int, int) pairs (a 2-D array or tensor will do)."""
@@ -230,7 +211,6 @@ def _pass_list(got, *case) -> list[tuple[int, int]]:
             ck.as_int(v) is not None for v in got)
         raise ck.Refused(SCHED["counts" if counts else "pairs"])
     return [tuple(p) for p in pairs]
-
 
 SCHEDULE = ck.Exercise(
     "verify_schedule",
@@ -250,7 +230,6 @@ SCHEDULE = ck.Exercise(
     otherwise=SCHED["otherwise"])
 check_verify_schedule = SCHEDULE.check
 
-
 # --- exercise 4 (predict, then measure): what replay costs the server -----------------------------
 SERVER_PROMPTS = ((1, 2, 3, 4, 5), (11, 12, 13), (20, 21, 22, 23, 24, 25, 26), (40, 41))
 SERVER_NEW, SERVER_WINDOW, PREDICT_D = 20, 4, (0, 1, 4)
@@ -258,17 +237,14 @@ STEPS = SERVER_NEW - 1                          # decode steps after the prefill
 ROUNDS = math.ceil(STEPS / SERVER_WINDOW)       # replays of a deterministic request
 PASSES, _N = H["predict_server_passes"], len(SERVER_PROMPTS)
 
-
 def server_passes(n_det: int, prompts: tuple = SERVER_PROMPTS) -> int:
-    """Forward passes the server runs after the prefills (batched passes and replays) when the
-    first n_det of the requests are deterministic, measured on a tiny model."""
+    """The server's passes after the prefills (batched and replays), the first n_det replayed."""
     requests = [Request(list(p), SERVER_NEW, deterministic=i < n_det)
                 for i, p in enumerate(prompts)]
     with torch.inference_mode():
         outs = serve(_tiny(), requests, replay_window=SERVER_WINDOW, trace=True)
     batched = {e.step for o in outs for e in o.trace if e.kind == "decode"}
     return len(batched) + sum(e.kind == "verify" for o in outs for e in o.trace)
-
 
 _measured = functools.cache(server_passes)  # the checkers' copy: a learner's call still runs serve
 PASSES_MISTAKES = {  # hint -> the passes predicted with that mistake when d are deterministic
@@ -280,13 +256,10 @@ PASSES_MISTAKES = {  # hint -> the passes predicted with that mistake when d are
     PASSES["alone"]: lambda d: STEPS + ROUNDS,
 }
 
-
 @ck.one_thread
 @ck.guarded
 def check_predict_server_passes(predict_server_passes) -> None:
-    """predict_server_passes() -> {0: ..., 1: ..., 4: ...}: the server's forward passes after the
-    prefills for 4 requests of 20 new tokens, replay window 4, the first d deterministic;
-    measured."""
+    """predict_server_passes() -> {d: the server's passes after the prefills} for d = 0, 1, 4."""
     name = "predict_server_passes"
     case = (f"{len(SERVER_PROMPTS)} greedy requests of {SERVER_NEW} new tokens served together, "
             f"replay_window={SERVER_WINDOW}, the first d deterministic")
@@ -308,14 +281,12 @@ def check_predict_server_passes(predict_server_passes) -> None:
           + f" (d = 2: {_measured(2)}, d = 3: {_measured(3)})")
     ck.passed(name, len(PREDICT_D))
 
-
 # --- exercise 5 (debug): a replayed window's verification -----------------------------------------
 WINDOW = H["verify_window"]
 # (temperature, seed, committed tokens before the window, window, proposal to corrupt or None)
 WINDOW_CASES = [(0.0, 0, 5, 4, None), (0.0, 0, 5, 4, 1), (1.0, 3, 5, 4, None), (1.0, 3, 9, 4, 2),
                 (0.8, 7, 1, 4, None), (1.0, 11, 6, 2, None), (1.0, 5, 8, 8, None),
                 (1.0, 5, 8, 8, 0), (0.0, 0, 3, 8, 5), (1.2, 2, 13, 4, None)]
-
 
 def _engine_window(model, seq, proposals, cache, sampling, start, window, shift=0):
     """The engine's verify-and-commit core on the same inputs (the reference); with shift=-1 the
@@ -325,7 +296,6 @@ def _engine_window(model, seq, proposals, cache, sampling, start, window, shift=
         lambda rows, c: model(torch.tensor([rows], device=model.device), cache=c)[0],
         partial(accept_matching, sampling=sampling, first_position=len(seq) + shift),
         start=start, rows=window).verdict.accepted
-
 
 def _window_case(model, prompt, n_committed, window, sampling, corrupt):
     """(seq, proposals, cache, start) of a request mid-decode, as the verifier finds it: the fast
@@ -350,7 +320,6 @@ def _window_case(model, prompt, n_committed, window, sampling, corrupt):
             model(torch.tensor([fed]), cache=cache)
     return seq, proposals, cache, start
 
-
 def _window_hint(student: dict, engine: dict, buggy: dict, sampled: bool) -> str:
     if student == buggy and student != engine:
         return WINDOW["buggy"] + WINDOW["symptom"]
@@ -360,13 +329,10 @@ def _window_hint(student: dict, engine: dict, buggy: dict, sampled: bool) -> str
         return WINDOW["symptom"]
     return WINDOW["cache" if student["seq"] == engine["seq"] else "otherwise"]
 
-
 @ck.one_thread
 @ck.guarded
 def check_verify_window(verify_window) -> None:
-    """verify_window(model, seq, proposals, cache, sampling, start, window) -> accepted, against
-    the engine's verify_and_commit on the same request: the tokens committed, the count, the cache
-    (length and K/V)."""
+    """verify_window(...) -> accepted, against verify_and_commit: tokens, count, cache, K/V."""
     name, model, prompt, same_as_buggy = "verify_window", _tiny(), [7, 8, 9, 10, 11], 0
     for temperature, seed, n_committed, window, corrupt in WINDOW_CASES:
         sampling, results = SamplingParams(temperature, seed=seed), []
@@ -394,24 +360,19 @@ def check_verify_window(verify_window) -> None:
               "verify_window_buggy's results", WINDOW["buggy_everywhere"] + WINDOW["symptom"])
     ck.passed(name, len(WINDOW_CASES))
 
-
 # --- exercise 6 (design): batch-invariant kernels, or replay? -------------------------------------
 DESIGN_PROMPTS = SERVER_PROMPTS + ((50, 51, 52, 53), (60,), (70, 71, 72, 73, 74, 75), (80, 81, 82))
 D = H["choose_determinism"]
 
-
 def _passes(n_det: int) -> int:
     return _measured(n_det, DESIGN_PROMPTS)  # n_det of the 8 requests deterministic
-
 
 def _cheaper(verify_passes: int, invariant_passes: float) -> str:
     return "verify" if verify_passes <= invariant_passes else "invariant"
 
-
 def reference_determinism(n_det: int, overhead: float) -> str:
     """Verification costs serve()'s passes; invariant kernels the plain ones', each slower."""
     return _cheaper(_passes(n_det), _passes(0) * (1 + overhead))
-
 
 DESIGN = ck.Exercise(
     "choose_determinism",

@@ -1,18 +1,7 @@
-"""Checkers for chapter 06 (many requests: a paged KV cache, prefix caching, admission), against
-the engine at run time; the hints are hints/ch06.toml.
-
-- gather_keys (a table): one layer's keys read through a block table, as PagedCache reads them.
-- reserve: room for n_new more positions in a BlockTable, a shared partly filled block copied
-  first, against PagedCache.reserve on a copy of the pool (table, counts, free list, hashes, K/V).
-- matching_blocks (a table): a prompt's cached prefix blocks, as BlockPool.cached_prefix finds them.
-- can_admit (a table): the scheduler's admission rule, at its edges (exactly enough, one short).
-- predict_peak_blocks (predict, then measure): blocks in use when 4 requests share a prompt.
-- crop (debug): a paged rollback, against PagedCache.crop, then inside a verify-and-rollback decode.
-- choose_block_size (design, a table): the largest block size within a waste budget.
-- chunk_schedule (a table): chunked prefill's steps by hand, against a chunked serve's trace.
-
-Everything runs on the CPU in about a second and leaves the caller's random state alone.
-"""
+"""Chapter 06's checkers (a paged KV cache, prefix caching, admission), against the engine on the
+CPU, leaving the caller's random state alone: reserve, predict_peak_blocks and crop (code);
+gather_keys, matching_blocks, can_admit, choose_block_size and chunk_schedule (tables). The hints
+are in hints/ch06.toml."""
 from __future__ import annotations
 
 import copy
@@ -28,42 +17,22 @@ from ...engine import GPTConfig, Request, SamplingParams, generate, serve
 from ...engine.paged import BlockPool, BlockTable, PagedCache, block_hash
 from ...engine.scheduler import FirstComeFirstServed, Scheduler, Sequence
 from ...engine.verify import accept_matching, verify_and_commit
-from . import (
-    Exercise,
-    Refused,
-    call_hinted,
-    expect,
-    fail,
-    forbid,
-    guarded,
-    hints,
-    int_list,
-    named,
-    one_of,
-    one_thread,
-    passed,
-    prediction,
-    tiny_model,
-)
+from .. import checks as ck
 
-H = hints("ch06")
+H = ck.hints("ch06")
 G, R, M, A, P, C, B, S = (H[k] for k in (
     "gather_keys", "reserve", "matching_blocks", "can_admit", "predict_peak_blocks", "crop",
     "choose_block_size", "chunk_schedule"))
 
-
 def _config(n_layer: int, n_head: int, head_dim: int) -> GPTConfig:
     return GPTConfig.preset("tiny", n_layer=n_layer, n_head=n_head, n_embd=n_head * head_dim)
-
 
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
-
 @functools.cache
 def _tiny_model():
-    return tiny_model(0)
-
+    return ck.tiny_model(0)
 
 class _Labelled(list):
     """A case's argument that carries what the case is about (`label`), for the message."""
@@ -72,9 +41,7 @@ class _Labelled(list):
         super().__init__(items)
         self.label = label
 
-
 # --- exercise 1 (a table): a sequence's keys, read through its block table ----------------------
-
 # (what the case is about, num_blocks, nh, block_size, hs, table, length); the first tells the
 # mistakes apart
 GATHER_CASES = [
@@ -91,14 +58,12 @@ GATHER_CASES = [
      21),
 ]
 
-
 def numbered(num_blocks: int, nh: int, bs: int, hs: int) -> torch.Tensor:
     """A pool's keys whose every number says where it sits: [b, h, s, d] holds b·10⁶ + h·10⁴ +
     s·10² + d (exact in float32), so an answer shows which slots it read."""
     axes = [torch.arange(n).view([-1 if i == k else 1 for i in range(4)])
             for k, n in enumerate((num_blocks, nh, bs, hs))]
     return (axes[0] * 10**6 + axes[1] * 10**4 + axes[2] * 100 + axes[3]).float()
-
 
 def engine_read(pool_keys: torch.Tensor, table: list[int], length: int) -> torch.Tensor:
     """(nh, length, hs): what a pass through PagedCache writing the last position reads back."""
@@ -111,12 +76,10 @@ def engine_read(pool_keys: torch.Tensor, table: list[int], length: int) -> torch
         keys, _ = PagedCache(pool, [BlockTable(0, list(table), length - 1)]).update(new, new, 0)
     return keys[0]
 
-
 def _read(where):
     """A gather that reads position p at where(table, p // block_size, p % block_size)."""
     return lambda pool_keys, table, length: torch.stack([pool_keys[where(
         table, p // pool_keys.size(2), p % pool_keys.size(2))] for p in range(length)], dim=1)
-
 
 def _slots(keys: torch.Tensor) -> str:
     """An answer as the pool slots its positions hold, in runs: 'pool_keys[5, :, 0..3], ...'."""
@@ -137,12 +100,11 @@ def _slots(keys: torch.Tensor) -> str:
                      f"pool_keys[{r[0]}, :, {r[1]}{'' if r[1] == r[2] else f'..{r[2]}'}]"
                      for r in runs)
 
-
 def _gathered(got, pool_keys, table, length) -> torch.Tensor:
     """The contract: a (nh, length, hs) tensor in the pool's dtype."""
     _, nh, bs, hs = pool_keys.shape
     if not isinstance(got, torch.Tensor):
-        raise Refused(G["not_a_tensor"], f"a tensor of shape {(nh, length, hs)}")
+        raise ck.Refused(G["not_a_tensor"], f"a tensor of shape {(nh, length, hs)}")
     shape, n = tuple(got.shape), got.size(1) if got.dim() == 3 else -1
     hint = (G["positions_first"] if shape == (length, nh, hs) else
             G["batch_axis"] if shape == (1, nh, length, hs) else
@@ -152,13 +114,12 @@ def _gathered(got, pool_keys, table, length) -> torch.Tensor:
             else G["one_too_many"] if n == (length // bs + 1) * bs
             else G["per_row"].format(length=length, n=n))
     if shape != (nh, length, hs):
-        raise Refused(hint, f"shape {(nh, length, hs)} (nh, length, hs)")
+        raise ck.Refused(hint, f"shape {(nh, length, hs)} (nh, length, hs)")
     if got.dtype != pool_keys.dtype:
-        raise Refused(G["dtype"], f"dtype {pool_keys.dtype}")
+        raise ck.Refused(G["dtype"], f"dtype {pool_keys.dtype}")
     return got
 
-
-GATHER = Exercise(
+GATHER = ck.Exercise(
     "gather_keys", cases=[(numbered(n, nh, bs, hs), _Labelled(label, table), length)
                           for label, n, nh, bs, hs, table, length in GATHER_CASES],
     describe=lambda keys, table, length: (f"{table.label}: pool_keys of shape "
@@ -166,7 +127,7 @@ GATHER = Exercise(
                                           f"table={table}, length={length}"),
     reference=engine_read, solution=_read(lambda table, i, s: (table[i], slice(None), s)),
     returns=_gathered, same=torch.equal, show=_slots, forbid=(PagedCache.update, PagedCache._slots),
-    mistakes=named(
+    mistakes=ck.named(
         G, sorted=_read(lambda table, i, s: (sorted(table)[i], slice(None), s)),
         pool_first=_read(lambda table, i, s: (i, slice(None), s)),
         reshape=lambda pool_keys, table, length: pool_keys[table].reshape(
@@ -175,7 +136,6 @@ GATHER = Exercise(
     otherwise=G["otherwise"], unchanged=G["unchanged"],
     raised=lambda e: G["out_of_range"] if isinstance(e, IndexError) else R["raised"])
 check_gather_keys = GATHER.check
-
 
 # --- exercise 2: blocks for the positions to come, copy-on-write --------------------------------
 
@@ -201,7 +161,6 @@ RESERVE_CASES = [
      None, [2]),
 ]
 
-
 def _books(bs: int, num_blocks: int, tables: list[BlockTable], mine: BlockTable, order=None,
            layers: int = 1, seed: int = 0) -> BlockPool:
     """A pool whose books (reference counts, free list) are these tables', its K/V random."""
@@ -213,7 +172,6 @@ def _books(bs: int, num_blocks: int, tables: list[BlockTable], mine: BlockTable,
     pool.free = deque(b for b in (range(num_blocks) if order is None else order)
                       if pool.ref[b] == 0)
     return pool
-
 
 def reserve_pool(case: tuple, seed: int) -> tuple[BlockPool, list[BlockTable], BlockTable]:
     """The case's pool (random K/V in 2 layers of 2 heads), the other tables, and this one."""
@@ -227,7 +185,6 @@ def reserve_pool(case: tuple, seed: int) -> tuple[BlockPool, list[BlockTable], B
         pool.by_hash[h], pool.hash_of[b] = b, h
     return pool, tables, mine
 
-
 def _kv_differences(before: BlockPool, old: BlockTable, after: BlockPool,
                     new: BlockTable) -> list[tuple[int, bool]]:
     """(layer, values?) of the tensors read differently through `new` than through `old`."""
@@ -238,7 +195,6 @@ def _kv_differences(before: BlockPool, old: BlockTable, after: BlockPool,
             if not all(torch.equal(a, b) for a, b in zip(read(before, old, layer, values),
                                                          read(after, new, layer, values)))]
 
-
 def _check_reserve_case(name: str, case_id: int, case: tuple, reserve) -> None:
     label, bs, _, others, (blocks0, length), n_new, _, _ = case
     where = (f"{label}: block_size={bs}, table.blocks={blocks0}, table.length={length}, "
@@ -247,76 +203,74 @@ def _check_reserve_case(name: str, case_id: int, case: tuple, reserve) -> None:
     before, want_pool, want = copy.deepcopy(pool), copy.deepcopy(pool), copy.deepcopy(mine)
     ref0, free0, last = list(pool.ref), list(pool.free), length + n_new - 1
     PagedCache(want_pool, [want]).reserve(n_new)  # the engine, on a copy
-    with forbid(name, PagedCache.reserve, BlockPool.reserve, BlockPool.blocks_needed,
-                BlockPool.copy_on_write):
-        call_hinted(name, where, lambda e: R["empty_table"] if isinstance(e, IndexError) and not
-                    blocks0 else R["pool_full"] if isinstance(e, MemoryError) else R["raised"],
-                    reserve, pool, mine, n_new)
+    with ck.forbid(name, PagedCache.reserve, BlockPool.reserve, BlockPool.blocks_needed,
+                   BlockPool.copy_on_write):
+        ck.call_hinted(name, where, lambda e: R["empty_table"] if isinstance(e, IndexError) and not
+                       blocks0 else R["pool_full"] if isinstance(e, MemoryError) else R["raised"],
+                       reserve, pool, mine, n_new)
     got, n_want = mine.blocks, len(want.blocks)
-    expect(mine.length == length, name, where, f"table.length = {length}",
-           f"table.length = {mine.length}", R["length"])
-    expect(len(set(got)) == len(got), name, where, f"{n_want} distinct blocks", got, R["twice"])
+    ck.expect(mine.length == length, name, where, f"table.length = {length}",
+              f"table.length = {mine.length}", R["length"])
+    ck.expect(len(set(got)) == len(got), name, where, f"{n_want} distinct blocks", got, R["twice"])
     # the blocks the table had: kept, except a shared partly filled block, copied
     for j, b0 in enumerate(blocks0):
         if j >= len(got):
-            fail(name, where, f"table.blocks starting like {want.blocks[:len(blocks0)]}", got,
-                 R["lost"])
+            ck.fail(name, where, f"table.blocks starting like {want.blocks[:len(blocks0)]}", got,
+                    R["lost"])
         if want.blocks[j] != b0 and got[j] == b0:
-            fail(name, where, f"block {b0} replaced by a copy", got,
-                 R["no_copy"].format(length=length, block=b0, ref=ref0[b0]))
+            ck.fail(name, where, f"block {b0} replaced by a copy", got,
+                    R["no_copy"].format(length=length, block=b0, ref=ref0[b0]))
         if want.blocks[j] == b0 and got[j] != b0:
-            fail(name, where, f"table.blocks[{j}] = {b0}", f"table.blocks[{j}] = {got[j]}",
-                 R["copied_unshared"].format(block=b0) if length % bs and j == length // bs else
-                 R["copied_full"].format(block=b0, length=length) if j < _ceil(length, bs) else
-                 R["moved"])
+            ck.fail(name, where, f"table.blocks[{j}] = {b0}", f"table.blocks[{j}] = {got[j]}",
+                    R["copied_unshared"].format(block=b0) if length % bs and j == length // bs else
+                    R["copied_full"].format(block=b0, length=length) if j < _ceil(length, bs) else
+                    R["moved"])
     if len(got) != n_want:
-        fail(name, where, f"{n_want} blocks (ceil(({length} + {n_new}) / {bs}) = {n_want})",
-             f"{len(got)} blocks: {got}", (
+        ck.fail(name, where, f"{n_want} blocks (ceil(({length} + {n_new}) / {bs}) = {n_want})",
+                f"{len(got)} blocks: {got}", (
                  R["floor"] if len(got) == max(len(blocks0), (length + n_new) // bs) else
                  R["too_few"].format(last=last)) if len(got) < n_want else R["per_new"]
-             if len(got) == len(blocks0) + _ceil(n_new, bs) else R["too_many"].format(last=last))
+                if len(got) == len(blocks0) + _ceil(n_new, bs) else R["too_many"].format(last=last))
     taken = [b for b in got if b not in blocks0]
     for b in taken:
-        expect(ref0[b] == 0, name, where, "new blocks taken from pool.free",
-               f"block {b} (reference count {ref0[b]})", R["held_elsewhere"].format(block=b))
-    expect(sorted(taken) == sorted(free0[:len(taken)]), name, where,
-           f"the first {len(taken)} free blocks {free0[:len(taken)]}", f"blocks {taken}",
-           R["not_from_front"])
+        ck.expect(ref0[b] == 0, name, where, "new blocks taken from pool.free",
+                  f"block {b} (reference count {ref0[b]})", R["held_elsewhere"].format(block=b))
+    ck.expect(sorted(taken) == sorted(free0[:len(taken)]), name, where,
+              f"the first {len(taken)} free blocks {free0[:len(taken)]}", f"blocks {taken}",
+              R["not_from_front"])
     # the pool's books: counts, free list, hashes
     counts = [sum(b in t.blocks for t in tables + [mine]) for b in range(len(ref0))]
     for b in (b for b in range(len(counts)) if pool.ref[b] != counts[b]):
-        fail(name, where, f"pool.ref[{b}] = {counts[b]}", f"pool.ref[{b}] = {pool.ref[b]}",
-             R["not_released"] if b in blocks0 and b not in got else
-             R["new_ref"] if b in taken else R["ref"])
+        ck.fail(name, where, f"pool.ref[{b}] = {counts[b]}", f"pool.ref[{b}] = {pool.ref[b]}",
+                R["not_released"] if b in blocks0 and b not in got else
+                R["new_ref"] if b in taken else R["ref"])
     free = [b for b in free0 if b not in taken]
-    expect(list(pool.free) == free, name, where, f"pool.free = {free}",
-           f"pool.free = {list(pool.free)}", R["free_list"])
+    ck.expect(list(pool.free) == free, name, where, f"pool.free = {free}",
+              f"pool.free = {list(pool.free)}", R["free_list"])
     for b in taken:
-        expect(b not in pool.hash_of and before.hash_of.get(b) not in pool.by_hash, name, where,
-               f"block {b} no longer in pool.by_hash", "still there",
-               R["still_hashed"].format(block=b))
-    expect(pool.by_hash == {h: b for h, b in before.by_hash.items() if b not in taken}, name,
-           where, "the other hashes left alone", "pool.by_hash changed", R["other_hashes"])
+        ck.expect(b not in pool.hash_of and before.hash_of.get(b) not in pool.by_hash, name, where,
+                  f"block {b} no longer in pool.by_hash", "still there",
+                  R["still_hashed"].format(block=b))
+    ck.expect(pool.by_hash == {h: b for h, b in before.by_hash.items() if b not in taken}, name,
+              where, "the other hashes left alone", "pool.by_hash changed", R["other_hashes"])
     # the K/V every table reads: the others' untouched, this one's the same through its copy
     for t in tables:
-        expect(not _kv_differences(before, t, pool, t), name, where,
-               f"table {t.owner}'s K/V unchanged", "changed", R["wrote_shared"])
+        ck.expect(not _kv_differences(before, t, pool, t), name, where,
+                  f"table {t.owner}'s K/V unchanged", "changed", R["wrote_shared"])
     diff = _kv_differences(before, BlockTable(mine.owner, list(blocks0), length), pool, mine)
     if diff:
         layers, values = sorted({layer for layer, _ in diff}), {v for _, v in diff}
-        fail(name, where, f"positions 0 .. {length - 1} read the same K/V through the new table",
-             f"different K/V in layer(s) {layers}",
-             R["keys_only"] if values == {True} else R["values_only"] if values == {False}
-             else R["layer_0"] if 0 not in layers else R["no_kv"])
+        ck.fail(name, where, f"positions 0 .. {length - 1} read the same K/V through the new table",
+                f"different K/V in layer(s) {layers}",
+                R["keys_only"] if values == {True} else R["values_only"] if values == {False}
+                else R["layer_0"] if 0 not in layers else R["no_kv"])
 
-
-@guarded
+@ck.guarded
 def check_reserve(reserve) -> None:
     """reserve(pool, table, n_new): room for n_new more positions, as PagedCache.reserve."""
     for i, case in enumerate(RESERVE_CASES):
         _check_reserve_case("reserve", i, case, reserve)
-    passed("reserve", len(RESERVE_CASES))
-
+    ck.passed("reserve", len(RESERVE_CASES))
 
 # --- exercise 3 (a table): a prompt's cached prefix blocks ----------------------------------------
 
@@ -324,10 +278,8 @@ def _tokens(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1000) for _ in range(n)]
 
-
 def published(bs: int, prompts: list[tuple[list[int], list[int]]]) -> dict[str, int]:
-    """by_hash as the server leaves it after these (prompt, blocks) were admitted, in order: each
-    prompt's full blocks, known by their chained hashes (a hash already known keeps its block)."""
+    """by_hash after these (prompt, blocks) were admitted in order: full blocks, chained hashes."""
     by_hash: dict[str, int] = {}
     for prompt, blocks in prompts:
         h = ""
@@ -335,7 +287,6 @@ def published(bs: int, prompts: list[tuple[list[int], list[int]]]) -> dict[str, 
             h = block_hash(h, prompt[i * bs:(i + 1) * bs])
             by_hash.setdefault(h, blocks[i])
     return by_hash
-
 
 def _matching_cases() -> list[tuple[_Labelled, int, dict[str, int]]]:
     """(prompt labelled with what the case is about, block_size, by_hash)."""
@@ -368,13 +319,11 @@ def _matching_cases() -> list[tuple[_Labelled, int, dict[str, int]]]:
     ]
     return [(_Labelled(label, prompt), bs, by_hash) for label, prompt, bs, by_hash in cases]
 
-
 def engine_shared_prefix(prompt: list[int], bs: int, by_hash: dict[str, int]) -> list[int]:
     """The server's own answer: BlockPool.cached_prefix on a pool holding these hashes."""
     pool = BlockPool(_config(1, 1, 1), 1 + max(by_hash.values(), default=0), bs)
     pool.by_hash = dict(by_hash)
     return pool.cached_prefix(list(prompt))
-
 
 def _match(prompt, bs, by_hash, n_blocks=None, chained=True, stop=True, cumulative=False):
     """A prefix match (the right one), or with one of the usual mistakes."""
@@ -388,41 +337,36 @@ def _match(prompt, bs, by_hash, n_blocks=None, chained=True, stop=True, cumulati
             break
     return blocks
 
-
 def _block_ids(got, *case) -> list[int]:
     """The contract: a list of block ids (ints)."""
-    if int_list(got) is not None:
-        return int_list(got)
+    if ck.int_list(got) is not None:
+        return ck.int_list(got)
     hashes = isinstance(got, (list, tuple)) and got and all(isinstance(x, str) for x in got)
-    raise Refused(M["hashes"] if hashes else M["not_ids"])
-
+    raise ck.Refused(M["hashes"] if hashes else M["not_ids"])
 
 def _show_prompt(prompt: list[int]) -> str:
     return (f"{prompt}" if len(prompt) <= 16 else
             f"[{', '.join(map(str, prompt[:6]))}, ... {len(prompt) - 8} more ..., "
             f"{prompt[-2]}, {prompt[-1]}]") + f" ({len(prompt)} tokens)"
 
-
 def _matching_otherwise(answers) -> str:
     got, want = next((got, engine_shared_prefix(*case)) for case, got in answers
                      if got != engine_shared_prefix(*case))
     return (M["nothing_found"] if not got and want else "") + M["otherwise"]
 
-
-MATCHING = Exercise(
+MATCHING = ck.Exercise(
     "matching_blocks", cases=_matching_cases(),
     describe=lambda prompt, bs, by_hash: (f"{prompt.label}: prompt={_show_prompt(prompt)}, "
                                           f"block_size={bs}"),
     reference=engine_shared_prefix, solution=_match, returns=_block_ids,
     forbid=(BlockPool.cached_prefix,), unchanged=M["unchanged"], otherwise=_matching_otherwise,
-    mistakes=named(
+    mistakes=ck.named(
         M, past_a_miss=partial(_match, stop=False),
         every_full_block=lambda prompt, bs, by_hash: _match(prompt, bs, by_hash, len(prompt) // bs),
         last_full_block=lambda prompt, bs, by_hash: _match(prompt, bs, by_hash,
                                                            len(prompt) // bs - 1),
         cumulative=partial(_match, cumulative=True), unchained=partial(_match, chained=False)))
 check_matching_blocks = MATCHING.check
-
 
 # --- exercise 4 (a table): the admission rule ----------------------------------------------------
 
@@ -432,7 +376,6 @@ class _Pool(BlockPool):
     def __eq__(self, other) -> bool:
         return (self.ref, list(self.free), self.by_hash) == (other.ref, list(other.free),
                                                              other.by_hash)
-
 
 def _admission_cases() -> list[tuple]:
     """(what the case is about, block_size, running requests' blocks, cached (prompt, blocks)
@@ -461,10 +404,8 @@ def _admission_cases() -> list[tuple]:
     ]
     return [case[:-1] + (slack,) for case in edges for slack in case[-1]]
 
-
 def admission_state(case: tuple) -> tuple[_Pool, int, list[int], int]:
-    """can_admit's arguments for the case: the pool (just the books: reference counts, free list,
-    hashes), n_tokens (prompt + produced), the blocks its prompt shares, and n_running."""
+    """can_admit's arguments for the case: (pool, n_tokens, shared, n_running)."""
     label, bs, running, cached, prompt, produced, slack = case
     used = {b for blocks in running for b in blocks} | {b for _, bl in cached for b in bl}
     top = 1 + max(used, default=-1)
@@ -481,7 +422,6 @@ def admission_state(case: tuple) -> tuple[_Pool, int, list[int], int]:
     pool.label, pool.prompt, pool.tokens = label, list(prompt), list(prompt) + list(produced)
     return pool, len(pool.tokens), shared, len(running)
 
-
 def engine_admits(pool: _Pool, n_tokens: int, shared: list[int], n_running: int) -> bool:
     """The server's answer: its scheduler's admission rule on the case's pool."""
     s = Sequence(99, Request(list(pool.prompt), 1), list(pool.prompt), False)
@@ -491,10 +431,8 @@ def engine_admits(pool: _Pool, n_tokens: int, shared: list[int], n_running: int)
     _, blocks, tokens = scheduler.admission(s)
     return scheduler.policy.fits(scheduler, s, blocks, tokens)
 
-
 def _held(pool, shared) -> int:
     return sum(pool.ref[b] > 0 for b in shared)
-
 
 def _rule(held=_held, blocks=_ceil, headroom=lambda r: 1 + r, strict=False):
     """The admission rule (the right one), or with one of the usual mistakes."""
@@ -503,15 +441,13 @@ def _rule(held=_held, blocks=_ceil, headroom=lambda r: 1 + r, strict=False):
         return pool.n_free > need if strict else pool.n_free >= need
     return can_admit
 
-
 def _a_bool(got, *case) -> bool:
     """The contract: a bool (Python's or numpy's)."""
     if isinstance(got, bool) or (type(got).__module__ == "numpy"
                                  and type(got).__name__ in ("bool_", "bool")):
         return bool(got)
     kind_of = f"{type(got).__module__}.{type(got).__name__}".replace("builtins.", "")
-    raise Refused(A["not_a_bool"].format(kind=kind_of))
-
+    raise ck.Refused(A["not_a_bool"].format(kind=kind_of))
 
 def _admission_otherwise(answers) -> str:
     pool, n_tokens, shared, r = next(case for case, got in answers if got != engine_admits(*case))
@@ -519,8 +455,7 @@ def _admission_otherwise(answers) -> str:
     return A["otherwise"].format(blocks=blocks, held=held, take=blocks - held, running=r,
                                  need=blocks - held + 1 + r, free=pool.n_free)
 
-
-ADMISSION = Exercise(
+ADMISSION = ck.Exercise(
     "can_admit", cases=[admission_state(case) for case in _admission_cases()],
     describe=lambda pool, n_tokens, shared, n_running: (
         f"{pool.label}: pool.page_size={pool.page_size}, pool.n_free={pool.n_free}, "
@@ -528,7 +463,7 @@ ADMISSION = Exercise(
         f"{[pool.ref[b] for b in shared]}), n_running={n_running}"),
     reference=engine_admits, solution=_rule(), returns=_a_bool, unchanged=A["unchanged"],
     forbid=(Scheduler.admission, FirstComeFirstServed.fits, BlockPool.cached_prefix),
-    mistakes=named(
+    mistakes=ck.named(
         A, ref_counts=_rule(held=lambda pool, shared: sum(pool.ref[b] for b in shared)),
         shared_cost=_rule(held=lambda pool, shared: 0),
         all_free=_rule(held=lambda pool, shared: len(shared)),
@@ -538,12 +473,10 @@ ADMISSION = Exercise(
     otherwise=_admission_otherwise)
 check_can_admit = ADMISSION.check
 
-
 # --- exercise 5 (predict, then measure): blocks in use when samples share a prompt ----------------
 
 PEAK_SAMPLES, PEAK_NEW, PEAK_BLOCK = 4, 7, 4
 PEAK_KEYS = [(10, True), (12, True), (12, False)]  # (prompt tokens, prefix caching)
-
 
 def measure_peak(prompt_len: int, prefix_caching: bool) -> int:
     """The peak for PEAK_SAMPLES requests with the same prompt, served on a tiny random model."""
@@ -552,7 +485,6 @@ def measure_peak(prompt_len: int, prefix_caching: bool) -> int:
         outs = serve(_tiny_model(), requests, page_size=PEAK_BLOCK, prefix_caching=prefix_caching,
                      trace=True)
     return max(sum(ref > 0 for ref in step.ref) for step in outs.pool_steps)
-
 
 def _peak_mistakes(prompt_len: int, prefix_caching: bool) -> list[tuple[int, str]]:
     n, bs = PEAK_SAMPLES, PEAK_BLOCK
@@ -566,35 +498,34 @@ def _peak_mistakes(prompt_len: int, prefix_caching: bool) -> list[tuple[int, str
         [] if prefix_caching else [(n * own - (n - 1) * ((prompt_len - 1) // bs),
                                     P["no_caching"])])
 
-
-@one_thread
-@guarded
+@ck.one_thread
+@ck.guarded
 def check_predict_peak_blocks(predict_peak_blocks) -> None:
     """predict_peak_blocks() -> {(prompt tokens, prefix caching): the most blocks in use}."""
     name = "predict_peak_blocks"
     case = (f"{PEAK_SAMPLES} requests with the same prompt, {PEAK_NEW} new tokens each, arriving "
             f"together, blocks of {PEAK_BLOCK}, a large pool")
-    got = prediction(name, case, predict_peak_blocks, serve, PagedCache.reserve,
-                     BlockPool.allocate)
+    got = ck.prediction(name, case, predict_peak_blocks, serve, PagedCache.reserve,
+                        BlockPool.allocate)
     if not isinstance(got, dict) or sorted(got) != sorted(PEAK_KEYS):
-        fail(name, case, f"a dict with the keys {PEAK_KEYS}",
-             sorted(got) if isinstance(got, dict) else got,
-             P["not_a_dict"] + (" (did you forget to return it?)" if got is None else ""))
+        ck.fail(name, case, f"a dict with the keys {PEAK_KEYS}",
+                sorted(got) if isinstance(got, dict) else got,
+                P["not_a_dict"] + (" (did you forget to return it?)" if got is None else ""))
     for key in PEAK_KEYS:
-        expect(type(got[key]) is int, name, f"{case}: {key}", "an int", got[key], P["not_an_int"])
+        ck.expect(type(got[key]) is int, name, f"{case}: {key}", "an int", got[key],
+                  P["not_an_int"])
     measured = {key: measure_peak(*key) for key in PEAK_KEYS}
     for (prompt_len, caching), you in ((key, got[key]) for key in PEAK_KEYS):
         want = measured[prompt_len, caching]
         reason = "; or ".join(dict.fromkeys(h for w, h in _peak_mistakes(prompt_len, caching)
                                             if w == you and w != want)) or P["otherwise"]
-        expect(you == want, name, f"{case}: a {prompt_len}-token prompt, prefix caching "
-               f"{'on' if caching else 'off'}", want, you,
-               P["wrong"].format(you=you, want=want, reason=reason))
+        ck.expect(you == want, name, f"{case}: a {prompt_len}-token prompt, prefix caching "
+                  f"{'on' if caching else 'off'}", want, you,
+                  P["wrong"].format(you=you, want=want, reason=reason))
     print("  measured: " + "; ".join(
         f"{p}-token prompt, prefix caching {'on' if c else 'off'}: {measured[p, c]} blocks"
         for p, c in PEAK_KEYS))
-    passed(name, len(PEAK_KEYS))
-
+    ck.passed(name, len(PEAK_KEYS))
 
 # --- exercise 6 (debug): giving blocks back on a rollback ----------------------------------------
 
@@ -607,7 +538,6 @@ class BuggyPagedCache(PagedCache):
         t.length = max_length
         while len(t.blocks) * bs > max_length:        # a block past the end goes back
             self.pool.release(t.blocks.pop(), t.owner)
-
 
 # (what the case is about, block_size, this table (blocks, length), others' blocks, new length)
 CROP_CASES = [
@@ -623,7 +553,6 @@ CROP_CASES = [
     ("blocks of 1 position", 1, ([5, 2, 7, 1], 4), [], 2),
 ]
 
-
 def crop_pool(case):
     """The case's pool (just the books), the tables of the others, and this table."""
     _, bs, (blocks, length), others, _ = case
@@ -632,47 +561,44 @@ def crop_pool(case):
     num_blocks = max(set(blocks) | {b for o in others for b in o}) + 3
     return _books(bs, num_blocks, tables, mine), tables, mine
 
-
 def _cropped(cache_class, case) -> tuple:
     """(table.blocks, length, pool.ref, pool.free) after cache_class's crop on the case."""
     pool, _, mine = crop_pool(case)
     cache_class(pool, [mine]).crop(case[-1])
     return mine.blocks, mine.length, pool.ref, list(pool.free)
 
-
-@guarded
+@ck.guarded
 def check_crop(cache_class) -> None:
     """cache_class(pool, [table]).crop(n), against PagedCache.crop, then in a rollback decode."""
     name = "crop"
     if not (isinstance(cache_class, type) and issubclass(cache_class, PagedCache)):
-        fail(name, "the class", "a subclass of PagedCache (of BuggyPagedCache)", cache_class,
-             C["not_a_class"])
+        ck.fail(name, "the class", "a subclass of PagedCache (of BuggyPagedCache)", cache_class,
+                C["not_a_class"])
     same_as_buggy = 0
     for case in CROP_CASES:
         label, bs, (blocks0, length), others, n = case
         where = f"{label}: block_size={bs}, table.blocks={blocks0}, length {length} → {n}"
-        with forbid(name, PagedCache.crop, BlockPool.crop):
-            state = call_hinted(name, where, lambda e: C["raised"], _cropped, cache_class, case)
+        with ck.forbid(name, PagedCache.crop, BlockPool.crop):
+            state = ck.call_hinted(name, where, lambda e: C["raised"], _cropped, cache_class, case)
         want, buggy = _cropped(PagedCache, case), _cropped(BuggyPagedCache, case)
         same_as_buggy += state == buggy
         if state[:2] != want[:2]:
-            fail(name, where, f"table.blocks={want[0]}, length {want[1]}",
-                 f"table.blocks={state[0]}, length {state[1]}",
-                 C["buggy"] + C["symptom"] if state[:2] == buggy[:2] else C["symptom"]
-                 if len(state[0]) < len(want[0]) else C["kept"] if len(state[0]) > len(want[0])
-                 else C["length"] if state[1] != want[1] else C["release"])
+            ck.fail(name, where, f"table.blocks={want[0]}, length {want[1]}",
+                    f"table.blocks={state[0]}, length {state[1]}",
+                    C["buggy"] + C["symptom"] if state[:2] == buggy[:2] else C["symptom"]
+                    if len(state[0]) < len(want[0]) else C["kept"] if len(state[0]) > len(want[0])
+                    else C["length"] if state[1] != want[1] else C["release"])
         if state[2:] != want[2:]:
             shared = [b for b in blocks0 if b not in state[0] and want[2][b] > 0]
-            fail(name, where, f"pool.ref={want[2]}, pool.free={want[3]}",
-                 f"pool.ref={state[2]}, pool.free={state[3]}",
-                 C["shared"].format(block=shared[0]) if shared and state[2][shared[0]] == 0
-                 else C["books"])
+            ck.fail(name, where, f"pool.ref={want[2]}, pool.free={want[3]}",
+                    f"pool.ref={state[2]}, pool.free={state[3]}",
+                    C["shared"].format(block=shared[0]) if shared and state[2][shared[0]] == 0
+                    else C["books"])
     if same_as_buggy == len(CROP_CASES):
-        fail(name, "every case", "a fixed crop", "BuggyPagedCache's results",
-             C["all_buggy"] + C["symptom"])
+        ck.fail(name, "every case", "a fixed crop", "BuggyPagedCache's results",
+                C["all_buggy"] + C["symptom"])
     _check_crop_in_decoding(name, cache_class)
-    passed(name, len(CROP_CASES) + 1)
-
+    ck.passed(name, len(CROP_CASES) + 1)
 
 def _check_crop_in_decoding(name, cache_class) -> None:
     """Greedy verify-and-rollback decoding on cache_class must give target-only greedy tokens."""
@@ -696,19 +622,17 @@ def _check_crop_in_decoding(name, cache_class) -> None:
                                         for i in range(1 + step % 3)], cache, verifier,
                                   partial(accept_matching, sampling=SamplingParams(),
                                           first_position=len(seq)))
-    call_hinted(name, case, lambda e: C["lost_block"] + C["symptom"], decode)
+    ck.call_hinted(name, case, lambda e: C["lost_block"] + C["symptom"], decode)
     new, alone = seq[len(prompt):len(prompt) + n_new], generate(model, prompt, n_new).tokens
     if new != alone:
         at = next(i for i, (a, b) in enumerate(zip(new, alone)) if a != b)
-        fail(name, case, f"target-only greedy: {alone}", new,
-             C["text"].format(at=at) + C["symptom"])
-
+        ck.fail(name, case, f"target-only greedy: {alone}", new,
+                C["text"].format(at=at) + C["symptom"])
 
 # --- exercise 7 (design, a table): a block size for a memory budget ------------------------------
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 DESIGN_BUDGETS = (0.0, 0.05, 0.1, 0.25)
-
 
 def blocks_taken(lengths: list[int], block_size: int) -> int:
     """Blocks PagedCache.reserve takes for sequences of these lengths, one table each."""
@@ -718,14 +642,11 @@ def blocks_taken(lengths: list[int], block_size: int) -> int:
         PagedCache(pool, [BlockTable(i)]).reserve(n)
     return pool.num_blocks - pool.n_free
 
-
 def _largest(ok) -> int:
     return max([bs for bs in BLOCK_SIZES if ok(bs)], default=1)
 
-
 def reference_block_size(lengths: list[int], max_waste: float) -> int:
     return _largest(lambda bs: blocks_taken(lengths, bs) * bs <= (1 + max_waste) * sum(lengths))
-
 
 def _snapshots() -> list[_Labelled]:
     """The positions each running sequence holds, labelled with what the snapshot is."""
@@ -739,19 +660,17 @@ def _snapshots() -> list[_Labelled]:
             _Labelled("4 long documents of 900-2000 tokens", documents),
             _Labelled("sequences whose lengths are all multiples of 64", [64, 192, 320, 128])]
 
-
 def _reserved(lengths, bs) -> str:
     held, taken = sum(lengths), blocks_taken(lengths, bs) * bs
     return f"{taken:,} positions reserved for {held:,} held, {100 * (taken / held - 1):.1f}% waste"
 
-
-BLOCK_SIZE = Exercise(
+BLOCK_SIZE = ck.Exercise(
     "choose_block_size", cases=[(lengths, w) for lengths in _snapshots() for w in DESIGN_BUDGETS],
     describe=lambda lengths, max_waste: f"{lengths.label}, max_waste={max_waste}",
     reference=reference_block_size,
     explain=lambda lengths, w: _reserved(lengths, reference_block_size(lengths, w)),
-    returns=one_of(*BLOCK_SIZES, hint=B["not_a_size"].format(sizes=BLOCK_SIZES)),
-    mistakes=named(
+    returns=ck.one_of(*BLOCK_SIZES, hint=B["not_a_size"].format(sizes=BLOCK_SIZES)),
+    mistakes=ck.named(
         B, against_reserved=lambda lengths, w: _largest(
             lambda bs: blocks_taken(lengths, bs) * bs * (1 - w) <= sum(lengths)),
         strict=lambda lengths, w: _largest(
@@ -763,15 +682,12 @@ BLOCK_SIZE = Exercise(
     otherwise=B["otherwise"])
 check_choose_block_size = BLOCK_SIZE.check
 
-
 # --- exercise 8 (a table): chunked prefill's schedule, by hand -----------------------------------
 
 SCHEDULE_NEW = 64  # new tokens per request: every finished prompt decodes to the end of the case
 
-
 def _schedule_cases() -> list[tuple[_Labelled, int]]:
-    """(prompt lengths, labelled with what the case is about, budget); every budget leaves a
-    prompt at least one token a step (budget > requests), so every schedule ends."""
+    """(prompt lengths, labelled, budget); budget > requests, so every schedule ends."""
     cases = [("three prompts, the first shorter than the budget", [5, 40, 12], 16),
              ("one long prompt alone", [30], 8),
              ("three prompts that each fill the budget exactly", [8, 8, 8], 9),
@@ -782,11 +698,8 @@ def _schedule_cases() -> list[tuple[_Labelled, int]]:
              ("a budget of 6 for three prompts", [17, 33, 5], 6)]
     return [(_Labelled(label, lens), budget) for label, lens, budget in cases]
 
-
 def engine_schedule(prompt_lens: list[int], budget: int) -> list[list[int]]:
-    """The server's answer: serve the prompts (all arriving at step 0) under chunked prefill
-    (FirstComeFirstServed(budget, chunked_prefill=True)) and read from the trace the prompt
-    tokens each request computed in each step."""
+    """The prompt tokens each request computed per step in a chunked serve(), from its trace."""
     requests = [Request([1 + (7 * i + k) % 500 for k in range(n)], SCHEDULE_NEW)
                 for i, n in enumerate(prompt_lens)]
     policy = FirstComeFirstServed(budget, chunked_prefill=True)
@@ -797,7 +710,6 @@ def engine_schedule(prompt_lens: list[int], budget: int) -> list[list[int]]:
             if e.kind in ("chunk", "prefill"):
                 steps.setdefault(e.step, [0] * len(prompt_lens))[i] = e.kv_computed
     return [steps.get(s, [0] * len(prompt_lens)) for s in range(max(steps) + 1)]
-
 
 def _schedule_rule(decodes_first=True, same_step=False, oldest_first=True, even=False):
     """The schedule by the rule (the right one), or with one of the usual mistakes."""
@@ -821,26 +733,24 @@ def _schedule_rule(decodes_first=True, same_step=False, oldest_first=True, even=
         return steps
     return chunk_schedule
 
-
 def _a_schedule(got, prompt_lens, budget) -> list[list[int]]:
     """The contract: a list of steps, each a list of one chunk size (an int) per prompt."""
     if not isinstance(got, (list, tuple)) or not got:
-        raise Refused(S["not_steps"])
-    steps = [int_list(step) for step in got]
+        raise ck.Refused(S["not_steps"])
+    steps = [ck.int_list(step) for step in got]
     if any(step is None or len(step) != len(prompt_lens) for step in steps):
-        raise Refused(S["not_chunks"].format(n=len(prompt_lens)))
+        raise ck.Refused(S["not_chunks"].format(n=len(prompt_lens)))
     return steps
 
-
-SCHEDULE_CHUNKS = Exercise(
+SCHEDULE_CHUNKS = ck.Exercise(
     "chunk_schedule", cases=_schedule_cases(),
     describe=lambda lens, budget: f"{lens.label}: prompt_lens={list(lens)}, budget={budget}",
     reference=engine_schedule, solution=_schedule_rule(), returns=_a_schedule,
     forbid=(serve,), unchanged=S["unchanged"],
-    mistakes=named(S, whole_budget=_schedule_rule(decodes_first=False),
-                   same_step=_schedule_rule(same_step=True),
-                   newest_first=_schedule_rule(oldest_first=False),
-                   even=_schedule_rule(even=True)),
+    mistakes=ck.named(S, whole_budget=_schedule_rule(decodes_first=False),
+                      same_step=_schedule_rule(same_step=True),
+                      newest_first=_schedule_rule(oldest_first=False),
+                      even=_schedule_rule(even=True)),
     otherwise=lambda answers: S["otherwise"].format(budget=next(
         case for case, got in answers if got != engine_schedule(*case))[1]))
 check_chunk_schedule = SCHEDULE_CHUNKS.check
