@@ -22,12 +22,15 @@ ROUND, RES, ALPHA_H, BEST, PERFECT, SAMPLED, DESIGN_H = (H[k] for k in (
     "speculative_round", "residual", "alpha_from_trace", "best_gamma", "predict_perfect_draft",
     "accept_sampled", "choose_gamma"))
 
+
 def _type(value) -> str:
     return f"{type(value).__module__}.{type(value).__name__}".replace("builtins.", "")
+
 
 def _crash_hint(error: type, hint: str, says: str = ""):
     return lambda e: (hint if isinstance(e, error) and says in str(e)
                       else "your function raised on this input")
+
 
 # --- exercise 1: one speculative round -----------------------------------------------------------
 @functools.cache
@@ -44,11 +47,13 @@ def tiny_pair(seed: int) -> tuple[GPT, GPT]:
     draft.load_state_dict(target.state_dict(), strict=False)  # blocks 1.. have no place in it
     return target, draft
 
+
 # (pair seed, prompt, γ): γ = 1..6, several prompts, each run to NEW_TOKENS+ new tokens
 ROUND_CASES = [(0, [3, 17, 200, 41, 9], 1), (1, [100, 7], 2), (2, [3, 17, 200, 41, 9], 3),
                (1, [55, 56, 57, 58, 59, 60, 61, 62], 4), (1, [5], 5), (2, [100, 7], 6),
                (0, [100, 7], 3)]
 NEW_TOKENS = 40
+
 
 def _matching(proposals, choices, shift=0):
     """Leading proposals equal to the target's choice `shift` rows later."""
@@ -56,6 +61,7 @@ def _matching(proposals, choices, shift=0):
     while n < len(proposals) and n + shift < len(choices) and proposals[n] == choices[n + shift]:
         n += 1
     return n
+
 
 # hint -> what a round with that mistake may commit, from the proposals and the target's choices
 COMMIT_MISTAKES = {
@@ -67,6 +73,7 @@ COMMIT_MISTAKES = {
     ROUND["every_match"]: lambda p, c: [[x for x, y in zip(p, c) if x == y]
                                         + [c[sum(map(operator.eq, p, c))]]],
 }
+
 
 def _pass_hints(target_passes, draft_passes, gamma, first_draft_rows, seq_len):
     """(expected, got, hint) for the first wrong pass count or shape, or None."""
@@ -84,6 +91,7 @@ def _pass_hints(target_passes, draft_passes, gamma, first_draft_rows, seq_len):
             "draft_last_token" if first == [(1, 1)] and first_draft_rows > 1 else
             "draft_whole_sequence" if first == [(1, seq_len)] else "draft_pass"]
     return None
+
 
 def _check_round(name, case, round_fn, target, draft, seq, t_cache, d_cache, gamma) -> None:
     """Run one round of the learner's, and check what it returned, did to seq, ran, kept."""
@@ -137,6 +145,7 @@ def _check_round(name, case, round_fn, target, draft, seq, t_cache, d_cache, gam
             f"computation of the first {want} committed tokens", "different K/V",
             ROUND["overwritten"])
 
+
 @ck.one_thread
 @ck.guarded
 def check_speculative_round(speculative_round) -> None:
@@ -160,22 +169,27 @@ def check_speculative_round(speculative_round) -> None:
                       ROUND["target_only"])
     ck.passed(name, len(ROUND_CASES))
 
+
 # --- exercise 2: the residual distribution ------------------------------------------------------
 def _distributions(seed: int, n: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     p, q = (torch.rand(n, generator=g, dtype=torch.float64) ** 3 for _ in range(2))
     return p / p.sum(), q / q.sum()
 
+
 def _normalised(t: torch.Tensor) -> torch.Tensor:
     return t / t.sum()
+
 
 def chapter_acceptance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """min(1, p(x)/q(x)), section 5's rule (1 where the draft never proposes x: q(x) = 0)."""
     return torch.where(q > 0, (p / q.clamp(min=1e-300)).clamp(max=1), torch.ones_like(p))
 
+
 def reference_residual(p: torch.Tensor, q: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """p(x) - q(x) a(x), normalised: the only r with which q a + (1 - Σ q a) r = p."""
     return _normalised((p - q * a).clamp(min=0))
+
 
 ACCEPTANCE_RULES = [  # (label, a(x) from p and q): the chapter's rule, then others
     ("section 5's rule a = min(1, p/q)", chapter_acceptance),
@@ -185,8 +199,10 @@ ACCEPTANCE_RULES = [  # (label, a(x) from p and q): the chapter's rule, then oth
     ("a stricter rule, a = min(1, p/q) squared", lambda p, q: chapter_acceptance(p, q) ** 2),
 ]
 
+
 def _as_list(t) -> list:
     return [round(x, 4) for x in t.tolist()]
+
 
 def _residual_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(p, q, a), a labelled with its rule, p != q; the last 8: one speculative step per rule."""
@@ -205,12 +221,14 @@ def _residual_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         cases.append((p, q, a))
     return cases
 
+
 def _as_distribution(got, p, q, a):
     if not isinstance(got, torch.Tensor):
         raise ck.Refused(RES["not_a_tensor"].format(type=_type(got)))
     if got.shape != p.shape or not got.is_floating_point():
         raise ck.Refused(RES["shape"], f"a float tensor of shape {tuple(p.shape)}")
     return got
+
 
 RESIDUAL = ck.Exercise(
     "residual", cases=_residual_cases(),
@@ -230,11 +248,13 @@ RESIDUAL = ck.Exercise(
     ).label.startswith("one speculative step") else "otherwise"])
 check_residual = RESIDUAL.check
 
+
 # --- exercise 3: α from a trace ------------------------------------------------------------------
 def _rounds(trace) -> list[tuple[int, bool, int]]:
     """(accepted, ended in a rejection?, proposals) of each verification round."""
     return [(len(e.accepted), bool(e.rejected), len(e.input_ids))
             for e in trace if e.kind == "verify"]
+
 
 def reference_alpha(trace, index: int | None = None) -> float | None:
     """accepted / judged, pooled (index None) or of a round's index-th proposal; None if unjudged.
@@ -248,13 +268,16 @@ def reference_alpha(trace, index: int | None = None) -> float | None:
         judged = accepted + sum(a == index and r for a, r, _ in rounds)
     return accepted / judged if judged else None
 
+
 def _ratio(a, b):
     return a / b if b else None
+
 
 def _pooled(wrong):
     """A wrong pooled α, of the rounds' (accepted, rejected?, proposed); right at every index."""
     return lambda trace, index=None: (wrong(_rounds(trace), sum(a for a, _, _ in _rounds(trace)))
                                       if index is None else reference_alpha(trace, index))
+
 
 def _alpha_otherwise(runs) -> str:
     """A per-index mistake, named with its index."""
@@ -271,6 +294,7 @@ def _alpha_otherwise(runs) -> str:
     hints = [h for wrong, h in mistakes if wrong is not None and _same(got, wrong)]
     return "; or ".join(dict.fromkeys(hints)) or ALPHA_H["otherwise"]
 
+
 class _Trace(tuple):
     """A trace's events (which cannot be changed), labelled with the run they come from."""
 
@@ -282,6 +306,7 @@ class _Trace(tuple):
     def __reduce__(self):  # copy.deepcopy, which the runner gives the learner
         return _Trace, (self.label, tuple(self))
 
+
 class _Lazy(UserList):
     """Cases made on first use: those that run the models wait for the check."""
 
@@ -289,6 +314,7 @@ class _Lazy(UserList):
         self.make = make
 
     data = functools.cached_property(lambda self: self.make())
+
 
 def _alpha_runs():
     """(label, the run)."""
@@ -318,6 +344,7 @@ def _alpha_runs():
     yield "the course pair, temperature 0.8, γ = 3", speculative_generate(
         course_target, course_draft, ids, 60, gamma=3, temperature=0.8, seed=1, trace=True)
 
+
 def _alpha_cases() -> list[tuple]:
     """(trace, None) for every run, then (trace, index) up to past its longest round."""
     with torch.inference_mode():
@@ -325,9 +352,11 @@ def _alpha_cases() -> list[tuple]:
     return [(t, None) for t in traces] + [
         (t, i) for t in traces for i in range(max((n for _, _, n in _rounds(t)), default=0) + 2)]
 
+
 def _same(got, want) -> bool:
     return got is want if got is None or want is None else math.isclose(got, want, rel_tol=1e-9,
                                                                          abs_tol=1e-12)
+
 
 def _as_alpha(got, trace, index):
     if reference_alpha(trace, index) is None:
@@ -338,6 +367,7 @@ def _as_alpha(got, trace, index):
         raise ck.Refused(ALPHA_H["none"] if got is None else
                          ALPHA_H["not_a_float"].format(type=_type(got)))
     return got
+
 
 ALPHA = ck.Exercise(
     "alpha_from_trace", cases=_Lazy(_alpha_cases),
@@ -354,23 +384,28 @@ ALPHA = ck.Exercise(
     otherwise=_alpha_otherwise)
 check_alpha_from_trace = ALPHA.check
 
+
 # --- exercise 4: choose γ ------------------------------------------------------------------------
 def speedup(alpha: float, c: float, gamma: int) -> float:
     """The chapter's formula, (1 - α^(γ+1)) / ((1 - α)(γc + 1)); at α = 1 its limit."""
     tokens = gamma + 1 if alpha == 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
     return tokens / (gamma * c + 1)
 
+
 def _argmax(values: list[float], lo: int = 1) -> int:
     """lo + the index of the first maximum: the smallest γ on a tie."""
     return lo + values.index(max(values))
 
+
 def reference_best_gamma(alpha: float, c: float, max_gamma: int) -> int:
     return _argmax([speedup(alpha, c, g) for g in range(1, max_gamma + 1)])
+
 
 def _as_gamma(got, *case):
     if ck.as_int(got) is None:
         raise ck.Refused(BEST["not_an_int"].format(type=_type(got)))
     return ck.as_int(got)
+
 
 BEST_GAMMA = ck.Exercise(
     "best_gamma",
@@ -403,6 +438,7 @@ PREDICTED = {"target_passes": "target forward passes", "draft_passes": "draft fo
              "target_kv": "K/V vectors the target computes (per layer)",
              "draft_kv": "K/V vectors the draft computes (per layer)"}
 
+
 def perfect_draft_run() -> tuple[int, object, dict[str, int]]:
     """The run predicted, measured by the engine: (prompt length, its output, {quantity: count})."""
     target, tok = load_course_model("target", "cpu")
@@ -414,6 +450,7 @@ def perfect_draft_run() -> tuple[int, object, dict[str, int]]:
     return len(ids), out, {"target_passes": out.stats.target_passes,
                            "draft_passes": out.stats.draft_passes,
                            "target_kv": kv("prefill", "verify"), "draft_kv": kv("draft")}
+
 
 def _prediction_mistakes(P: int, N: int, gamma: int, R: int, proposed: int,
                          draft_passes: int) -> dict[str, list[tuple[int, str]]]:
@@ -429,6 +466,7 @@ def _prediction_mistakes(P: int, N: int, gamma: int, R: int, proposed: int,
                       ((R + 1) * (gamma + 1), "prefill_rows")],
         "draft_kv": [(draft_passes, "row_per_pass"), (draft_passes - 1 + P + 1, "caught_up_once"),
                      (P + N - 1, "one_behind"), (P + N, "level")]}.items()}
+
 
 @ck.one_thread
 @ck.guarded
@@ -466,6 +504,7 @@ def check_predict_perfect_draft(predict_perfect_draft) -> None:
           f"for {PERFECT_NEW} new tokens after a {P}-token prompt")
     ck.passed(name, len(PREDICTED))
 
+
 # --- exercise 6 (debug): one round of speculative sampling ---------------------------------------
 def accept_sampled_buggy(p, q, proposals, generator):
     """The notebook's broken round, verbatim: the bonus token is drawn from row γ - 1 (the loop
@@ -477,11 +516,14 @@ def accept_sampled_buggy(p, q, proposals, generator):
             return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
     return len(proposals), int(torch.multinomial(p[i], 1, generator=generator))  # noqa: F821
 
+
 def _chapter_accept(p, q):
     return min(1.0, p / q) if q > 0 else 1.0
 
+
 def _norm_max(p_row, q_row):
     return _normalised((p_row - q_row).clamp(min=0))
+
 
 RIGHT_RULE = (_chapter_accept, _norm_max, lambda p, q, g: p[g])  # (accept, residual, bonus)
 SAMPLED_MISTAKES = [  # (the rule a usual mistake runs, its hint)
@@ -496,6 +538,7 @@ SAMPLED_MISTAKES = [  # (the rule a usual mistake runs, its hint)
       lambda p, q, g: p[g]), SAMPLED["absolute"]),
 ]
 
+
 def outcome_distribution(p: torch.Tensor, q: torch.Tensor, proposals: list[int],
                          rule: tuple) -> torch.Tensor:
     """Exact probability (γ + 1, vocab) of every outcome (k accepted, then token y) by `rule`."""
@@ -507,6 +550,7 @@ def outcome_distribution(p: torch.Tensor, q: torch.Tensor, proposals: list[int],
         reach *= keep
     out[gamma] = reach * bonus(p, q, gamma).double()
     return out
+
 
 def _sampled_cases() -> list[tuple[str, torch.Tensor, torch.Tensor, list[int]]]:
     """(what the case is about, p (γ + 1, vocab), q (γ, vocab), proposals)."""
@@ -528,7 +572,9 @@ def _sampled_cases() -> list[tuple[str, torch.Tensor, torch.Tensor, list[int]]]:
          rows([.10, .60, .20, .10]), torch.zeros(0, 4), []),
     ]
 
+
 TRIALS = 2400
+
 
 @ck.guarded
 def check_accept_sampled(accept_sampled) -> None:
@@ -572,8 +618,10 @@ def check_accept_sampled(accept_sampled) -> None:
                     "; or ".join(fits) or SAMPLED["otherwise"])
     ck.passed(name, len(cases) * TRIALS)
 
+
 # --- exercise 7 (design): γ for a batch ----------------------------------------------------------
 MAX_GAMMA = 16
+
 
 def batch_speedup(alpha: float, c: float, batch: int, balance: float, gamma: int) -> float:
     """Tokens per unit of time over plain batched decoding (γ = 0: 1), when a target pass of n
@@ -581,16 +629,20 @@ def batch_speedup(alpha: float, c: float, batch: int, balance: float, gamma: int
     return 1.0 if gamma == 0 else speedup(alpha, 0.0, gamma) * max(1.0, batch / balance) / (
         gamma * c + max(1.0, batch * (gamma + 1) / balance))
 
+
 def _best(value, lo: int = 0) -> int:
     return _argmax([value(g) for g in range(lo, MAX_GAMMA + 1)], lo)
 
+
 def reference_choose_gamma(alpha: float, c: float, batch: int, balance: float) -> int:
     return _best(lambda g: batch_speedup(alpha, c, batch, balance, g))  # the smaller γ on a tie
+
 
 def _as_choice(got, *case):
     if ck.as_int(got) is None or not 0 <= ck.as_int(got) <= MAX_GAMMA:
         raise ck.Refused(DESIGN_H["not_an_int"].format(max=MAX_GAMMA))
     return ck.as_int(got)
+
 
 DESIGN = ck.Exercise(
     "choose_gamma",
@@ -616,6 +668,7 @@ DESIGN = ck.Exercise(
         no_draft_cost=lambda a, c, batch, balance: reference_choose_gamma(a, 0.0, batch, balance)),
     otherwise=DESIGN_H["otherwise"])
 
+
 def check_choose_gamma(choose_gamma) -> None:
     """DESIGN's check, with the best γ as the batch grows printed before its ✓ line."""
     with contextlib.redirect_stdout(io.StringIO()) as line:
@@ -623,5 +676,6 @@ def check_choose_gamma(choose_gamma) -> None:
     print("  the best γ as the batch grows (α = 0.9, c = 0.05, balance = 64): " + ", ".join(
         f"{b} → {reference_choose_gamma(0.9, 0.05, b, 64)}" for b in (1, 4, 16, 32, 48, 64, 128)))
     print(line.getvalue(), end="")
+
 
 EXERCISES = (BEST_GAMMA, RESIDUAL, ALPHA)

@@ -22,8 +22,10 @@ _tiny = functools.cache(lambda: ck.tiny_model(0))  # a small random GPT whose gr
 C, DRAWS, MULTIPLIERS = H["choose"], 2000, (10, 100, 1_000, 10_000, 100_000)
 DIST_LOGITS = torch.tensor([1.0, 0.6, 0.2, 0.0, -0.3, -0.8])
 
+
 def _logits(seed: int, vocab: int = 8, scale: float = 2.0) -> torch.Tensor:
     return torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
 
 def _chooser(choose, name: str = "choose"):
     """The learner's choose, each call checked: an int in range, logits and global RNG untouched."""
@@ -46,6 +48,7 @@ def _chooser(choose, name: str = "choose"):
                   got, C["index"])
         return got
     return pick
+
 
 @ck.guarded
 def check_choose(choose) -> None:
@@ -122,20 +125,25 @@ def check_choose(choose) -> None:
                         if drawn[0] else C["times_temperature"] if drawn[1] else C["softmax"])
     ck.passed(name, 20 + 12 + 24 + 5 * 40 + 2 * 39 + 40 + 80 * (1 + len(MULTIPLIERS)) + 3 * DRAWS)
 
+
 # --- exercise 2: a batch-invariant sum ------------------------------------------------------------
 SPLIT = H["invariant_split_sum"]
 
+
 def _chunk_sums(x: torch.Tensor, chunk: int) -> list[torch.Tensor]:
     return [x[i:i + chunk].sum() for i in range(0, x.numel(), chunk)]
+
 
 def fixed_schedule_sum(x: torch.Tensor, n_splits: int, chunk: int) -> torch.Tensor:
     """The one schedule, whatever n_splits: chunk sums x[i:i+chunk].sum(), added left to right."""
     sums = _chunk_sums(x, chunk)
     return sum(sums[1:], sums[0])
 
+
 def _equal_pieces(x: torch.Tensor, n_splits: int, chunk: int) -> torch.Tensor:
     size = math.ceil(x.numel() / n_splits)
     return sum((x[w * size:(w + 1) * size].sum() for w in range(n_splits)), torch.zeros(()))
+
 
 def _worker_totals(x: torch.Tensor, n_splits: int, chunk: int) -> torch.Tensor:
     sums = _chunk_sums(x, chunk)
@@ -144,6 +152,7 @@ def _worker_totals(x: torch.Tensor, n_splits: int, chunk: int) -> torch.Tensor:
               if sums[w * per:(w + 1) * per]]
     return sum(totals[1:], totals[0])
 
+
 def _split_sum_otherwise(answers) -> str:
     """The hint when no usual mistake explains the sums: do they change with n_splits?"""
     bits: dict[int, set] = {}
@@ -151,12 +160,14 @@ def _split_sum_otherwise(answers) -> str:
         bits.setdefault(id(x), set()).add(got.view(torch.int32).item())
     return SPLIT["depends_on_splits" if any(len(v) > 1 for v in bits.values()) else "otherwise"]
 
+
 def _vectors() -> list[tuple[torch.Tensor, int]]:
     """(x, chunk): magnitudes from 1e-3 to 1e3, so the summation order shows in the last bits."""
     g = torch.Generator().manual_seed(0)
     return [(torch.randn(n, generator=g) * 10 ** (torch.rand(n, generator=g) * 6 - 3), chunk)
             for n, chunk in [(1, 16), (15, 16), (16, 16), (17, 16), (100, 16), (257, 16),
                              (1000, 16), (4096, 16), (103, 5)]]
+
 
 SPLIT_SUM = ck.Exercise(
     "invariant_split_sum",
@@ -181,6 +192,7 @@ check_invariant_split_sum = SPLIT_SUM.check
 # --- exercise 3: the replay's schedule ------------------------------------------------------------
 SCHED = H["verify_schedule"]
 
+
 def reference_schedule(n: int, window: int) -> list[tuple[int, int]]:
     """(first, proposals) of every replay of n new tokens, no rollback (T₀ is token 0)."""
     passes, first = [], 0
@@ -189,6 +201,7 @@ def reference_schedule(n: int, window: int) -> list[tuple[int, int]]:
         passes.append((first, k))
         first += k + 1
     return passes
+
 
 def served_schedule(n: int, window: int) -> list[tuple[int, int]]:
     """(first, proposals) of serve()'s replays of a deterministic request beside two sampled."""
@@ -201,6 +214,7 @@ def served_schedule(n: int, window: int) -> list[tuple[int, int]]:
     return [(e.cache_len_before - len(prompt), len(e.input_ids))
             for e in out.trace if e.kind == "verify"]
 
+
 def _pass_list(got, *case) -> list[tuple[int, int]]:
     """The contract: a list of (int, int) pairs (a 2-D array or tensor will do)."""
     if isinstance(got, torch.Tensor) or type(got).__module__ == "numpy":
@@ -211,6 +225,7 @@ def _pass_list(got, *case) -> list[tuple[int, int]]:
             ck.as_int(v) is not None for v in got)
         raise ck.Refused(SCHED["counts" if counts else "pairs"])
     return [tuple(p) for p in pairs]
+
 
 SCHEDULE = ck.Exercise(
     "verify_schedule",
@@ -237,6 +252,7 @@ STEPS = SERVER_NEW - 1                          # decode steps after the prefill
 ROUNDS = math.ceil(STEPS / SERVER_WINDOW)       # replays of a deterministic request
 PASSES, _N = H["predict_server_passes"], len(SERVER_PROMPTS)
 
+
 def server_passes(n_det: int, prompts: tuple = SERVER_PROMPTS) -> int:
     """The server's passes after the prefills (batched and replays), the first n_det replayed."""
     requests = [Request(list(p), SERVER_NEW, deterministic=i < n_det)
@@ -245,6 +261,7 @@ def server_passes(n_det: int, prompts: tuple = SERVER_PROMPTS) -> int:
         outs = serve(_tiny(), requests, replay_window=SERVER_WINDOW, trace=True)
     batched = {e.step for o in outs for e in o.trace if e.kind == "decode"}
     return len(batched) + sum(e.kind == "verify" for o in outs for e in o.trace)
+
 
 _measured = functools.cache(server_passes)  # the checkers' copy: a learner's call still runs serve
 PASSES_MISTAKES = {  # hint -> the passes predicted with that mistake when d are deterministic
@@ -255,6 +272,7 @@ PASSES_MISTAKES = {  # hint -> the passes predicted with that mistake when d are
     PASSES["replace"]: lambda d: STEPS + d * ROUNDS,
     PASSES["alone"]: lambda d: STEPS + ROUNDS,
 }
+
 
 @ck.one_thread
 @ck.guarded
@@ -281,12 +299,14 @@ def check_predict_server_passes(predict_server_passes) -> None:
           + f" (d = 2: {_measured(2)}, d = 3: {_measured(3)})")
     ck.passed(name, len(PREDICT_D))
 
+
 # --- exercise 5 (debug): a replayed window's verification -----------------------------------------
 WINDOW = H["verify_window"]
 # (temperature, seed, committed tokens before the window, window, proposal to corrupt or None)
 WINDOW_CASES = [(0.0, 0, 5, 4, None), (0.0, 0, 5, 4, 1), (1.0, 3, 5, 4, None), (1.0, 3, 9, 4, 2),
                 (0.8, 7, 1, 4, None), (1.0, 11, 6, 2, None), (1.0, 5, 8, 8, None),
                 (1.0, 5, 8, 8, 0), (0.0, 0, 3, 8, 5), (1.2, 2, 13, 4, None)]
+
 
 def _engine_window(model, seq, proposals, cache, sampling, start, window, shift=0):
     """The engine's verify-and-commit core on the same inputs (the reference); with shift=-1 the
@@ -296,6 +316,7 @@ def _engine_window(model, seq, proposals, cache, sampling, start, window, shift=
         lambda rows, c: model(torch.tensor([rows], device=model.device), cache=c)[0],
         partial(accept_matching, sampling=sampling, first_position=len(seq) + shift),
         start=start, rows=window).verdict.accepted
+
 
 def _window_case(model, prompt, n_committed, window, sampling, corrupt):
     """(seq, proposals, cache, start) of a request mid-decode, as the verifier finds it: the fast
@@ -320,6 +341,7 @@ def _window_case(model, prompt, n_committed, window, sampling, corrupt):
             model(torch.tensor([fed]), cache=cache)
     return seq, proposals, cache, start
 
+
 def _window_hint(student: dict, engine: dict, buggy: dict, sampled: bool) -> str:
     if student == buggy and student != engine:
         return WINDOW["buggy"] + WINDOW["symptom"]
@@ -328,6 +350,7 @@ def _window_hint(student: dict, engine: dict, buggy: dict, sampled: bool) -> str
     if sampled and student["accepted"] < engine["accepted"]:
         return WINDOW["symptom"]
     return WINDOW["cache" if student["seq"] == engine["seq"] else "otherwise"]
+
 
 @ck.one_thread
 @ck.guarded
@@ -360,19 +383,24 @@ def check_verify_window(verify_window) -> None:
               "verify_window_buggy's results", WINDOW["buggy_everywhere"] + WINDOW["symptom"])
     ck.passed(name, len(WINDOW_CASES))
 
+
 # --- exercise 6 (design): batch-invariant kernels, or replay? -------------------------------------
 DESIGN_PROMPTS = SERVER_PROMPTS + ((50, 51, 52, 53), (60,), (70, 71, 72, 73, 74, 75), (80, 81, 82))
 D = H["choose_determinism"]
 
+
 def _passes(n_det: int) -> int:
     return _measured(n_det, DESIGN_PROMPTS)  # n_det of the 8 requests deterministic
+
 
 def _cheaper(verify_passes: int, invariant_passes: float) -> str:
     return "verify" if verify_passes <= invariant_passes else "invariant"
 
+
 def reference_determinism(n_det: int, overhead: float) -> str:
     """Verification costs serve()'s passes; invariant kernels the plain ones', each slower."""
     return _cheaper(_passes(n_det), _passes(0) * (1 + overhead))
+
 
 DESIGN = ck.Exercise(
     "choose_determinism",

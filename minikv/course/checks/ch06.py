@@ -24,15 +24,19 @@ G, R, M, A, P, C, B, S = (H[k] for k in (
     "gather_keys", "reserve", "matching_blocks", "can_admit", "predict_peak_blocks", "crop",
     "choose_block_size", "chunk_schedule"))
 
+
 def _config(n_layer: int, n_head: int, head_dim: int) -> GPTConfig:
     return GPTConfig.preset("tiny", n_layer=n_layer, n_head=n_head, n_embd=n_head * head_dim)
+
 
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
+
 @functools.cache
 def _tiny_model():
     return ck.tiny_model(0)
+
 
 class _Labelled(list):
     """A case's argument that carries what the case is about (`label`), for the message."""
@@ -40,6 +44,7 @@ class _Labelled(list):
     def __init__(self, label: str, items=()):
         super().__init__(items)
         self.label = label
+
 
 # --- exercise 1 (a table): a sequence's keys, read through its block table ----------------------
 # (what the case is about, num_blocks, nh, block_size, hs, table, length); the first tells the
@@ -58,12 +63,14 @@ GATHER_CASES = [
      21),
 ]
 
+
 def numbered(num_blocks: int, nh: int, bs: int, hs: int) -> torch.Tensor:
     """A pool's keys whose every number says where it sits: [b, h, s, d] holds b·10⁶ + h·10⁴ +
     s·10² + d (exact in float32), so an answer shows which slots it read."""
     axes = [torch.arange(n).view([-1 if i == k else 1 for i in range(4)])
             for k, n in enumerate((num_blocks, nh, bs, hs))]
     return (axes[0] * 10**6 + axes[1] * 10**4 + axes[2] * 100 + axes[3]).float()
+
 
 def engine_read(pool_keys: torch.Tensor, table: list[int], length: int) -> torch.Tensor:
     """(nh, length, hs): what a pass through PagedCache writing the last position reads back."""
@@ -76,10 +83,12 @@ def engine_read(pool_keys: torch.Tensor, table: list[int], length: int) -> torch
         keys, _ = PagedCache(pool, [BlockTable(0, list(table), length - 1)]).update(new, new, 0)
     return keys[0]
 
+
 def _read(where):
     """A gather that reads position p at where(table, p // block_size, p % block_size)."""
     return lambda pool_keys, table, length: torch.stack([pool_keys[where(
         table, p // pool_keys.size(2), p % pool_keys.size(2))] for p in range(length)], dim=1)
+
 
 def _slots(keys: torch.Tensor) -> str:
     """An answer as the pool slots its positions hold, in runs: 'pool_keys[5, :, 0..3], ...'."""
@@ -100,6 +109,7 @@ def _slots(keys: torch.Tensor) -> str:
                      f"pool_keys[{r[0]}, :, {r[1]}{'' if r[1] == r[2] else f'..{r[2]}'}]"
                      for r in runs)
 
+
 def _gathered(got, pool_keys, table, length) -> torch.Tensor:
     """The contract: a (nh, length, hs) tensor in the pool's dtype."""
     _, nh, bs, hs = pool_keys.shape
@@ -118,6 +128,7 @@ def _gathered(got, pool_keys, table, length) -> torch.Tensor:
     if got.dtype != pool_keys.dtype:
         raise ck.Refused(G["dtype"], f"dtype {pool_keys.dtype}")
     return got
+
 
 GATHER = ck.Exercise(
     "gather_keys", cases=[(numbered(n, nh, bs, hs), _Labelled(label, table), length)
@@ -161,6 +172,7 @@ RESERVE_CASES = [
      None, [2]),
 ]
 
+
 def _books(bs: int, num_blocks: int, tables: list[BlockTable], mine: BlockTable, order=None,
            layers: int = 1, seed: int = 0) -> BlockPool:
     """A pool whose books (reference counts, free list) are these tables', its K/V random."""
@@ -172,6 +184,7 @@ def _books(bs: int, num_blocks: int, tables: list[BlockTable], mine: BlockTable,
     pool.free = deque(b for b in (range(num_blocks) if order is None else order)
                       if pool.ref[b] == 0)
     return pool
+
 
 def reserve_pool(case: tuple, seed: int) -> tuple[BlockPool, list[BlockTable], BlockTable]:
     """The case's pool (random K/V in 2 layers of 2 heads), the other tables, and this one."""
@@ -185,6 +198,7 @@ def reserve_pool(case: tuple, seed: int) -> tuple[BlockPool, list[BlockTable], B
         pool.by_hash[h], pool.hash_of[b] = b, h
     return pool, tables, mine
 
+
 def _kv_differences(before: BlockPool, old: BlockTable, after: BlockPool,
                     new: BlockTable) -> list[tuple[int, bool]]:
     """(layer, values?) of the tensors read differently through `new` than through `old`."""
@@ -194,6 +208,7 @@ def _kv_differences(before: BlockPool, old: BlockTable, after: BlockPool,
     return [(layer, values) for layer in range(len(before.keys)) for values in (False, True)
             if not all(torch.equal(a, b) for a, b in zip(read(before, old, layer, values),
                                                          read(after, new, layer, values)))]
+
 
 def _check_reserve_case(name: str, case_id: int, case: tuple, reserve) -> None:
     label, bs, _, others, (blocks0, length), n_new, _, _ = case
@@ -265,6 +280,7 @@ def _check_reserve_case(name: str, case_id: int, case: tuple, reserve) -> None:
                 R["keys_only"] if values == {True} else R["values_only"] if values == {False}
                 else R["layer_0"] if 0 not in layers else R["no_kv"])
 
+
 @ck.guarded
 def check_reserve(reserve) -> None:
     """reserve(pool, table, n_new): room for n_new more positions, as PagedCache.reserve."""
@@ -274,9 +290,11 @@ def check_reserve(reserve) -> None:
 
 # --- exercise 3 (a table): a prompt's cached prefix blocks ----------------------------------------
 
+
 def _tokens(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1000) for _ in range(n)]
+
 
 def published(bs: int, prompts: list[tuple[list[int], list[int]]]) -> dict[str, int]:
     """by_hash after these (prompt, blocks) were admitted in order: full blocks, chained hashes."""
@@ -287,6 +305,7 @@ def published(bs: int, prompts: list[tuple[list[int], list[int]]]) -> dict[str, 
             h = block_hash(h, prompt[i * bs:(i + 1) * bs])
             by_hash.setdefault(h, blocks[i])
     return by_hash
+
 
 def _matching_cases() -> list[tuple[_Labelled, int, dict[str, int]]]:
     """(prompt labelled with what the case is about, block_size, by_hash)."""
@@ -319,11 +338,13 @@ def _matching_cases() -> list[tuple[_Labelled, int, dict[str, int]]]:
     ]
     return [(_Labelled(label, prompt), bs, by_hash) for label, prompt, bs, by_hash in cases]
 
+
 def engine_shared_prefix(prompt: list[int], bs: int, by_hash: dict[str, int]) -> list[int]:
     """The server's own answer: BlockPool.cached_prefix on a pool holding these hashes."""
     pool = BlockPool(_config(1, 1, 1), 1 + max(by_hash.values(), default=0), bs)
     pool.by_hash = dict(by_hash)
     return pool.cached_prefix(list(prompt))
+
 
 def _match(prompt, bs, by_hash, n_blocks=None, chained=True, stop=True, cumulative=False):
     """A prefix match (the right one), or with one of the usual mistakes."""
@@ -337,6 +358,7 @@ def _match(prompt, bs, by_hash, n_blocks=None, chained=True, stop=True, cumulati
             break
     return blocks
 
+
 def _block_ids(got, *case) -> list[int]:
     """The contract: a list of block ids (ints)."""
     if ck.int_list(got) is not None:
@@ -344,15 +366,18 @@ def _block_ids(got, *case) -> list[int]:
     hashes = isinstance(got, (list, tuple)) and got and all(isinstance(x, str) for x in got)
     raise ck.Refused(M["hashes"] if hashes else M["not_ids"])
 
+
 def _show_prompt(prompt: list[int]) -> str:
     return (f"{prompt}" if len(prompt) <= 16 else
             f"[{', '.join(map(str, prompt[:6]))}, ... {len(prompt) - 8} more ..., "
             f"{prompt[-2]}, {prompt[-1]}]") + f" ({len(prompt)} tokens)"
 
+
 def _matching_otherwise(answers) -> str:
     got, want = next((got, engine_shared_prefix(*case)) for case, got in answers
                      if got != engine_shared_prefix(*case))
     return (M["nothing_found"] if not got and want else "") + M["otherwise"]
+
 
 MATCHING = ck.Exercise(
     "matching_blocks", cases=_matching_cases(),
@@ -370,12 +395,14 @@ check_matching_blocks = MATCHING.check
 
 # --- exercise 4 (a table): the admission rule ----------------------------------------------------
 
+
 class _Pool(BlockPool):
     """A case's pool, its `label`, the request's prompt and tokens; equal when the books are."""
 
     def __eq__(self, other) -> bool:
         return (self.ref, list(self.free), self.by_hash) == (other.ref, list(other.free),
                                                              other.by_hash)
+
 
 def _admission_cases() -> list[tuple]:
     """(what the case is about, block_size, running requests' blocks, cached (prompt, blocks)
@@ -404,6 +431,7 @@ def _admission_cases() -> list[tuple]:
     ]
     return [case[:-1] + (slack,) for case in edges for slack in case[-1]]
 
+
 def admission_state(case: tuple) -> tuple[_Pool, int, list[int], int]:
     """can_admit's arguments for the case: (pool, n_tokens, shared, n_running)."""
     label, bs, running, cached, prompt, produced, slack = case
@@ -422,6 +450,7 @@ def admission_state(case: tuple) -> tuple[_Pool, int, list[int], int]:
     pool.label, pool.prompt, pool.tokens = label, list(prompt), list(prompt) + list(produced)
     return pool, len(pool.tokens), shared, len(running)
 
+
 def engine_admits(pool: _Pool, n_tokens: int, shared: list[int], n_running: int) -> bool:
     """The server's answer: its scheduler's admission rule on the case's pool."""
     s = Sequence(99, Request(list(pool.prompt), 1), list(pool.prompt), False)
@@ -431,8 +460,10 @@ def engine_admits(pool: _Pool, n_tokens: int, shared: list[int], n_running: int)
     _, blocks, tokens = scheduler.admission(s)
     return scheduler.policy.fits(scheduler, s, blocks, tokens)
 
+
 def _held(pool, shared) -> int:
     return sum(pool.ref[b] > 0 for b in shared)
+
 
 def _rule(held=_held, blocks=_ceil, headroom=lambda r: 1 + r, strict=False):
     """The admission rule (the right one), or with one of the usual mistakes."""
@@ -440,6 +471,7 @@ def _rule(held=_held, blocks=_ceil, headroom=lambda r: 1 + r, strict=False):
         need = blocks(n_tokens, pool.page_size) - held(pool, shared) + headroom(n_running)
         return pool.n_free > need if strict else pool.n_free >= need
     return can_admit
+
 
 def _a_bool(got, *case) -> bool:
     """The contract: a bool (Python's or numpy's)."""
@@ -449,11 +481,13 @@ def _a_bool(got, *case) -> bool:
     kind_of = f"{type(got).__module__}.{type(got).__name__}".replace("builtins.", "")
     raise ck.Refused(A["not_a_bool"].format(kind=kind_of))
 
+
 def _admission_otherwise(answers) -> str:
     pool, n_tokens, shared, r = next(case for case, got in answers if got != engine_admits(*case))
     blocks, held = _ceil(n_tokens, pool.page_size), _held(pool, shared)
     return A["otherwise"].format(blocks=blocks, held=held, take=blocks - held, running=r,
                                  need=blocks - held + 1 + r, free=pool.n_free)
+
 
 ADMISSION = ck.Exercise(
     "can_admit", cases=[admission_state(case) for case in _admission_cases()],
@@ -478,6 +512,7 @@ check_can_admit = ADMISSION.check
 PEAK_SAMPLES, PEAK_NEW, PEAK_BLOCK = 4, 7, 4
 PEAK_KEYS = [(10, True), (12, True), (12, False)]  # (prompt tokens, prefix caching)
 
+
 def measure_peak(prompt_len: int, prefix_caching: bool) -> int:
     """The peak for PEAK_SAMPLES requests with the same prompt, served on a tiny random model."""
     requests = [Request(list(range(100, 100 + prompt_len)), PEAK_NEW) for _ in range(PEAK_SAMPLES)]
@@ -485,6 +520,7 @@ def measure_peak(prompt_len: int, prefix_caching: bool) -> int:
         outs = serve(_tiny_model(), requests, page_size=PEAK_BLOCK, prefix_caching=prefix_caching,
                      trace=True)
     return max(sum(ref > 0 for ref in step.ref) for step in outs.pool_steps)
+
 
 def _peak_mistakes(prompt_len: int, prefix_caching: bool) -> list[tuple[int, str]]:
     n, bs = PEAK_SAMPLES, PEAK_BLOCK
@@ -497,6 +533,7 @@ def _peak_mistakes(prompt_len: int, prefix_caching: bool) -> list[tuple[int, str
             (n * (prompt_len + PEAK_NEW - 1) // bs, P["floor"])] + (
         [] if prefix_caching else [(n * own - (n - 1) * ((prompt_len - 1) // bs),
                                     P["no_caching"])])
+
 
 @ck.one_thread
 @ck.guarded
@@ -529,6 +566,7 @@ def check_predict_peak_blocks(predict_peak_blocks) -> None:
 
 # --- exercise 6 (debug): giving blocks back on a rollback ----------------------------------------
 
+
 class BuggyPagedCache(PagedCache):
     """The notebook's broken rollback, verbatim: it gives back the block that still holds the
     sequence's last positions whenever the new length is not a multiple of block_size."""
@@ -538,6 +576,7 @@ class BuggyPagedCache(PagedCache):
         t.length = max_length
         while len(t.blocks) * bs > max_length:        # a block past the end goes back
             self.pool.release(t.blocks.pop(), t.owner)
+
 
 # (what the case is about, block_size, this table (blocks, length), others' blocks, new length)
 CROP_CASES = [
@@ -553,6 +592,7 @@ CROP_CASES = [
     ("blocks of 1 position", 1, ([5, 2, 7, 1], 4), [], 2),
 ]
 
+
 def crop_pool(case):
     """The case's pool (just the books), the tables of the others, and this table."""
     _, bs, (blocks, length), others, _ = case
@@ -561,11 +601,13 @@ def crop_pool(case):
     num_blocks = max(set(blocks) | {b for o in others for b in o}) + 3
     return _books(bs, num_blocks, tables, mine), tables, mine
 
+
 def _cropped(cache_class, case) -> tuple:
     """(table.blocks, length, pool.ref, pool.free) after cache_class's crop on the case."""
     pool, _, mine = crop_pool(case)
     cache_class(pool, [mine]).crop(case[-1])
     return mine.blocks, mine.length, pool.ref, list(pool.free)
+
 
 @ck.guarded
 def check_crop(cache_class) -> None:
@@ -600,6 +642,7 @@ def check_crop(cache_class) -> None:
     _check_crop_in_decoding(name, cache_class)
     ck.passed(name, len(CROP_CASES) + 1)
 
+
 def _check_crop_in_decoding(name, cache_class) -> None:
     """Greedy verify-and-rollback decoding on cache_class must give target-only greedy tokens."""
     model, prompt, n_new = _tiny_model(), [3, 17, 200, 41, 9, 77, 5], 24
@@ -631,8 +674,10 @@ def _check_crop_in_decoding(name, cache_class) -> None:
 
 # --- exercise 7 (design, a table): a block size for a memory budget ------------------------------
 
+
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 DESIGN_BUDGETS = (0.0, 0.05, 0.1, 0.25)
+
 
 def blocks_taken(lengths: list[int], block_size: int) -> int:
     """Blocks PagedCache.reserve takes for sequences of these lengths, one table each."""
@@ -642,11 +687,14 @@ def blocks_taken(lengths: list[int], block_size: int) -> int:
         PagedCache(pool, [BlockTable(i)]).reserve(n)
     return pool.num_blocks - pool.n_free
 
+
 def _largest(ok) -> int:
     return max([bs for bs in BLOCK_SIZES if ok(bs)], default=1)
 
+
 def reference_block_size(lengths: list[int], max_waste: float) -> int:
     return _largest(lambda bs: blocks_taken(lengths, bs) * bs <= (1 + max_waste) * sum(lengths))
+
 
 def _snapshots() -> list[_Labelled]:
     """The positions each running sequence holds, labelled with what the snapshot is."""
@@ -660,9 +708,11 @@ def _snapshots() -> list[_Labelled]:
             _Labelled("4 long documents of 900-2000 tokens", documents),
             _Labelled("sequences whose lengths are all multiples of 64", [64, 192, 320, 128])]
 
+
 def _reserved(lengths, bs) -> str:
     held, taken = sum(lengths), blocks_taken(lengths, bs) * bs
     return f"{taken:,} positions reserved for {held:,} held, {100 * (taken / held - 1):.1f}% waste"
+
 
 BLOCK_SIZE = ck.Exercise(
     "choose_block_size", cases=[(lengths, w) for lengths in _snapshots() for w in DESIGN_BUDGETS],
@@ -686,6 +736,7 @@ check_choose_block_size = BLOCK_SIZE.check
 
 SCHEDULE_NEW = 64  # new tokens per request: every finished prompt decodes to the end of the case
 
+
 def _schedule_cases() -> list[tuple[_Labelled, int]]:
     """(prompt lengths, labelled, budget); budget > requests, so every schedule ends."""
     cases = [("three prompts, the first shorter than the budget", [5, 40, 12], 16),
@@ -697,6 +748,7 @@ def _schedule_cases() -> list[tuple[_Labelled, int]]:
              ("many decode rows eating into a small budget", [3, 50, 7, 20], 10),
              ("a budget of 6 for three prompts", [17, 33, 5], 6)]
     return [(_Labelled(label, lens), budget) for label, lens, budget in cases]
+
 
 def engine_schedule(prompt_lens: list[int], budget: int) -> list[list[int]]:
     """The prompt tokens each request computed per step in a chunked serve(), from its trace."""
@@ -710,6 +762,7 @@ def engine_schedule(prompt_lens: list[int], budget: int) -> list[list[int]]:
             if e.kind in ("chunk", "prefill"):
                 steps.setdefault(e.step, [0] * len(prompt_lens))[i] = e.kv_computed
     return [steps.get(s, [0] * len(prompt_lens)) for s in range(max(steps) + 1)]
+
 
 def _schedule_rule(decodes_first=True, same_step=False, oldest_first=True, even=False):
     """The schedule by the rule (the right one), or with one of the usual mistakes."""
@@ -733,6 +786,7 @@ def _schedule_rule(decodes_first=True, same_step=False, oldest_first=True, even=
         return steps
     return chunk_schedule
 
+
 def _a_schedule(got, prompt_lens, budget) -> list[list[int]]:
     """The contract: a list of steps, each a list of one chunk size (an int) per prompt."""
     if not isinstance(got, (list, tuple)) or not got:
@@ -741,6 +795,7 @@ def _a_schedule(got, prompt_lens, budget) -> list[list[int]]:
     if any(step is None or len(step) != len(prompt_lens) for step in steps):
         raise ck.Refused(S["not_chunks"].format(n=len(prompt_lens)))
     return steps
+
 
 SCHEDULE_CHUNKS = ck.Exercise(
     "chunk_schedule", cases=_schedule_cases(),

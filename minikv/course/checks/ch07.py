@@ -31,6 +31,7 @@ GQA_SHAPES = [(1, 4, 2, 5, 8), (2, 8, 2, 7, 16), (1, 8, 1, 6, 32), (1, 4, 4, 5, 
               (1, 6, 3, 4, 4), (2, 8, 4, 9, 8), (1, 2, 1, 1, 4), (1, 12, 4, 11, 16)]
 GQA_MODELS = ("target-gqa2", "target-mqa")
 
+
 @contextlib.contextmanager
 def _no_kernel(exercise: str):
     """forbid, also for PyTorch's scaled_dot_product_attention (enable_gqa does the exercise)."""
@@ -41,6 +42,7 @@ def _no_kernel(exercise: str):
         if e.called != "torch.scaled_dot_product_attention":
             raise
         raise ck.CheckFailed(f"{exercise}: {G['kernel']}") from None
+
 
 def _attend(q, k, v, tile=False, mask="tril", diagonal=0, scale=None, dim=-1, after=False):
     """softmax(q kᵀ x scale) v over K/V heads expanded to the query heads, and its classic bugs."""
@@ -53,6 +55,7 @@ def _attend(q, k, v, tile=False, mask="tril", diagonal=0, scale=None, dim=-1, af
     weights = torch.softmax(scores, dim=dim)
     return (weights * allowed if allowed is not None and after else weights) @ v
 
+
 GQA_MISTAKES = {  # hint -> a wrong gqa_attention; the last three are told apart by their shape
     G["tiled"]: partial(_attend, tile=True), G["no_mask"]: partial(_attend, mask=None),
     G["no_scale"]: partial(_attend, scale=1.0),
@@ -64,9 +67,11 @@ GQA_MISTAKES = {  # hint -> a wrong gqa_attention; the last three are told apart
     G["per_query_head"]: lambda q, k, v: v,
 }
 
+
 def _gqa_crash_hint(nh: int, nkv: int):
     return lambda error: (G["crash"].format(nkv=nkv, nh=nh, group=nh // nkv) if isinstance(
         error, RuntimeError) and nkv not in (1, nh) else "your function raised on this input")
+
 
 @ck.guarded
 @torch.no_grad()
@@ -108,9 +113,11 @@ def check_gqa_attention(gqa_attention) -> None:
                     f"logits off by up to {(got - want).abs().max():.4g}", G["model"])
     ck.passed(name, len(GQA_SHAPES) + len(GQA_MODELS))
 
+
 # --- exercise 2: a quantized block of keys ------------------------------------------------------
 Q = H["quantize_block"]
 QUANT_FORBIDDEN = (quantize, dequantize, QuantizedKVCache.update)
+
 
 def _real_kv() -> tuple[torch.Tensor, ...]:
     """The target's layer-0/5 keys and layer-3 values, (1, 8, T, 24): T = 20 != head_dim."""
@@ -120,6 +127,7 @@ def _real_kv() -> tuple[torch.Tensor, ...]:
     target(torch.tensor([ids]), cache=cache)
     return tuple(t[:, :, :len(ids)].clone()
                  for t in (cache.keys[0], cache.keys[5], cache.values[3]))
+
 
 def quant_cases() -> list[tuple[str, torch.Tensor, int, str]]:
     """(what the case is about, x, bits, per); the first tells most mistakes apart. Per channel
@@ -147,12 +155,14 @@ def quant_cases() -> list[tuple[str, torch.Tensor, int, str]]:
             ("keys (1, 2, 9, 6) with an outlier channel (3, 25x larger everywhere) and an "
              "all-zero channel (1)", outlier, 4, "channel")]
 
+
 def engine_quantized(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...]:
     """The engine's signed codes (int64, in [-qmax, qmax]), scales (..., T, 1) and dequantized x
     (it stores code + 2^(bits-1) as uint8, two codes a byte at 4 bits)."""
     packed, scales = quantize(x, bits)
     codes = dequantize(packed, torch.ones_like(scales), bits, x.size(-1))  # code x 1, exactly
     return codes.round().long(), scales, dequantize(packed, scales, bits, x.size(-1))
+
 
 def _scale_hint(x: torch.Tensor, scales: torch.Tensor, bits: int) -> str:
     """Which wrong divisor N of scale = max|x| / N, or which other usual mistake, these are."""
@@ -177,12 +187,14 @@ def _scale_hint(x: torch.Tensor, scales: torch.Tensor, bits: int) -> str:
             return Q[key].format(qmax=qmax)
     return Q["scales"].format(qmax=qmax)
 
+
 CODE_MISTAKES = {  # hint -> the codes a wrong rounding of x / scale gives (clamped or not)
     Q["truncated"]: lambda x, s: (x / s).double().trunc(),  # in x's dtype, as the learner divides
     Q["floor"]: lambda x, s: (x / s).double().floor(),
     Q["ceil"]: lambda x, s: (x / s).double().ceil(),
     Q["multiplied"]: lambda x, s: (x.double() * s.double()).round(),
 }
+
 
 def _check_quantized(name, case, x, bits, got) -> tuple[torch.Tensor, torch.Tensor]:
     """The learner's (codes, scales) for x, checked against the engine; returned when right."""
@@ -224,6 +236,7 @@ def _check_quantized(name, case, x, bits, got) -> tuple[torch.Tensor, torch.Tens
                          ((c.double() - y).abs() > 0.5 + 1e-3).any()))  # ties may round apart
     return codes, scales
 
+
 def _check_channel_quantized(name, case, x, bits, got) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel codes and scales of x, checked as the per-token ones of x transposed (the
     engine's quantize on the transposed block is the reference); hints in channel words."""
@@ -250,6 +263,7 @@ def _check_channel_quantized(name, case, x, bits, got) -> tuple[torch.Tensor, to
         raise ck.CheckFailed(message + Q["per_channel_too"]) from None
     return codes.transpose(-1, -2), scales.transpose(-1, -2)
 
+
 @ck.guarded
 @torch.no_grad()
 def check_quantize(quantize_block, dequantize_block) -> None:
@@ -273,9 +287,11 @@ def check_quantize(quantize_block, dequantize_block) -> None:
         _check_dequantized(case, x, codes, scales, mine, out)
     ck.passed("quantize_block and dequantize_block", len(cases))
 
+
 D = H["dequantize_block"]
 DEQUANT_MISTAKES = {D["codes"]: lambda codes, scales: codes.double(),  # a wrong dequantize_block
                     D["divided"]: lambda codes, scales: codes.double() / scales.double()}
+
 
 def _check_dequantized(case, x, codes, scales, mine, out) -> None:
     name = "dequantize_block"
@@ -289,17 +305,21 @@ def _check_dequantized(case, x, codes, scales, mine, out) -> None:
               .any(), name, case, "every element within half a scale of x", "a larger error",
               D["half"])
 
+
 # --- exercise 3: which positions a sink-and-window cache holds ----------------------------------
 HELD_HINTS = H["held_positions"]
 N_TOKENS = 24  # each (sinks, window) is fed N_TOKENS tokens one per pass, t = 0 .. N_TOKENS - 1
 WINDOW_PAIRS = [(2, 4), (0, 5), (4, 8), (1, 1), (0, 1), (3, 2), (5, 3), (4, 12)]
 
+
 def _right(t: int, s: int, w: int) -> list[int]:
     seen = t + 1
     return list(range(seen)) if seen <= s + w else list(range(s)) + list(range(seen - w, seen))
 
+
 def _recent(t: int, n: int) -> list[int]:
     return list(range(max(0, t - n + 1), t + 1))
+
 
 @lru_cache(maxsize=None)
 def engine_positions(sinks: int, window: int, n_tokens: int = N_TOKENS) -> list[list[int]]:
@@ -310,6 +330,7 @@ def engine_positions(sinks: int, window: int, n_tokens: int = N_TOKENS) -> list[
     tokens = torch.randint(0, model.config.vocab_size, (n_tokens,), generator=gen).tolist()
     return [(feed(model, [token], cache), list(cache.positions))[1] for token in tokens]
 
+
 def _held_list(got, t, sinks, window):
     if isinstance(got, (set, frozenset)):
         raise ck.Refused(HELD_HINTS["set"])
@@ -317,6 +338,7 @@ def _held_list(got, t, sinks, window):
     if held is None:
         raise ck.Refused(HELD_HINTS["ints"])
     return held
+
 
 def _held_otherwise(answers) -> str:
     (t, sinks, window), held = next((c, g) for c, g in answers if g != _right(*c))
@@ -327,6 +349,7 @@ def _held_otherwise(answers) -> str:
     if any(p > t or p < 0 for p in held):
         return HELD_HINTS["written"].format(t=t)
     return HELD_HINTS["otherwise"]
+
 
 HELD = ck.Exercise(
     "held_positions",
@@ -354,6 +377,7 @@ BYTES_TEXT = ("Once upon a time there was a little cat named Tom. Tom liked to p
               "find it.")
 BYTES_TOKENS, BYTES_KEYS = 50, ("gqa2_int4", "mqa_window")
 
+
 def measure_bytes() -> dict[str, int]:
     """nbytes after 50 tokens: target-gqa2's 4-bit cache, target-mqa's SinkWindowCache(4, 16)."""
     (gqa2, tok), (mqa, _) = (load_course_model(m, "cpu") for m in ("target-gqa2", "target-mqa"))
@@ -364,6 +388,7 @@ def measure_bytes() -> dict[str, int]:
     gqa2(torch.tensor([ids]), cache=quantized)
     feed(mqa, ids, window)
     return {"gqa2_int4": quantized.nbytes, "mqa_window": window.nbytes}
+
 
 def _bytes_mistakes(key: str) -> list[tuple[int, str]]:
     """(bytes, hint): what each usual mistake predicts."""
@@ -377,6 +402,7 @@ def _bytes_mistakes(key: str) -> list[tuple[int, str]]:
         evicts=per * n, newest=per * 21, sinks_stay=per * 16, one_head=layers * 2 * 8 * hs * 4 * 20,
         k_and_v_too=layers * 8 * hs * 4 * 20 // 8, layers=2 * hs * 4 * 20,
         not_quantized=per * 20 // 2)).items()]
+
 
 @ck.guarded
 @torch.no_grad()
@@ -405,9 +431,11 @@ def check_predict_bytes(predict_bytes) -> None:
           f"than the target's fp32 cache ({full:,})")
     ck.passed(name, len(BYTES_KEYS))
 
+
 # --- exercise 5 (debug): a sink-and-window cache --------------------------------------------------
 W = H["window_cache"]
 DEBUG_PAIRS = [(4, 8), (2, 5), (0, 6), (1, 1)]
+
 
 class _BuggyWindowCache(SinkWindowCache):
     """The notebook's BuggyWindowCache, logit for logit: the next token's position is the number
@@ -415,6 +443,7 @@ class _BuggyWindowCache(SinkWindowCache):
 
     def get_seq_length(self, layer_idx=0):
         return len(self.positions)
+
 
 @ck.guarded
 @torch.no_grad()
@@ -449,6 +478,7 @@ def check_window_cache(cache_class) -> None:
               W["buggy_everywhere"] + W["symptom"])
     ck.passed(name, len(DEBUG_PAIRS) * len(ids))
 
+
 # --- exercise 6 (design): sinks and window under a memory budget ----------------------------------
 CW = H["choose_window"]
 DESIGN_BUDGET = 300_000          # bytes of K/V per sequence, fp32 target: 16 positions
@@ -456,11 +486,13 @@ OTHER_BUDGETS = (450_000, 100_000, 40_000, 30_000)  # the last two: room for 2 p
 DESIGN_DOCS, SINK_CANDIDATES = 12, (0, 1, 2, 3, 4, 6, 8)
 LOSS_MARGIN = 0.02               # within 2% of the best split counts as best
 
+
 def window_loss(sinks: int, window: int) -> float:
     """The target's held-out coin-flip loss, each token seeing what SinkWindowCache holds."""
     target, tok = load_course_model("target", "cpu")
     return heldout_losses(target, tok, corpora=("coinflip",), n_docs=DESIGN_DOCS,
                           attention=window_attention(sinks, window))["coinflip"]
+
 
 def window_bytes(sinks: int, window: int) -> int:
     """The nbytes of a SinkWindowCache(sinks, window) of the target, once it evicts."""
@@ -468,6 +500,7 @@ def window_bytes(sinks: int, window: int) -> int:
     cache = SinkWindowCache.for_model(target, sinks=sinks, window=window)
     feed(target, tok.encode(TEXT)[:sinks + window + 2], cache)
     return cache.nbytes
+
 
 @ck.guarded
 @torch.no_grad()
