@@ -201,8 +201,10 @@ def longest_token(tokenizer) -> int:
         return 64
 
 
-def build_request(checked: Completion, ids: list[int], tokenizer, engine: Engine) -> Request:
-    """The minikv.Request for a checked body and its prompt's ids, once it fits the engine."""
+def build_request(checked: Completion, ids: list[int], tokenizer, engine: Engine,
+                  context: int) -> Request:
+    """The minikv.Request for a checked body and its prompt's ids, once it fits the engine
+    (`context`: the model's block_size)."""
     request = Request(ids, checked.max_tokens, temperature=checked.temperature,
                       top_k=checked.top_k, seed=checked.seed,
                       eos_id=getattr(tokenizer, "eot_token", None))
@@ -211,7 +213,7 @@ def build_request(checked: Completion, ids: list[int], tokenizer, engine: Engine
     except (ValueError, TypeError) as e:
         why = str(e).removeprefix("the request: ")
         # the prompt is at fault when it leaves no room for even one new token
-        at_fault = "prompt" if len(ids) >= engine.model.config.block_size else "max_tokens"
+        at_fault = "prompt" if len(ids) >= context else "max_tokens"
         raise BadRequest(f"prompt ({len(ids)} tokens) + max_tokens ({checked.max_tokens}) does "
                          f"not fit this server: {why}", at_fault) from None
     return request
@@ -226,7 +228,8 @@ def parse_completion(body, model_name: str, model, tokenizer,
     checked = check_completion(body, model_name, model.config.vocab_size, context,
                                context * longest_token(tokenizer))
     ids = checked.ids or tokenizer.encode(checked.text, allowed_special="all")
-    return build_request(checked, ids, tokenizer, engine), checked.stream, checked.include_usage
+    request = build_request(checked, ids, tokenizer, engine, context)
+    return request, checked.stream, checked.include_usage
 
 
 class EngineThread:
@@ -367,7 +370,8 @@ class CompletionsAPI:
             if ids is None:  # tokenizing takes time in proportion to the text: off the loop
                 ids = await asyncio.to_thread(self.tokenizer.encode, checked.text,
                                               allowed_special="all")
-            request = build_request(checked, ids, self.tokenizer, self.worker.engine)
+            request = build_request(checked, ids, self.tokenizer, self.worker.engine,
+                                    self.context)
             stream, usage = checked.stream, checked.include_usage
             index, out = self.worker.submit(request)
         except BadRequest as e:

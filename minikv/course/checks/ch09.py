@@ -66,11 +66,9 @@ def online_step_by_hand(m: float, d: float, tile: torch.Tensor) -> tuple[float, 
 
 def _step_reference(m: float, d: float, tile: torch.Tensor) -> tuple[float, float]:
     """The engine's step (flash.absorb, the one tiled_attention runs), in float64."""
-    x = tile.double()[None]
-    m_new, d_new, _ = absorb(torch.tensor([[m]], dtype=torch.float64),
-                             torch.tensor([[d]], dtype=torch.float64),
-                             torch.zeros(1, 1, dtype=torch.float64), x, torch.zeros(len(tile), 1,
-                                                                                 dtype=torch.float64))
+    x, f64 = tile.double()[None], dict(dtype=torch.float64)
+    m_new, d_new, _ = absorb(torch.tensor([[m]], **f64), torch.tensor([[d]], **f64),
+                             torch.zeros(1, 1, **f64), x, torch.zeros(len(tile), 1, **f64))
     return float(m_new), float(d_new)
 
 
