@@ -42,8 +42,8 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def alternate(runs: dict, repeats: int, device: torch.device) -> dict[str, float]:
-    """Median seconds of each callable, run in turn (A, B, A, B, ...) so drift hits all alike."""
+def alternate_all(runs: dict, repeats: int, device: torch.device) -> dict[str, list[float]]:
+    """Every run's seconds, the callables run in turn (A, B, A, B, ...) so drift hits all."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
         for name, fn in runs.items():
@@ -52,7 +52,13 @@ def alternate(runs: dict, repeats: int, device: torch.device) -> dict[str, float
             fn()
             sync(device)
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def alternate(runs: dict, repeats: int, device: torch.device) -> dict[str, float]:
+    """Median seconds of each callable, run in turn (alternate_all)."""
+    return {name: statistics.median(t)
+            for name, t in alternate_all(runs, repeats, device).items()}
 
 
 def pass_cost(cfg: GPTConfig, n_new: int, n_cached: int = 0,

@@ -28,7 +28,7 @@ from ..engine import GPT, GPTConfig, Request, Speculation, generate, serve, spec
 from ..engine.eagle import FeatureHead, feature_generate, tree_size
 from ..engine.speculative import Proposer
 from . import OUT_DIR as BENCHMARKS
-from . import alternate, sync
+from . import alternate, alternate_all
 
 OUT_DIR = BENCHMARKS / "speculation"
 PROMPTS = ("Once upon a time", "The color of dog", "A coin's state is heads. Alice flips",
@@ -109,19 +109,6 @@ def spread(times: dict[str, list[float]]) -> dict:
     """min, median and max of each callable's seconds."""
     return {name: {"min": min(t), "median": statistics.median(t), "max": max(t)}
             for name, t in times.items()}
-
-
-def alternate_all(runs: dict, repeats: int, device) -> dict[str, list[float]]:
-    """Every run's seconds, the callables run in turn (A, B, A, B, ...) so drift hits all."""
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, fn in runs.items():
-            sync(device)
-            start = time.perf_counter()
-            fn()
-            sync(device)
-            times[name].append(time.perf_counter() - start)
-    return times
 
 
 def bench_serving(target, speculation: Speculation, prompts, n_tokens, batches, repeats,

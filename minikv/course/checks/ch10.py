@@ -127,17 +127,18 @@ check_tree_mask_and_positions = MASK.check
 
 # --- exercise 2: the accepted path ----------------------------------------------------------
 
-def path_by_hand(parents: list[int], tokens: list[int], choices: list[int]):
+def path_by_hand(parents: list[int], tokens: list[int], choices: list[int], pick: int = 0):
     """The solution: from the root, go down to the child holding the target's choice there,
-    while there is one; the target's choice where the walk stops is its own token."""
+    while there is one; the target's choice where the walk stops is its own token. (`pick`:
+    which of several matching siblings; the first, as the engine takes.)"""
     path, at = [], -1
     while True:
         choice = choices[0 if at < 0 else 1 + at]
         match = [c for c, p in enumerate(parents) if p == at and tokens[c] == choice]
         if not match:
             return path, choice
-        path.append(match[0])
-        at = match[0]
+        path.append(match[pick])
+        at = match[pick]
 
 
 def _path_reference(parents, tokens, choices):
@@ -196,14 +197,7 @@ def _wrong_row(parents, tokens, choices):
 
 
 def _last_match(parents, tokens, choices):
-    path, at = [], -1
-    while True:
-        choice = choices[0 if at < 0 else 1 + at]
-        match = [c for c, p in enumerate(parents) if p == at and tokens[c] == choice]
-        if not match:
-            return path, choice
-        path.append(match[-1])
-        at = match[-1]
+    return path_by_hand(parents, tokens, choices, pick=-1)
 
 
 def _proposal_token(parents, tokens, choices):
