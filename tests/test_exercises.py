@@ -55,6 +55,31 @@ def test_every_chapter_has_exercises():
     assert len(EXERCISES) == len(course.exercise_pairs()) >= 6
 
 
+@pytest.mark.parametrize("path", EXERCISES, ids=lambda p: p.stem[:2])
+def test_no_exercise_shows_the_solutions_answers(path):
+    """A cell that holds or calls a function the student writes keeps no saved output: the
+    exercise must not print the solution's answer (or its ✓) before the student writes it."""
+    solution = nbformat.read(course.ROOT / "solutions" / path.name, as_version=4)
+    written = course.solution_functions(solution)
+    assert written, "every chapter has functions to write"
+    for cell in nbformat.read(path, as_version=4).cells:
+        if cell.cell_type == "code" and any(f"{name}(" in cell.source for name in written):
+            assert not cell.outputs, cell.source[:200]
+
+
+def test_the_generator_finds_what_a_cell_calls():
+    solution = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("def mine(x):\n    ### BEGIN SOLUTION\n    return x\n"
+                                  "    ### END SOLUTION\n"),
+        nbformat.v4.new_code_cell("print(mine(3))", outputs=[nbformat.v4.new_output(
+            "stream", text="3\n")]),
+        nbformat.v4.new_code_cell("print(s.mine(3))", outputs=[nbformat.v4.new_output(
+            "stream", text="3\n")])])
+    exercise = course.exercise_from_solution(solution)
+    assert course.solution_functions(solution) == {"mine"}
+    assert [len(c.outputs) for c in exercise.cells] == [0, 0, 1]  # s.mine is someone else's
+
+
 @pytest.mark.parametrize("path", EXERCISES, ids=lambda p: p.name)
 def test_exercise_fails_exactly_at_its_check_cells(path, stub_cells):
     checks = check_cells(path)

@@ -256,19 +256,14 @@ def test_a_preempted_deterministic_request_comes_back_with_room_for_its_recomput
     assert preempted > 0  # the case under test happened
 
 
-def test_the_old_names_still_work_for_one_release_with_a_warning():
-    """serve(window=, verify=) are now replay_window= and replay= (block_size= is gone: it is
-    the model's context length, page_size the pool's)."""
-    requests = [minikv.Request([1, 2, 3], 4, deterministic=True), minikv.Request([4, 5], 3)]
-    with pytest.warns(DeprecationWarning, match="replay_window="):
-        old = minikv.serve(MODEL32, requests, window=2)
-    with pytest.warns(DeprecationWarning, match="replay="):
-        fast = minikv.serve(MODEL32, requests, verify=False)
-    assert [o.tokens for o in old] == [o.tokens for o in minikv.serve(MODEL32, requests,
-                                                                       replay_window=2)]
-    assert fast[0].stats.rounds == 0 and old[0].stats.rounds > 0
-    with pytest.raises(TypeError, match="block_size"):
-        minikv.serve(MODEL32, requests, block_size=4)
+def test_the_old_names_are_gone_after_their_release():
+    """serve(window=, verify=) were renamed replay_window= and replay= one release ago (with a
+    warning then); block_size= is the model's context length, page_size the pool's."""
+    requests = [minikv.Request([1, 2, 3], 4, deterministic=True)]
+    for old in ("window", "verify", "block_size"):
+        with pytest.raises(TypeError, match=old):
+            minikv.serve(MODEL32, requests, **{old: 4})
+    assert not hasattr(minikv, "TokenBudget") and not hasattr(minikv, "ChunkedPrefill")
 
 
 def test_the_pool_keeps_the_books_of_a_table():

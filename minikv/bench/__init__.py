@@ -86,7 +86,7 @@ def random_model(preset: str, device, dtype=torch.float32, **overrides) -> GPT:
     return GPT(GPTConfig.preset(preset, **overrides)).to(device, dtype).eval()
 
 
-SERVE_WINDOW = inspect.signature(serve).parameters["window"].default
+SERVE_WINDOW = inspect.signature(serve).parameters["replay_window"].default
 PROMPT = [1, 2, 3, 4]  # 4 tokens; every preset's vocabulary has these ids
 
 

@@ -58,15 +58,32 @@ def strip_solutions(source: str) -> str:
 
 
 def exercise_from_solution(solution: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    """Solution regions become stubs, and check cells lose their outputs: an exercise notebook
-    must not show "✓ all cases pass" before the student has written a line."""
+    """Solution regions become stubs; check cells lose their outputs, as does every cell that
+    holds or calls a function the student writes: an exercise notebook shows neither "✓ all
+    cases pass" nor the solution's answers before the student has written a line."""
     exercise = nbformat.from_dict(solution)
+    written = solution_functions(solution)
     for cell in exercise.cells:
-        if cell.cell_type == "code" and BEGIN in cell.source:
-            cell.source = strip_solutions(cell.source)
-        if cell.cell_type == "code" and "check" in cell.metadata.get("tags", []):
+        if cell.cell_type != "code":
+            continue
+        calls = any(re.search(rf"(?<![\w.]){name}\(", cell.source) for name in written)
+        if BEGIN in cell.source or calls or "check" in cell.metadata.get("tags", []):
             cell.outputs, cell.execution_count = [], None
+        if BEGIN in cell.source:
+            cell.source = strip_solutions(cell.source)
     return exercise
+
+
+def solution_functions(notebook: nbformat.NotebookNode) -> set[str]:
+    """The names of the functions whose body holds a solution region: the student's."""
+    names = set()
+    for cell in notebook.cells:
+        if cell.cell_type == "code" and BEGIN in cell.source:
+            defs = [(d.start(), d.group(1)) for d in re.finditer(
+                r"^(?:class|def) (\w+)\b", cell.source, re.MULTILINE)]  # top level
+            for marker in re.finditer(re.escape(BEGIN), cell.source):
+                names.add(max(d for d in defs if d[0] < marker.start())[1])
+    return names
 
 
 def read_notebook(path: Path) -> nbformat.NotebookNode:

@@ -2,8 +2,6 @@
 rope, cache, sampling, generate, records, tree, verify, speculative, lookup, eagle, attention,
 flash, batch, paged, scheduler, serving, then the caches that hold less (quantized, window),
 then validate; it imports no tooling."""
-import warnings
-
 from .batch import generate_batch
 from .cache import Cache, KVCache, kv_cache_bytes
 from .config import PRESETS, GPTConfig
@@ -25,17 +23,6 @@ __all__ = ["Cache", "KVCache", "kv_cache_bytes", "PRESETS", "GPTConfig", "Genera
            "SamplingParams", "Request", "RequestOutput", "serve", "speculative_generate",
            "speculate", "Proposal", "lookup_generate", "generate_batch", "QuantizedKVCache",
            "SinkWindowCache", "Verdict", "verify_and_commit", "Scheduler",
-           "FirstComeFirstServed", "TokenBudget", "ChunkedPrefill", "Speculation",
-           "FeatureHead", "feature_generate", "Engine", "Proposer"]
+           "FirstComeFirstServed", "Speculation", "FeatureHead", "feature_generate", "Engine",
+           "Proposer"]
 
-
-# --- names kept for one release ------------------------------------------------------------
-def TokenBudget(max_tokens: int) -> FirstComeFirstServed:  # noqa: N802 - the old class name
-    warnings.warn("TokenBudget(n) is now FirstComeFirstServed(n)", DeprecationWarning, 2)
-    return FirstComeFirstServed(max_tokens)
-
-
-def ChunkedPrefill(max_tokens: int) -> FirstComeFirstServed:  # noqa: N802 - the old class name
-    warnings.warn("ChunkedPrefill(n) is now FirstComeFirstServed(n, chunked_prefill=True)",
-                  DeprecationWarning, 2)
-    return FirstComeFirstServed(max_tokens, chunked_prefill=True)

@@ -1,14 +1,11 @@
 """A paged KV cache (vLLM's PagedAttention): every layer's keys and values live in one
-pool of fixed-size blocks, and each sequence owns a block table, the blocks that hold its
-positions in order: position p in block table[p // page_size], slot p % page_size. Blocks
-are taken as a sequence grows and given back when it ends, so nobody reserves memory for
-tokens it may never produce; reference counts let sequences share blocks (a common
-prefix), and a shared block about to be written is copied first.
-
-The pool keeps the books; a pass writes through a view, one contract each: a PagedCache
-gathers its sequences' blocks into one (1, nh, L, hs) tensor for an ordinary kernel, a
-PagedBatch (a decode batch) hands attention the pool itself, read through each row's
-table.
+pool of fixed-size blocks; a sequence's block table holds its positions in order,
+position p in block table[p // page_size], slot p % page_size. Blocks are taken as a
+sequence grows and given back when it ends; reference counts let sequences share blocks
+(a common prefix), and a shared block about to be written is copied first. The pool
+keeps the books; a pass writes through a view: a PagedCache gathers its tables' blocks
+for an ordinary kernel, a PagedBatch (a decode batch) hands attention the pool itself,
+read through each row's table.
 """
 from __future__ import annotations
 
@@ -41,9 +38,8 @@ class BlockTable:
 class BlockPool:
     """num_blocks blocks of page_size positions, per layer keys and values (num_blocks,
     K/V heads, page_size, hs), and their books: reference counts, the free list, the
-    hashes of full prompt blocks (prefix caching: a freed block keeps its K/V and hash
-    until it is reallocated) and a log of (what, block, owner). Tables change only
-    through it."""
+    hashes of full prompt blocks (a freed block keeps its K/V and hash until
+    reallocated) and a log of (what, block, owner). Tables change only through it."""
 
     def __init__(self, cfg, num_blocks: int, page_size: int, *, device="cpu",
                  dtype=torch.float32):
@@ -142,7 +138,7 @@ class BlockPool:
 
     def cached_prefix(self, prompt: list[int]) -> list[int]:
         """The blocks that already hold the prompt's first full blocks, up to the first
-        one not found; one prompt token at least is left, whose logits give the first
+        one not found; one prompt token is always left, whose logits give the first
         token."""
         blocks = []
         for h in self.hashes(prompt, (len(prompt) - 1) // self.page_size):
@@ -152,9 +148,8 @@ class BlockPool:
         return blocks
 
     def publish(self, prompt: list[int], table: BlockTable, upto: int | None = None) -> None:
-        """Make the prompt's full blocks (those within `table`'s first `upto` positions:
-        the ones computed so far) findable by their hashes; a hash already known keeps
-        its block."""
+        """Make the prompt's full blocks within `table`'s first `upto` positions (those
+        computed) findable by their hashes; a hash already known keeps its block."""
         end = len(prompt) if upto is None else min(len(prompt), upto)
         for i, h in enumerate(self.hashes(prompt, end // self.page_size)):
             if h not in self.by_hash:
@@ -162,14 +157,12 @@ class BlockPool:
 
 
 class PagedCache(Cache):
-    """The cache of one sequence in a BlockPool, through its block table; or of several,
-    for a packed pass of ONE row whose first counts[0] tokens continue tables[0], the
-    next counts[1] tables[1], and so on (prompts, chunks or proposals side by side, no
-    padding). `update` writes each new position's K/V into its slot and gives back every
-    table's positions gathered in order, (1, nh, sum of lengths, hs), for a dense
-    attention (packed: one that keeps the tables apart, attention.packed_causal_mask, and
-    explicit positions). `reserve(n)` before a pass takes the blocks it needs; `crop`
-    gives back what a rollback forgets."""
+    """One sequence's cache in a BlockPool, through its block table; or several, for a
+    packed pass of ONE row whose first counts[0] tokens continue tables[0], the next
+    counts[1] tables[1], ... (no padding). `update` writes each new position's K/V into
+    its slot and gives back every table's positions in order, (1, nh, sum of lengths,
+    hs), for a dense attention (packed: with attention.packed_causal_mask and explicit
+    positions)."""
 
     def __init__(self, pool: BlockPool, tables: list[BlockTable], counts: list[int] | None = None):
         if counts is None and len(tables) != 1:
@@ -189,8 +182,8 @@ class PagedCache(Cache):
             self.pool.reserve(t, n_new)
 
     def crop(self, max_length: int) -> None:
-        """Roll the sequence back to max_length positions (the verify core calls
-        this)."""
+        """Roll the sequence back to max_length positions (the verify core calls this).
+        """
         int_at_least("crop length", max_length, 0, " (the positions kept)",
                      self.tables[0].length + 1)
         self.pool.crop(self.tables[0], max_length)
@@ -217,9 +210,8 @@ class PagedCache(Cache):
         return tuple(src[block, :, slot].transpose(0, 1)[None] for src in (keys, values))
 
     def _store(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple:
-        """Write (B, nh, T, hs) K/V into their slots, row after row; once the last layer
-        is written, the pass's positions live. The layer's pool, 2 x (num_blocks, nh, ps,
-        hs)."""
+        """Write (B, nh, T, hs) K/V into their slots; the pass's positions live once the
+        last layer is written. The layer's pool, 2 x (num_blocks, nh, ps, hs)."""
         B, nh, T, hs = key.shape
         keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
         block, slot = self._write
@@ -257,10 +249,9 @@ class PagedCache(Cache):
 
 
 class PagedBatch(PagedCache):
-    """A decode batch in a BlockPool: one row per block table, one new position each (B,
-    1). `update` writes each row's K/V into its slot and gives back the layer's whole
-    pool, (num_blocks, nh, page_size, hs), which attention.paged_attention reads through
-    `block_tables()`, each row only its own blocks, none padded to the longest."""
+    """A decode batch in a BlockPool: a row per block table, a new position each (B, 1).
+    `update` writes each row's K/V and gives back the layer's whole pool, which
+    attention.paged_attention reads through `block_tables()`, each row its own blocks."""
 
     def __init__(self, pool: BlockPool, tables: list[BlockTable]):
         super().__init__(pool, tables, [1] * len(tables))

@@ -1,21 +1,20 @@
 """Who runs, step by step: the server's scheduler (nano-vllm's and vLLM's) and its
 policy.
 
-The `Scheduler` owns the requests (the queues `waiting`, in arrival order, and `running`,
-in admission order), the pool's books and the engine step `now`. A step is three calls:
-`schedule()` gives every running request one piece of work and admits newcomers while
-they fit; the runner (serving.py) runs the plan; `postprocess()` commits, lets the
-finished go and frees their blocks at once.
+The `Scheduler` owns the requests (queues `waiting`, in arrival order, and `running`, in
+admission order), the pool's books and the engine step `now`. `schedule()` gives every
+running request one piece of work and admits newcomers while they fit; the runner
+(serving.py) runs the plan; `postprocess()` commits and frees the finished at once.
 
 A deterministic request (LLM-42's replay) is one policy: its prompt is computed alone,
 never from shared blocks nor in chunks, and its fast-path tokens wait as proposals until
 its `replay_window` is full; then the window is replayed alone, at a fixed shape.
 
-The policy (`FirstComeFirstServed`, vLLM's default) answers four questions; a new policy
-subclasses it: `next_waiting`, `fits`, `victim`, `chunk`. Its knobs are vLLM's: a budget
-of `max_tokens` a step (max_num_batched_tokens) and `chunked_prefill` (Sarathi-Serve: the
-budget a step's decodes leave goes to chunks of the prompts, so a long prompt neither
-waits for an emptier step nor stalls the decodes beside it).
+A policy (`FirstComeFirstServed`, vLLM's default) answers four questions,
+`next_waiting`, `fits`, `victim`, `chunk`; a new one subclasses it. Its knobs are
+vLLM's: `max_tokens` a step (max_num_batched_tokens) and `chunked_prefill`
+(Sarathi-Serve: what a step's decodes leave of the budget goes to chunks of the
+prompts).
 """
 from __future__ import annotations
 
@@ -23,6 +22,7 @@ from collections import deque
 
 from .paged import BlockPool, BlockTable
 from .records import PoolStep, RequestOutput, ServeStats, TraceEvent
+from .sampling import Request
 from .validate import check_flags, check_room, int_at_least, tightest, token_ids
 
 
@@ -50,8 +50,8 @@ class Sequence:
 
     @property
     def prefilling(self) -> bool:
-        """Admitted, its prompt (or a preempted request's tokens) not all computed
-        yet."""
+        """Admitted, its prompt (or a preempted request's tokens) not all computed yet.
+        """
         return self.table.length < self.prefill_end
 
     @property
@@ -83,8 +83,8 @@ class Sequence:
                 or self.sampling.eos_id in self.proposals)
 
     def prefill_positions(self, window: int) -> int:
-        """Positions its table holds once prefilled: its tokens (to be recomputed, after
-        a preemption); a replayed one's prompt, then its tokens in whole windows."""
+        """Positions its table holds once prefilled: its tokens (recomputed after a
+        preemption); a replayed one's prompt, then its tokens in whole windows."""
         if not self.replay:
             return len(self.tokens)
         replayed = max(0, len(self.tokens) - 1 - len(self.prompt))
@@ -93,13 +93,12 @@ class Sequence:
 
 def fit(request, cfg, page_size: int, ahead: int, num_blocks: int | None,
         rooms: dict[str, int | None] | None = None) -> tuple:
-    """THE fit rule, for serve, Engine.add and the HTTP server alike: the request's
-    prompt as token ids and the pool blocks it needs alone. Its prompt, max_new_tokens
-    and `ahead` (the replay window, or what a speculative round writes past its last
-    token) must fit the model's context and the `rooms` of its proposer's caches ({name:
-    max_len}: a draft's context); a block each page_size positions and one more (a shared
-    block copied on write) must fit `num_blocks` (None: a pool still to be sized).
-    ValueError otherwise."""
+    """THE fit rule (serve, Engine.add and the HTTP server call it): the request's prompt
+    as token ids and the pool blocks it needs alone. Prompt, max_new_tokens and `ahead`
+    (the replay window, or what a speculative round writes past its last token) must fit
+    the model's context and the `rooms` of its proposer's caches ({name: max_len}); a
+    block each page_size positions and one more (a shared block copied on write) must fit
+    `num_blocks` (None: a pool still to be sized). ValueError otherwise."""
     prompt = token_ids(request.prompt, cfg.vocab_size)
     int_at_least("max_new_tokens", request.max_new_tokens)
     int_at_least("arrival", request.arrival, 0, hint=" (an engine step)")
@@ -119,9 +118,9 @@ def fit(request, cfg, page_size: int, ahead: int, num_blocks: int | None,
 class FirstComeFirstServed:
     """Admit in arrival order while the request at the head fits; preempt the newest.
     With `max_tokens`, no step computes more tokens than that (a request that would
-    overrun it waits, unless nothing runs); with `chunked_prefill` too, what a step's
-    decodes leave of the budget goes to chunks of the prompts, oldest first (a replayed
-    prompt is still computed whole: its bits must not depend on the chunking)."""
+    overrun it waits, unless nothing runs); with `chunked_prefill` too, what the decodes
+    leave goes to chunks of the prompts, oldest first (a replayed prompt is computed
+    whole: its bits must not depend on the chunking)."""
 
     def __init__(self, max_tokens: int | None = None, chunked_prefill: bool = False):
         if max_tokens is not None:
@@ -142,9 +141,8 @@ class FirstComeFirstServed:
 
     def fits(self, sched: Scheduler, s: Sequence, blocks: int, tokens: int) -> bool:
         """May `s` come in, taking `blocks` blocks and computing `tokens` tokens? Fewer
-        than max_running run; the blocks the running rows leave hold its own, plus one of
-        headroom for it and each running request; the budget has room (a token, for a
-        chunked one)."""
+        than max_running run; the free blocks hold its own, plus one of headroom for it
+        and each running request; the budget has room (a token, for a chunked one)."""
         if sched.max_running is not None and len(sched.running) >= sched.max_running:
             return False
         if sched.free_blocks() < blocks + 1 + len(sched.running):
@@ -156,18 +154,23 @@ class FirstComeFirstServed:
         return sched.step_tokens + tokens <= self.max_tokens
 
     def victim(self, sched: Scheduler, keep: Sequence) -> Sequence:
-        """The newest running request but `keep`: it waited least, costs least to
-        redo."""
+        """The newest running request but `keep`: it waited least, costs least to redo.
+        """
         return next(s for s in reversed(sched.running) if s is not keep)
 
     def chunk(self, sched: Scheduler, s: Sequence) -> int:
-        """How many positions of its prefill `s` computes this step: all, or (chunked)
-        what the budget has left."""
+        """Positions of its prefill `s` computes this step: all, or what the budget
+        left."""
         rest = s.prefill_end - s.table.length
         if not self.chunked_prefill or s.replay:
             return rest
         return max(0, min(rest, self.max_tokens - sched.step_tokens))
 
+
+def check_policy(policy) -> None:
+    if policy is not None and not isinstance(policy, FirstComeFirstServed):
+        raise TypeError(f"policy must be a scheduling policy (FirstComeFirstServed(256)), "
+                        f"not {policy!r:.40}")
 
 class Scheduler:
     """The requests, their queues and the engine step; the policy decides who."""
@@ -191,22 +194,30 @@ class Scheduler:
         self.pool_steps: list[PoolStep] | None = [] if trace else None
 
     # --- the requests -----------------------------------------------------------------
-    def check(self, request, pool: bool = True) -> tuple[list[int], int]:
-        """fit() for this server: the prompt and the blocks it needs (within the
-        pool)."""
+    def check(self, request, index: int | None = None,
+              pool: bool = True) -> tuple[list[int], int]:
+        """fit() for this server, an error naming the request (a caller may send many):
+        its prompt and the blocks it needs (within the pool, with `pool`)."""
+        who = "the request" if index is None else f"request {index}"
+        if not isinstance(request, Request):
+            raise TypeError(f"{who} must be a minikv.Request, not "
+                            f"{type(request).__name__}")
         ahead = max(self.replay_window, 1 + (self.ahead or 0))
-        return fit(request, self.cfg, self.pool.page_size, ahead,
-                   self.pool.num_blocks if pool else None, self.rooms)
+        try:
+            return fit(request, self.cfg, self.pool.page_size, ahead,
+                       self.pool.num_blocks if pool else None, self.rooms)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{who}: {e}") from None
 
     def add(self, request, index: int | None, replay: bool, proposer=None) -> int:
         """Queue `request` as request `index` (None: the first unused) behind those that
         arrive no later; its index."""
+        prompt, _ = self.check(request, index)
         if index is None:
             index = next(i for i in range(len(self.seqs) + 1) if i not in self.seqs)
         int_at_least("index", index, 0, " (the caller's number for the request)")
         if index in self.seqs:
             raise ValueError(f"request {index} is already in this engine: give another")
-        prompt, _ = self.check(request)
         s = Sequence(index, request, prompt, replay and request.deterministic, proposer)
         later = [k for k, w in enumerate(self.waiting)
                  if w.request.arrival > request.arrival]
@@ -215,8 +226,8 @@ class Scheduler:
         return index
 
     def abort(self, index: int) -> None:
-        """Out of the queue, or its blocks back at once; a finished request stays as it
-        is."""
+        """Out of the queue, or its blocks back at once; a finished request stays as is.
+        """
         if index not in self.seqs:
             raise ValueError(f"no request {index} in this engine")
         s = self.seqs[index]
@@ -228,8 +239,8 @@ class Scheduler:
             self.running.remove(s)
 
     def forget(self, index: int) -> None:
-        """Drop a finished or aborted request's record (a long-running server's
-        memory)."""
+        """Drop a finished or aborted request's record (a long-running server's memory).
+        """
         if index in self.seqs and self.seqs[index].sent >= 0:
             raise ValueError(f"request {index} is still running: abort it first")
         self.seqs.pop(index, None)
@@ -242,14 +253,13 @@ class Scheduler:
 
     def stats(self) -> dict:
         return {"running": len(self.running), "waiting": len(self.waiting),
-                "step": self.now,
-                "free_blocks": self.pool.n_free, "num_blocks": self.pool.num_blocks}
+                "step": self.now, "free_blocks": self.pool.n_free,
+                "num_blocks": self.pool.num_blocks}
 
     def outputs(self) -> dict[int, RequestOutput]:
         """{index: RequestOutput} of every request not forgotten, in index order."""
         outs = {}
-        for i in sorted(self.seqs):
-            s = self.seqs[i]
+        for i, s in sorted(self.seqs.items()):
             s.stats.new_tokens = len(s.committed)
             trace = s.events if self.pool_steps is not None else None
             outs[i] = RequestOutput(s.request, s.committed, s.stats, trace, s.fast_logits)
@@ -266,12 +276,9 @@ class Scheduler:
         ready = [s for s in self.running if not s.prefilling]
         due = [s for s in ready if s.due(window)]
         decode = [s for s in ready if s not in due]
-        rows = ([(s, len(s.tokens) + window - s.table.length) for s in due]
-                + [(s, 1 + (ahead or 0) * (not s.replay)) for s in decode])
-        self.make_room(rows)  # the preempted wait: nothing of theirs runs this step
+        self.make_room([(s, len(s.tokens) + window - s.table.length) for s in due]
+                       + [(s, 1 + (ahead or 0) * (not s.replay)) for s in decode])
         due, decode = ([s for s in group if s in self.running] for group in (due, decode))
-        self.promised = sum(self.pool.blocks_needed(s.table, n) for s, n in rows
-                            if s in self.running)
         self.step_tokens = len(due) + len(decode)  # a decode row each
         for s in self.running:
             if s.prefilling:  # a prompt being computed in chunks: its next one
@@ -282,11 +289,10 @@ class Scheduler:
         prompts = [s for s in self.running if s.prefilling and s.chunk]
         whole = [s for s in prompts if not s.replay]
         chunked = self.policy.chunked_prefill
-        plan = {"replay": [s for s in prompts if s.replay] + due,
+        return {"replay": [s for s in prompts if s.replay] + due,
                 "prefill": [] if chunked else whole, "chunks": whole if chunked else [],
                 "decode": [s for s in decode if ahead is None or s.replay],
                 "speculate": [s for s in decode if ahead is not None and not s.replay]}
-        return plan
 
     def admission(self, s: Sequence) -> tuple[list[int], int, int]:
         """What admitting `s` takes, the pool unchanged: the cached blocks its prompt
@@ -301,8 +307,7 @@ class Scheduler:
         return shared, -(-positions // self.pool.page_size) - held, tokens
 
     def admit(self) -> None:
-        """Newcomers to `running` while the policy picks one that fits, their blocks
-        taken at once."""
+        """Newcomers to `running` while the policy picks one that fits, blocks taken."""
         while (s := self.policy.next_waiting(self)) is not None:
             shared, blocks, tokens = self.admission(s)
             if not self.policy.fits(self, s, blocks, tokens):
@@ -335,12 +340,13 @@ class Scheduler:
 
     def make_room(self, rows: list[tuple[Sequence, int]]) -> None:
         """Preempt the policy's victims (never the first row's) until the pool has the
-        blocks for every row's new positions."""
+        blocks for every row's new positions, then promise them."""
         def needed() -> int:
             return sum(self.pool.blocks_needed(s.table, n) for s, n in rows
                        if s in self.running)
         while self.pool.n_free < needed():
             self.preempt(self.policy.victim(self, rows[0][0]))
+        self.promised = needed()
 
     def preempt(self, s: Sequence) -> None:
         """Its blocks go back and it waits first in line, its committed tokens kept (to

@@ -1,21 +1,20 @@
-"""A server: continuous batching over a paged KV cache, with deterministic requests (after
-LLM-42, arXiv 2601.17768) and speculation in the batch. `Engine.step` is nano-vllm's
-three calls: the Scheduler plans, the `Runner` runs the plan's passes, the Scheduler
-commits. A step's passes:
+"""A server: continuous batching over a paged KV cache, with deterministic requests
+(after LLM-42, arXiv 2601.17768) and speculation in the batch. `Engine.step` is
+nano-vllm's three calls: the Scheduler plans, the `Runner` runs the plan's passes, the
+Scheduler commits. A step's passes:
 
 - replay: a deterministic request alone, at fixed shapes (its prompt, or its window of
   fast-path tokens judged by the verify core): its output is the same in any batch;
 - prefill: the newcomers' prompts packed in one row, each seeing only its own positions;
 - decode: the others' next tokens in ONE pass read through the block tables, split-KV as
   a GPU kernel splits it for this batch (a row's numbers depend on the batch, as in real
-  servers); with chunked prefill, one packed pass with the prompts' chunks;
-- speculate: each row proposes (its own proposer; a chain or a tree), ONE packed pass
-  scores them all, each commits its matching prefix and the target's token. Proposals
-  are judged by the target's own seeded choice: every request gets its plain tokens.
+  servers); with chunked prefill, one packed pass with the prompts' chunks instead;
+- speculate: each row proposes (a chain or a tree), ONE packed pass scores them all,
+  each commits its matching prefix and the target's token: every request gets its plain
+  tokens.
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import replace
 from functools import partial
 
@@ -27,10 +26,10 @@ from .lookup import PromptLookup
 from .paged import BlockPool, PagedBatch, PagedCache
 from .records import ServeOutputs, TraceEvent
 from .sampling import Request, SamplingParams
-from .scheduler import FirstComeFirstServed, Scheduler, Sequence
-from .speculative import DraftProposer, Speculation, as_proposal, check_draft
+from .scheduler import FirstComeFirstServed, Scheduler, Sequence, check_policy
+from .speculative import DraftProposer, Speculation, as_proposal, check_speculation
 from .tree import tree_mask, tree_positions
-from .validate import check_flags, int_at_least
+from .validate import check_serving
 from .verify import accept_matching, commit_round, round_events, verify_and_commit
 
 
@@ -38,15 +37,13 @@ def serve(model, requests, replay_window: int = 4, replay: bool = True,
           trace: bool = False, record_logits: bool = False, *, page_size: int = 16,
           num_blocks: int | None = None, prefix_caching: bool = True,
           max_running: int | None = None, policy: FirstComeFirstServed | None = None,
-          speculative: Speculation | None = None, window: int | None = None,
-          verify: bool | None = None) -> ServeOutputs:
+          speculative: Speculation | None = None) -> ServeOutputs:
     """Serve `requests` (each arriving at its `arrival` step) to completion, over a pool
     of `num_blocks` blocks of `page_size` positions (default: room for all at once).
     `prefix_caching`: a prompt reuses the blocks of its beginning another computed;
     `max_running` caps the batch; `policy` admits and preempts (scheduler.py);
     deterministic requests are replayed every `replay_window` positions (`replay=False`:
     never); `speculative`: the others propose tokens that a packed pass verifies."""
-    replay_window, replay = _renamed(replay_window, replay, window, verify)
     if not hasattr(requests, "__iter__"):
         raise TypeError(f"requests must be a list of minikv.Request, not {requests!r:.30}")
     requests = list(requests)
@@ -77,12 +74,12 @@ class Engine:
                  replay: bool = True, trace: bool = False, record_logits: bool = False,
                  page_size: int = 16, prefix_caching: bool = True,
                  max_running: int | None = None, policy: FirstComeFirstServed | None = None,
-                 speculative: Speculation | None = None, window: int | None = None,
-                 verify: bool | None = None):
-        replay_window, replay = _renamed(replay_window, replay, window, verify)
-        _check_settings(model, num_blocks, replay_window, page_size, max_running, policy,
-                        speculative, replay=replay, trace=trace,
-                        record_logits=record_logits, prefix_caching=prefix_caching)
+                 speculative: Speculation | None = None):
+        check_serving(num_blocks, replay_window, page_size, max_running, replay=replay,
+                      trace=trace, record_logits=record_logits,
+                      prefix_caching=prefix_caching)
+        check_policy(policy)
+        check_speculation(model, speculative, policy)
         self.model, self.replay, self.page_size = model, replay, page_size
         self.runner = Runner(model, replay_window, record_logits, speculative)
         proposer = self.runner.proposer()  # a round writes γ past its token, or a tree
@@ -94,7 +91,8 @@ class Engine:
         self._new_pool(num_blocks)
 
     def _new_pool(self, num_blocks: int) -> None:
-        """A pool of `num_blocks` blocks, and a scheduler over it (serve: before any add)."""
+        """A pool of `num_blocks` blocks, and a scheduler over it (serve: before any
+        add)."""
         self.pool = self.runner.pool = BlockPool(
             self.model.config, num_blocks, self.page_size, device=self.model.device,
             dtype=self.model.dtype)
@@ -104,22 +102,16 @@ class Engine:
               pool: bool = True) -> tuple:
         """The fit rule (scheduler.fit) for a caller that checks a request before adding
         it: its prompt as ids and the blocks it needs (in the pool), or a clear error."""
-        who = "the request" if index is None else f"request {index}"
-        if not isinstance(request, Request):
-            raise TypeError(f"{who} must be a minikv.Request, not {type(request).__name__}")
-        try:
-            return self.scheduler.check(request, pool=pool)
-        except (TypeError, ValueError) as e:  # say which, for a caller that sent many
-            raise type(e)(f"{who}: {e}") from None
+        return self.scheduler.check(request, index, pool)
 
     def add(self, request: Request, index: int | None = None) -> int:
         """Queue `request` behind those that arrive no later (`arrival`: an engine step);
         its index (`index`: the caller's own numbering, refused if in use)."""
-        self.check(request, index)
         return self.scheduler.add(request, index, self.replay, self.runner.proposer())
 
     def step(self) -> dict[int, tuple[list[int], bool]]:
-        """One step; for each request that moved on: its new tokens, and if it is done."""
+        """One step; for each request that moved on: its new tokens, and if it is done.
+        """
         if not self.has_work():
             return {}
         plan = self.scheduler.schedule()
@@ -160,7 +152,8 @@ class Runner:
         self.speculation = speculation
 
     def proposer(self):
-        """A request's own proposer: the one given, fresh; a draft's, greedy; or lookup."""
+        """A request's own proposer: the one given, fresh; a draft's, greedy; or lookup.
+        """
         spec = self.speculation
         if spec is None:
             return None
@@ -171,15 +164,15 @@ class Runner:
         return PromptLookup(spec.ngram)
 
     def run(self, plan: dict, step: int) -> dict[Sequence, list[int]]:
-        """The plan's passes; each row's tokens (a replayed request's decode: a proposal)."""
+        """The plan's passes; each row's tokens (a replayed request's decode: a
+        proposal)."""
         out = {}
         with torch.inference_mode():
             for s in plan["replay"]:
-                alone = self.replay_prompt if s.prefilling else self.replay
-                out[s] = alone(s, step)
+                out[s] = (self.replay_prompt if s.prefilling else self.replay)(s, step)
             out |= self.prefill(plan["prefill"], step)
-            if plan["chunks"]:
-                out |= self.mixed(plan["decode"], plan["chunks"], step)
+            if plan["chunks"]:  # chunked prefill: the decodes ride in the chunks' pass
+                out |= self.prefill(plan["chunks"], step, decoding=plan["decode"])
             else:
                 out |= self.decode(plan["decode"], step)
             out |= self.speculate(plan["speculate"], step)
@@ -193,8 +186,8 @@ class Runner:
         return self.model(ids, cache=PagedCache(self.pool, [s.table]))[0]
 
     def replay_prompt(self, s: Sequence, step: int) -> list[int]:
-        """Its prompt alone, then (after a preemption) its windows, each padded to the shape
-        it was replayed with, for the same bits; its first token."""
+        """Its prompt alone, then (after a preemption) its windows, each padded to the
+        shape it was replayed with, for the same bits; its first token."""
         window = self.replay_window
         logits = self.alone(s, s.prompt)[-1]
         for start in range(len(s.prompt), len(s.tokens) - 1, window):
@@ -223,10 +216,10 @@ class Runner:
     # --- the batch --------------------------------------------------------------------
     def packed(self, seqs: list[Sequence], inputs: list[list[int]],
                every_row: bool = False, trees: list | None = None) -> torch.Tensor:
-        """ONE pass of one row: inputs[i] after seqs[i]'s positions, each seeing only its
-        own (a tree's nodes kept apart by trees[i], its parents), no padding; the logits
-        of each last input (of every input, with `every_row`). A proposer that reads the
-        target's features is handed its rows'."""
+        """ONE pass of one row: inputs[i] after seqs[i]'s positions, each seeing only
+        its own (a tree's nodes kept apart by trees[i], its parents), no padding; the
+        logits of each last input (of every input, with `every_row`). A proposer that
+        reads the target's features is handed its rows'."""
         device, trees = self.model.device, trees or [None] * len(seqs)
         past, counts = [s.table.length for s in seqs], [len(x) for x in inputs]
         for s, n in zip(seqs, counts):  # a decode row's slot (a prompt's: at admission)
@@ -252,31 +245,22 @@ class Runner:
         ends = torch.tensor(counts, device=device).cumsum(0) - 1
         return logits if every_row else logits[ends]
 
-    def prefill(self, seqs: list[Sequence], step: int) -> dict[Sequence, list[int]]:
-        """Every sequence's uncached tokens in one packed pass; each one's next token."""
-        if not seqs:
+    def prefill(self, prompts: list[Sequence], step: int,
+                decoding: list[Sequence] | None = None) -> dict[Sequence, list[int]]:
+        """ONE packed pass over each prompt's next `s.chunk` tokens, after (chunked
+        prefill) the `decoding` rows' newest tokens. A prompt's full blocks are
+        published (their K/V exists now), and it gets a token if its prefill ends."""
+        chunked, decoding = decoding is not None, decoding or []
+        rows, firsts = decoding + prompts, [s.table.length for s in prompts]
+        if not rows:
             return {}
-        firsts = [s.table.length for s in seqs]
-        logits = self.packed(seqs, [s.tokens[s.table.length:] for s in seqs])
-        out = {}
-        for s, row, first in zip(seqs, logits, firsts):
-            out[s] = [s.sampling.choose(row, len(s.tokens))]
-            self.prefilled(s, step, first, len(seqs), out[s][0])
-        return out
-
-    def mixed(self, decoding: list[Sequence], chunked: list[Sequence],
-              step: int) -> dict[Sequence, list[int]]:
-        """Chunked prefill's one pass: the decoding requests' newest tokens, then each
-        prompt's chunk; a chunk's full blocks are published (their K/V exists now), and
-        it gets a token if it ends its prompt."""
-        rows, firsts = decoding + chunked, [s.table.length for s in chunked]
         logits = self.packed(rows, [(s.tokens + s.proposals)[-1:] for s in decoding]
-                             + [s.tokens[s.table.length:][:s.chunk] for s in chunked])
+                             + [s.tokens[s.table.length:][:s.chunk] for s in prompts])
         out = {s: [self.decoded(s, row, step, len(rows), 1)]
                for s, row in zip(decoding, logits)}
-        for s, row, first in zip(chunked, logits[len(decoding):], firsts):
+        for s, row, first in zip(prompts, logits[len(decoding):], firsts):
             self.pool.publish(s.prompt, s.table, upto=s.table.length)
-            s.stats.prefill_chunks += 1
+            s.stats.prefill_chunks += chunked
             out[s] = [] if s.prefilling else [s.sampling.choose(row, len(s.tokens))]
             self.prefilled(s, step, first, len(rows), (out[s] or [None])[0])
         return out
@@ -351,8 +335,8 @@ class Runner:
         return token
 
     def prefilled(self, s: Sequence, step: int, first: int, batch: int, token) -> None:
-        """The event of a pass over `s`'s positions from `first` on: its prompt, a chunk of
-        it, or a preempted request's tokens; the token it gave."""
+        """The event of a pass over `s`'s positions from `first` on: its prompt, a chunk
+        of it, or a preempted request's tokens; the token it gave."""
         fed = s.tokens[:s.table.length]
         kind = ("chunk" if s.prefilling else
                 "prefill" if len(fed) == len(s.prompt) else "recompute")
@@ -360,33 +344,3 @@ class Runner:
             kind=kind, step=step, input_ids=tuple(fed), token=token, batch=batch,
             positions=tuple(range(first, len(fed))), cache_len_before=first,
             cache_len_after=len(fed), kv_computed=len(fed) - first))
-
-
-# --- checks: raise before anything runs -----------------------------------------------
-def _check_settings(model, num_blocks, replay_window, page_size, max_running, policy,
-                    speculative, **flags) -> None:
-    int_at_least("num_blocks", num_blocks, hint=" (blocks in the pool)")
-    int_at_least("replay_window", replay_window, hint=" (positions replayed per pass)")
-    int_at_least("page_size", page_size, hint=" (positions per pool block)")
-    if max_running is not None:
-        int_at_least("max_running", max_running, hint=" (requests running at once)")
-    check_flags(**flags)
-    if policy is not None and not isinstance(policy, FirstComeFirstServed):
-        raise TypeError(f"policy must be a scheduling policy (FirstComeFirstServed(256)), "
-                        f"not {policy!r:.40}")
-    if speculative is not None and not isinstance(speculative, Speculation):
-        raise TypeError(f"speculative must be a minikv.Speculation (Speculation(gamma=4)) "
-                        f"or None, not {type(speculative).__name__}")
-    if speculative is not None and policy is not None and policy.chunked_prefill:
-        raise ValueError("speculative serving does not run with chunked prefill: pick one")
-    if speculative is not None and speculative.draft is not None:
-        check_draft(model, speculative.draft)  # before any request runs
-
-
-def _renamed(replay_window, replay, window, verify) -> tuple:
-    """serve(window=, verify=): the old names of replay_window= and replay=, one release."""
-    for old, new, value in (("window", "replay_window", window), ("verify", "replay", verify)):
-        if value is not None:
-            warnings.warn(f"serve({old}=) is now {new}=", DeprecationWarning, stacklevel=3)
-    return (replay_window if window is None else window,
-            replay if verify is None else verify)

@@ -103,6 +103,19 @@ class Speculation:
                             f"FeatureProposer(target, head)), not {self.proposer!r:.40}")
 
 
+def check_speculation(model, speculative, policy) -> None:
+    """serve(speculative=): a Speculation, without chunked prefill, a draft that fits."""
+    if speculative is None:
+        return
+    if not isinstance(speculative, Speculation):
+        raise TypeError(f"speculative must be a minikv.Speculation "
+                        f"(Speculation(gamma=4)) or None, not {type(speculative).__name__}")
+    if getattr(policy, "chunked_prefill", False):
+        raise ValueError("speculative serving does not run with chunked prefill: "
+                         "pick one")
+    if speculative.draft is not None:
+        check_draft(model, speculative.draft)  # before any request runs
+
 # --- the round loop -------------------------------------------------------------------
 def speculate(target, ids, max_new_tokens: int, sampling: SamplingParams,
               propose: Proposer | Callable, *, gamma: int = 4, max_gamma: int | None = None,
