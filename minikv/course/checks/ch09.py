@@ -12,24 +12,14 @@ import math
 
 import torch
 
-from ...engine.flash import (
-    IO,
-    Partial,
-    absorb,
-    combine,
-    flash_decoding,
-    merge,
-    online_softmax,
-    tile_kind,
-    tiled_attention,
-    walk,
-)
+from ...engine import flash
+from ...engine.flash import IO, Partial, absorb, merge, tile_kind, tiled_attention
 from . import Exercise, Refused, call, expect, fail, forbid, guarded, hints, ints, named, passed
 
 H = hints("ch09")
 # The engine's kernels and torch's own softmax: the exercises build them
-KERNELS = (online_softmax, absorb, combine, merge, tiled_attention, walk, flash_decoding,
-           tile_kind)
+KERNELS = (flash.online_softmax, absorb, flash.combine, merge, tiled_attention, flash.walk,
+           flash.flash_decoding, tile_kind)
 SOFTMAX = ("softmax", "log_softmax", "logsumexp", "scaled_dot_product_attention")
 
 

@@ -9,13 +9,17 @@ are in hints/ch10.toml."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from ...engine.cache import KVCache
+from ...engine.eagle import feature_generate, tree_size
 from ...engine.sampling import SamplingParams
 from ...engine.tree import children, depths, tree_mask, tree_positions
 from ...engine.verify import accept_matching
+from ..checkpoint import load_course_model, load_feature_head
+from ..tokenizer import load_tokenizer
 from . import Exercise, Refused, hints, int_list, named
 
 H = hints("ch10")
@@ -194,19 +198,17 @@ check_accepted_path = PATH.check
 
 # --- exercise 3: predict what speculation earns a server --------------------------------------
 
+@dataclass(frozen=True)
 class Cost:
     """A pass's seconds as a function of the token rows it computes: `fixed` (reading the
     weights, launching the work) plus `per_row` once more rows than `spare` would be computed
     (a machine with spare compute does the first `spare` rows for free)."""
-
-    def __init__(self, fixed: float, per_row: float, spare: int = 0):
-        self.fixed, self.per_row, self.spare = fixed, per_row, spare
+    fixed: float
+    per_row: float
+    spare: int = 0
 
     def __call__(self, rows: int) -> float:
         return self.fixed + self.per_row * max(0, rows - self.spare)
-
-    def __repr__(self) -> str:
-        return f"Cost(fixed={self.fixed}, per_row={self.per_row}, spare={self.spare})"
 
 
 def speedup_by_hand(tau: float, gamma: int, batch: int, decode_seconds, verify_seconds,
@@ -343,9 +345,6 @@ def tokens_per_pass(gamma: int, width: int, branch: int) -> float:
     prompts and 48 new tokens each: the engine's measurement (cached)."""
     key = (gamma, width, branch)
     if key not in _measured:
-        from ...course.checkpoint import load_course_model, load_feature_head
-        from ...course.tokenizer import load_tokenizer
-        from ...engine.eagle import feature_generate
         if "models" not in _measured:
             target = load_course_model("target", "cpu")[0]
             _measured["models"] = (target, load_feature_head(target), load_tokenizer())
@@ -362,7 +361,6 @@ def tokens_per_pass(gamma: int, width: int, branch: int) -> float:
 def rows_of(gamma: int, width: int, branch: int) -> int:
     """The most proposals a tree γ deep holds: `branch` at depth 1, then `width` growing
     nodes of `branch` children at each further depth (engine/eagle.py's tree_size)."""
-    from ...engine.eagle import tree_size
     return tree_size(gamma, width, branch)
 
 
