@@ -320,6 +320,20 @@ def one_of(*values, hint: str):
     return coerce
 
 
+def parts(hint: str | Callable, *contracts: Callable):
+    """The contract "a tuple (or list) of these parts", each coerced by its contract,
+    contract(part, *case), which returns None to refuse it; `hint` may be a function of the case."""
+    def coerce(got, *case):
+        said = hint(*case) if callable(hint) else hint
+        if not isinstance(got, (list, tuple)) or len(got) != len(contracts):
+            raise Refused(said)
+        values = tuple(contract(part, *case) for contract, part in zip(contracts, got))
+        if any(v is None for v in values):
+            raise Refused(said)
+        return values
+    return coerce
+
+
 def tensor(hint: str, shape=None, dtype: torch.dtype | None = None):
     """The contract "a torch tensor" of this dtype and shape (a tuple, or a function of the
     case's arguments)."""

@@ -14,7 +14,7 @@ import torch
 
 from ...engine import flash
 from ...engine.flash import IO, Partial, absorb, merge, tile_kind, tiled_attention
-from . import Exercise, Refused, call, expect, fail, forbid, guarded, hints, ints, named, passed
+from . import Exercise, Refused, call, fail, forbid, guarded, hints, ints, named, parts, passed
 
 H = hints("ch09")
 # The engine's kernels and torch's own softmax: the exercises build them
@@ -27,7 +27,7 @@ def _vector(seed: int, n: int, scale: float = 1.0, shift: float = 0.0) -> torch.
     return torch.randn(n, generator=torch.Generator().manual_seed(seed)) * scale + shift
 
 
-def _number(x) -> float | None:
+def _number(x, *case) -> float | None:  # a part of an answer: one number (not a bool)
     if isinstance(x, bool):
         return None
     if isinstance(x, (int, float)):
@@ -35,6 +35,12 @@ def _number(x) -> float | None:
     if isinstance(x, torch.Tensor) and x.numel() == 1 and x.is_floating_point():
         return float(x)
     return None
+
+
+def _shaped_as(which):
+    """A part of an answer: a tensor of the shape of `which(*case)`, taken to float64."""
+    return lambda t, *case: (t.double() if isinstance(t, torch.Tensor)
+                             and t.shape == which(*case).shape else None)
 
 
 def _close(a: float, b: float) -> bool:
@@ -107,15 +113,6 @@ STEP_CASES = [_ROWS[0][1], _ROWS[1][0], _ROWS[2][2], _ROWS[0][2], _ROWS[3][1], _
 S = H["online_step"]
 
 
-def _pair(got, m, d, tile):
-    if not isinstance(got, (list, tuple)) or len(got) != 2:
-        raise Refused(S["returns"])
-    m_new, d_new = map(_number, got)
-    if m_new is None or d_new is None:
-        raise Refused(S["returns"])
-    return m_new, d_new
-
-
 ONLINE_STEP = Exercise(
     "online_step",
     cases=STEP_CASES,
@@ -123,7 +120,7 @@ ONLINE_STEP = Exercise(
                                  f"{[round(float(v), 2) for v in tile[:4]]}"
                                  f"{' ...' if len(tile) > 4 else ''}"),
     reference=_step_reference,
-    returns=_pair,
+    returns=parts(S["returns"], _number, _number),
     same=lambda got, want: _close(got[0], want[0]) and _close(got[1], want[1]),
     show=lambda pair: (round(pair[0], 4), round(pair[1], 4)),
     mistakes=named(S, no_rescale=lambda m, d, t: online_step_by_hand(m, d, t, rescale=0),
@@ -180,16 +177,6 @@ def _merge_reference(a, b):
 G = H["merge_partials"]
 
 
-def _merged(got, a, b):
-    if not isinstance(got, (list, tuple)) or len(got) != 3:
-        raise Refused(G["returns"])
-    out, m, total = got
-    m, total = _number(m), _number(total)
-    if not isinstance(out, torch.Tensor) or out.shape != a[0].shape or m is None or total is None:
-        raise Refused(G["returns"])
-    return out.double(), m, total
-
-
 MERGE = Exercise(
     "merge_partials",
     cases=[(_partial(1, 6, 4, 1.0), _partial(2, 5, 4, 1.0, 2.0)),
@@ -200,7 +187,7 @@ MERGE = Exercise(
     describe=lambda a, b: (f"a: {len(a[0])} numbers, m={a[1]:.3f}, sum={a[2]:.3f}; "
                            f"b: m={b[1]:.3f}, sum={b[2]:.3f}"),
     reference=_merge_reference,
-    returns=_merged,
+    returns=parts(G["returns"], _shaped_as(lambda a, b: a[0]), _number, _number),
     same=lambda got, want: (torch.allclose(got[0], want[0].double(), rtol=1e-6, atol=1e-9)
                             and _close(got[1], want[1]) and _close(got[2], want[2])),
     show=lambda r: (r[0].to(torch.float32), round(r[1], 4), round(r[2], 4)),
@@ -326,13 +313,6 @@ TILE_STEP_CASES = [_WALKS[0][2], _WALKS[1][0], _WALKS[2][4], _WALKS[3][6], _WALK
 F = H["tile_step_fixed"]
 
 
-def _state(got, m, d, acc, q, k_tile, v_tile):
-    if not isinstance(got, (list, tuple)) or len(got) != 3 or not all(
-            isinstance(t, torch.Tensor) and t.shape == w.shape for t, w in zip(got, (m, d, acc))):
-        raise Refused(F["returns"])
-    return tuple(t.double() for t in got)
-
-
 TILE_STEP = Exercise(
     "tile_step_fixed",
     cases=TILE_STEP_CASES,
@@ -341,7 +321,7 @@ TILE_STEP = Exercise(
         + ("the first tile (m = -inf, d = 0)" if bool(torch.isinf(m).all())
            else f"m so far {[round(float(x), 3) for x in m[:2, 0]]}")),
     reference=_tile_step_reference,
-    returns=_state,
+    returns=parts(F["returns"], *(_shaped_as(lambda *case, i=i: case[i]) for i in range(3))),
     same=lambda got, want: all(torch.allclose(a.double(), b.double(), atol=1e-5, rtol=1e-4)
                                for a, b in zip(got, want)),
     show=lambda state: (state[0][:2, 0].to(torch.float32), state[1][:2, 0].to(torch.float32),
@@ -431,8 +411,8 @@ def check_choose_tiles(choose_tiles) -> None:
             bq, bk = pair(got)
         except Refused as r:
             fail(name, case, "(block_q, block_k)", got, r.hint)
-        expect(bq in TILE_SIZES and bk in TILE_SIZES, name, case, f"two of {TILE_SIZES}",
-               (bq, bk), CT["pair"].format(sizes=TILE_SIZES))
+        if bq not in TILE_SIZES or bk not in TILE_SIZES:
+            fail(name, case, f"two of {TILE_SIZES}", (bq, bk), CT["pair"].format(sizes=TILE_SIZES))
         held = on_chip_bytes(bq, bk, hs)
         if held > budget:
             why = ("no_scores" if held - 4 * bq * bk <= budget else

@@ -20,7 +20,7 @@ from ...engine.tree import children, depths, tree_mask, tree_positions
 from ...engine.verify import accept_matching
 from ..checkpoint import load_course_model, load_feature_head
 from ..tokenizer import load_tokenizer
-from . import Exercise, Refused, hints, int_list, named
+from . import Exercise, Refused, as_int, hints, int_list, named, parts
 
 H = hints("ch10")
 TREE_HELPERS = (tree_mask, tree_positions, depths, children)
@@ -61,17 +61,15 @@ def _parent_only(parents, root_position):
     return _with(parents, root_position, mask=lambda right: mask)
 
 
-def _mask_answer(got, parents, root_position):
-    hint = H["tree_mask_and_positions"]["returns"].format(n=len(parents))
-    if not isinstance(got, (tuple, list)) or len(got) != 2:
-        raise Refused(hint)
-    mask, positions = got
-    positions = int_list(positions)
+def _bool_mask(mask, parents, root_position):  # a part of the answer: the (n, n) bool mask
     n = len(parents)
-    if not (isinstance(mask, torch.Tensor) and tuple(mask.shape) == (n, n)
-            and mask.dtype == torch.bool) or positions is None or len(positions) != n:
-        raise Refused(hint)
-    return mask, positions
+    ok = isinstance(mask, torch.Tensor) and tuple(mask.shape) == (n, n) and mask.dtype == torch.bool
+    return mask if ok else None
+
+
+def _n_ints(positions, parents, root_position):  # a part of the answer: n positions
+    positions = int_list(positions)
+    return positions if positions is not None and len(positions) == len(parents) else None
 
 
 M = H["tree_mask_and_positions"]
@@ -84,7 +82,7 @@ MASK = Exercise(
     describe=lambda parents, root_position: (f"parents={parents}, the root at position "
                                              f"{root_position}"),
     reference=lambda parents, root: (tree_mask(parents, prefix=0), tree_positions(parents, root)),
-    returns=_mask_answer,
+    returns=parts(lambda parents, root: M["returns"].format(n=len(parents)), _bool_mask, _n_ints),
     same=lambda got, want: torch.equal(got[0], want[0]) and list(got[1]) == list(want[1]),
     show=lambda r: (r[0].int().tolist(), list(r[1])),
     mistakes=named(
@@ -127,15 +125,6 @@ def _path_reference(parents, tokens, choices):
     logits[torch.arange(len(choices)), torch.tensor(choices)] = 1.0
     verdict = accept_matching(logits, tokens, SamplingParams(), 0, parents)
     return list(verdict.path), verdict.token
-
-
-def _path_answer(got, parents, tokens, choices):
-    if not isinstance(got, (tuple, list)) or len(got) != 2:
-        raise Refused(H["accepted_path"]["returns"])
-    path, token = int_list(got[0]), int_list([got[1]])
-    if path is None or token is None:
-        raise Refused(H["accepted_path"]["returns"])
-    return list(path), token[0]
 
 
 def _by_depth(parents, tokens, choices):
@@ -182,7 +171,8 @@ PATH = Exercise(
         f"parents={parents}, tokens={tokens}; the target's choice at the root {choices[0]}, "
         f"after node i: {choices[1:]}"),
     reference=_path_reference,
-    returns=_path_answer,
+    returns=parts(P["returns"], lambda path, *case: int_list(path),
+                  lambda token, *case: as_int(token)),
     show=lambda r: (list(r[0]), r[1]),
     mistakes=named(
         P, first_child_only=lambda ps, ts, cs: path_by_hand(
