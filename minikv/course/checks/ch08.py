@@ -109,29 +109,18 @@ check_move_key = MOVE_KEY.check
 
 # --- exercise 3 (debug): one head decoding through a cache of unturned keys --------------------
 
-def _decode(q_raw, k_raw, v, theta, turn_when_cached: bool, turn_when_read: bool):
-    """One head decoded one token per step through a cache of lists; each key turned by its
-    own position when cached, and/or every cached key by the newest position when read."""
+def decode_fixed(q_raw, k_raw, v, theta, when_cached: bool = True, when_read: bool = False):
+    """The fix: each key is turned once, by its own position, when it is cached. (The knobs give
+    the notebook's bug, every cached key turned by the newest position when read, and both.)"""
     keys, values, out = [], [], []
     for t in range(q_raw.shape[0]):
-        keys.append(_turned_by(k_raw[t], t, theta) if turn_when_cached else k_raw[t])
+        keys.append(_turned_by(k_raw[t], t, theta) if when_cached else k_raw[t])
         values.append(v[t])
         K = torch.stack(keys)
-        K = _turned_by(K, t, theta) if turn_when_read else K
+        K = _turned_by(K, t, theta) if when_read else K
         q = _turned_by(q_raw[t], t, theta)
         out.append((K @ q / math.sqrt(q.shape[-1])).softmax(-1) @ torch.stack(values))
     return torch.stack(out)
-
-
-def decode_buggy(q_raw, k_raw, v, theta):
-    """The notebook's broken decoder: each key cached as made, every cached key turned by the
-    newest token's position."""
-    return _decode(q_raw, k_raw, v, theta, turn_when_cached=False, turn_when_read=True)
-
-
-def decode_fixed(q_raw, k_raw, v, theta):
-    """The fix: each key is turned once, by its own position, when it is cached."""
-    return _decode(q_raw, k_raw, v, theta, turn_when_cached=True, turn_when_read=False)
 
 
 def _turned_by(x, position, theta):
@@ -163,8 +152,8 @@ DECODE = Exercise(
     reference=_attention_reference,
     returns=_shaped(D["returns"]),
     same=_close,
-    mistakes=named(D, bug=decode_buggy, twice=lambda q, k, v, theta: _decode(q, k, v, theta,
-                                                                             True, True)),
+    mistakes=named(D, bug=lambda *case: decode_fixed(*case, when_cached=False, when_read=True),
+                   twice=lambda *case: decode_fixed(*case, when_read=True)),
     otherwise=D["otherwise"], unchanged=D["unchanged"], solution=decode_fixed)
 check_decode_one_head = DECODE.check
 

@@ -28,13 +28,9 @@ def _vector(seed: int, n: int, scale: float = 1.0, shift: float = 0.0) -> torch.
 
 
 def _number(x, *case) -> float | None:  # a part of an answer: one number (not a bool)
-    if isinstance(x, bool):
-        return None
-    if isinstance(x, (int, float)):
-        return float(x)
-    if isinstance(x, torch.Tensor) and x.numel() == 1 and x.is_floating_point():
-        return float(x)
-    return None
+    plain = isinstance(x, (int, float)) and not isinstance(x, bool)
+    one = isinstance(x, torch.Tensor) and x.numel() == 1 and x.is_floating_point()
+    return float(x) if plain or one else None
 
 
 def _shaped_as(which):
@@ -111,8 +107,6 @@ _ROWS = [_states(_vector(1, 12), 4), _states(torch.tensor([0.5, 2.0, 1.0, 3.5, -
 STEP_CASES = [_ROWS[0][1], _ROWS[1][0], _ROWS[2][2], _ROWS[0][2], _ROWS[3][1], _ROWS[2][0],
               _ROWS[1][1], _ROWS[4][1], _ROWS[2][3], _ROWS[3][2], _ROWS[5][0], _ROWS[1][2]]
 S = H["online_step"]
-
-
 ONLINE_STEP = Exercise(
     "online_step",
     cases=STEP_CASES,
@@ -175,8 +169,6 @@ def _merge_reference(a, b):
 
 
 G = H["merge_partials"]
-
-
 MERGE = Exercise(
     "merge_partials",
     cases=[(_partial(1, 6, 4, 1.0), _partial(2, 5, 4, 1.0, 2.0)),
@@ -311,8 +303,6 @@ _WALKS = [_step_states(1, 3, 12, 8, 4), _step_states(2, 1, 20, 4, 8, 2.0),
 TILE_STEP_CASES = [_WALKS[0][2], _WALKS[1][0], _WALKS[2][4], _WALKS[3][6], _WALKS[0][1],
                    _WALKS[2][1], _WALKS[1][2], _WALKS[3][0], _WALKS[2][3]]
 F = H["tile_step_fixed"]
-
-
 TILE_STEP = Exercise(
     "tile_step_fixed",
     cases=TILE_STEP_CASES,
