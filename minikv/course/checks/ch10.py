@@ -8,6 +8,7 @@ choose_tree (design: spend a budget of verify rows on a tree, measured by the en
 are in hints/ch10.toml."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -325,27 +326,26 @@ DESIGN_PROMPTS = ("Once upon a time", "The color of dog", "A coin's state is hea
                   "A coin's state is tails. Bob doesn't flip it. Carol flips")
 DESIGN_TOKENS = 48
 DESIGN_BUDGETS = (6, 12)
-_measured: dict = {}
 T = H["choose_tree"]
 
 
+@functools.cache
+def _models() -> tuple:  # the course target, its feature head and the tokenizer, loaded once
+    target = load_course_model("target", "cpu")[0]
+    return target, load_feature_head(target), load_tokenizer()
+
+
+@functools.cache
 def tokens_per_pass(gamma: int, width: int, branch: int) -> float:
     """Tokens the course target commits per target pass, greedy, with the feature head
     proposing a tree γ deep (`tree=(width, branch)`; (1, 1): a chain), over the chapter's 4
     prompts and 48 new tokens each: the engine's measurement (cached)."""
-    key = (gamma, width, branch)
-    if key not in _measured:
-        if "models" not in _measured:
-            target = load_course_model("target", "cpu")[0]
-            _measured["models"] = (target, load_feature_head(target), load_tokenizer())
-        target, head, tok = _measured["models"]
-        tree = None if (width, branch) == (1, 1) else (width, branch)
-        with torch.inference_mode():
-            outs = [feature_generate(target, head, tok.encode(p), DESIGN_TOKENS, gamma=gamma,
-                                     tree=tree) for p in DESIGN_PROMPTS]
-        _measured[key] = (sum(o.stats.new_tokens for o in outs)
-                          / sum(o.stats.target_passes for o in outs))
-    return _measured[key]
+    target, head, tok = _models()
+    tree = None if (width, branch) == (1, 1) else (width, branch)
+    with torch.inference_mode():
+        outs = [feature_generate(target, head, tok.encode(p), DESIGN_TOKENS, gamma=gamma,
+                                 tree=tree) for p in DESIGN_PROMPTS]
+    return sum(o.stats.new_tokens for o in outs) / sum(o.stats.target_passes for o in outs)
 
 
 def rows_of(gamma: int, width: int, branch: int) -> int:
