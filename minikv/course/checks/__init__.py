@@ -51,8 +51,7 @@ import minikv
 from ...engine import GPT, GPTConfig
 
 HERE = Path(__file__).resolve().parent
-CHAPTERS = ("ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07", "ch08", "ch09",
-            "ch10")
+CHAPTERS = tuple(f"ch{i:02}" for i in range(11))  # the chapters, 00 to 10
 
 
 class CheckFailed(AssertionError):
