@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -189,17 +188,19 @@ check_accepted_path = PATH.check
 
 # --- exercise 3: predict what speculation earns a server --------------------------------------
 
-@dataclass(frozen=True)
 class Cost:
     """A pass's seconds as a function of the token rows it computes: `fixed` (reading the
     weights, launching the work) plus `per_row` once more rows than `spare` would be computed
     (a machine with spare compute does the first `spare` rows for free)."""
-    fixed: float
-    per_row: float
-    spare: int = 0
+
+    def __init__(self, fixed: float, per_row: float, spare: int = 0):
+        self.fixed, self.per_row, self.spare = fixed, per_row, spare
 
     def __call__(self, rows: int) -> float:
         return self.fixed + self.per_row * max(0, rows - self.spare)
+
+    def __repr__(self) -> str:
+        return f"Cost(fixed={self.fixed}, per_row={self.per_row}, spare={self.spare})"
 
 
 def speedup_by_hand(tau: float, gamma: int, batch: int, decode_seconds, verify_seconds,
