@@ -4,6 +4,7 @@ a stub's NotImplementedError goes through, and every named mistake, fed to the c
 learner's function, fails it with exactly its own hint. A chapter joins by listing its exercises."""
 import importlib
 import re
+import sys
 
 import pytest
 import torch
@@ -54,6 +55,9 @@ def test_a_check_cell_runs_the_packaged_checker(chapter, monkeypatch):
     ex = next(ex for c, ex in EXERCISES if c == chapter and ex.mistakes)
     hint, wrong = next(iter(ex.mistakes.items()))
     monkeypatch.setattr(CHAPTERS[chapter], f"check_{ex.name}", lambda fn: print("✓ (patched)"))
+    # a notebook's first check cell: the chapter's module not imported yet (a dataclass in it,
+    # say, must not need it in sys.modules)
+    monkeypatch.delitem(sys.modules, f"minikv.course.checks.{chapter}")
     with pytest.raises(CheckFailed, match=re.escape(hint)):
         getattr(checks.fresh(chapter), f"check_{ex.name}")(wrong)
     monkeypatch.setattr(minikv, "serve", lambda *args, **kwargs: [])

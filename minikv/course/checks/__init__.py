@@ -9,18 +9,19 @@ chapter's module, so a checker patched in an exercise cell is not the one that r
 
 The recipe, for writing or converting a chapter's checkers (chapter 05 is the model):
 1. An exercise whose function returns a value is an `Exercise`, data rather than code:
+       SCHED = hints("ch05")["verify_schedule"]   # checks/hints/ch05.toml: a key per mistake
        SCHEDULE = Exercise(
            "verify_schedule", cases=[(10, 4), (9, 4), ...],   # the learner's arguments
            describe=lambda n, window: f"max_new_tokens={n}, window={window}",
            reference=served_schedule,    # the right answer, measured by the engine where it can
            returns=pass_list,            # the contract: the answer coerced, or Refused(hint)
-           mistakes={"this is what you get when you forget the prefill: ...":
-                     lambda n, window: schedule(n + 1, window), ...},
-           otherwise="the prefill gives T₀; ...", forbid=(serve,), solution=schedule)
+           mistakes=named(SCHED, no_prefill=lambda n, window: schedule(n + 1, window), ...),
+           otherwise=SCHED["otherwise"], forbid=(serve,), solution=schedule)
        check_verify_schedule = SCHEDULE.check
-   Write each usual mistake ONCE, as a wrong implementation with the learner's signature, under
-   its hint as students read it (keep today's hints word for word): the checker runs it to name
-   the mistake behind wrong answers, and tests/test_checks_table.py feeds it to the checker and
+   Write each usual mistake ONCE, as a wrong implementation with the learner's signature (often
+   the solution with one knob turned), under its hint's key in checks/hints/chNN.toml: a table
+   per exercise, each hint written once, as students read it. The checker runs the mistake to
+   name the one behind wrong answers, and tests/test_checks_table.py feeds it to the checker and
    expects exactly its hint back, so the cases must tell the mistakes apart.
 2. List the module's exercises in `EXERCISES` (the generic test finds them there) and delete
    their mutants from tests/test_checks_chNN.py, except the few a table cannot state: wrong
@@ -28,9 +29,6 @@ The recipe, for writing or converting a chapter's checkers (chapter 05 is the mo
 3. An exercise that drives a model or a stateful object stays code, built from the same pieces
    (`call`, `fail`/`expect`, `expect_tensor`, `diagnose`, `kind`, `forbid`, `prediction`,
    `guarded`); its mutants stay in tests/test_checks_chNN.py.
-4. The hints may live in checks/hints/chNN.toml, a table per exercise and a key per mistake,
-   each hint written once (`hints(chapter)`; `named(table, key=wrong implementation, ...)`
-   makes `mistakes`).
 """
 from __future__ import annotations
 
@@ -53,8 +51,7 @@ import minikv
 from ...engine import GPT, GPTConfig
 
 HERE = Path(__file__).resolve().parent
-CHAPTERS = ("ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07", "ch08", "ch09",
-            "ch10")
+CHAPTERS = tuple(f"ch{i:02}" for i in range(11))  # the chapters, 00 to 10
 
 
 class CheckFailed(AssertionError):
@@ -145,19 +142,11 @@ def _one_thread():  # tiny models decode fastest on one thread, also when the CP
 
 def guarded(check):
     """Run a checker under fork_rng: the notebook's random state stays as it was."""
-    @functools.wraps(check)
-    def run(*args, **kwargs):
-        with torch.random.fork_rng(devices=[]):
-            return check(*args, **kwargs)
-    return run
+    return torch.random.fork_rng(devices=[])(check)  # a context manager that wraps a function
 
 
 def one_thread(check):
-    @functools.wraps(check)
-    def run(*args, **kwargs):
-        with _one_thread():
-            return check(*args, **kwargs)
-    return run
+    return _one_thread()(check)
 
 
 # --- what learners' functions must not do, and what they must return ----------------------------
@@ -330,6 +319,20 @@ def one_of(*values, hint: str):
     return coerce
 
 
+def parts(hint: str | Callable, *contracts: Callable):
+    """The contract "a tuple (or list) of these parts", each coerced by its contract,
+    contract(part, *case), which returns None to refuse it; `hint` may be a function of the case."""
+    def coerce(got, *case):
+        said = hint(*case) if callable(hint) else hint
+        if not isinstance(got, (list, tuple)) or len(got) != len(contracts):
+            raise Refused(said)
+        values = tuple(contract(part, *case) for contract, part in zip(contracts, got))
+        if any(v is None for v in values):
+            raise Refused(said)
+        return values
+    return coerce
+
+
 def tensor(hint: str, shape=None, dtype: torch.dtype | None = None):
     """The contract "a torch tensor" of this dtype and shape (a tuple, or a function of the
     case's arguments)."""
@@ -466,10 +469,10 @@ class Exercise:
                 if refused is not None:
                     shown, answer, hint = refused
                     fail(self.name, self.describe(*case), shown or self.show(want), answer, hint)
-                expected = self.show(want)
-                if self.explain is not None:
-                    expected = f"{expected!r}: {self.explain(*case)}"
                 if not self.same(got, want):
+                    expected = self.show(want)
+                    if self.explain is not None:
+                        expected = f"{expected!r}: {self.explain(*case)}"
                     hint = diagnose(self.mistakes, wrong, self.returns, self.same)
                     if not hint and callable(self.otherwise):
                         hint = self.otherwise([(c, g) for c, (g, r) in zip(self.cases, runs)

@@ -1,11 +1,9 @@
-"""Checkers for chapter 08 (a modern model: what rotary positions change for the cache), each
-against the engine's RoPE (minikv/engine/rope.py) or target-rope, in a few CPU seconds, from data
-(the recipe in __init__.py): rope_key (turn a key by hand), move_key (move a turned key to another
-position without its input), decode_one_head (debug: a cache that holds keys before their turn),
-predict_reindexed (predict, then measure: which answers a window's re-indexed numbering
-changes, measured on target-rope) and choose_long_window (design: sinks, a window, a numbering and
-θ for texts 4x the trained length under a memory budget, against the engine's SinkWindowCache).
-"""
+"""Checkers for chapter 08 (a modern model: what rotary positions change for the cache), against
+the engine's RoPE (minikv/engine/rope.py), target-rope and its SinkWindowCache, in a few CPU
+seconds: rope_key (turn a key by hand), move_key (move a turned key without its input),
+decode_one_head (debug: a cache that holds keys before their turn) and predict_reindexed (predict,
+then measure, on target-rope) are tables; choose_long_window (design: a window for texts 4x the
+trained length under a memory budget) is code. The hints are in hints/ch08.toml."""
 from __future__ import annotations
 
 import math
@@ -20,9 +18,11 @@ from ...engine.window import SinkWindowCache, feed
 from ..checkpoint import load_course_model
 from ..corpus import coin_flip_eval
 from ..tokenizer import load_tokenizer
-from . import Exercise, as_int, call, expect, fail, guarded, integer, passed, tensor
+from . import Exercise, as_int, call, expect, fail, guarded, hints, integer, named, passed, tensor
 
+H = hints("ch08")
 THETA = 10000.0
+ROPE = (rope_angles, rotate, turn)  # the engine's RoPE: the exercises write it
 
 
 def _vector(seed: int, hs: int) -> torch.Tensor:
@@ -32,6 +32,10 @@ def _vector(seed: int, hs: int) -> torch.Tensor:
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
     # angles of a few hundred radians carry float32 rounding of ~1e-5: far below any mistake's
     return torch.allclose(got.double(), want.double(), atol=1e-3, rtol=1e-3)
+
+
+def _shaped(hint: str):  # the contract: a tensor shaped like the first argument (a key, q_raw)
+    return tensor(hint, shape=lambda first, *rest: tuple(first.shape))
 
 
 # --- exercise 1: turn a key by its position, by hand ------------------------------------------
@@ -57,6 +61,7 @@ def _adjacent_pairs(k, position, theta):
     return out
 
 
+R = H["rope_key"]
 ROPE_KEY = Exercise(
     "rope_key",
     cases=[(_vector(1, 8), 1, THETA), (_vector(2, 16), 5, THETA), (_vector(3, 24), 37, THETA),
@@ -64,29 +69,13 @@ ROPE_KEY = Exercise(
     describe=lambda k, position, theta: (f"a key of {k.shape[-1]} numbers at position "
                                          f"{position}, theta={theta:g}"),
     reference=_rope_reference,
-    returns=tensor("return the turned key: a tensor of the key's shape",
-                   shape=lambda k, position, theta: tuple(k.shape)),
+    returns=_shaped(R["returns"]),
     same=_close,
-    mistakes={
-        "you paired neighbours (k[2i], k[2i+1]), GPT-J's layout; Llama's, the engine's and "
-        "Hugging Face's pairs number i with number i + hs/2 (the first half with the second)":
-            _adjacent_pairs,
-        "pair i turns by position × theta^(-2i/hs): the exponent has a 2 (the pairs are "
-        "numbered 0 .. hs/2 - 1 and the exponent runs over the even numbers 0 .. hs - 2)":
-            lambda k, position, theta: rope_key_by_hand(k, position, theta ** 0.5),
-        "you turned the wrong way (a minus on the other sine): the first half is "
-        "x cos - y sin and the second x sin + y cos":
-            lambda k, position, theta: rope_key_by_hand(k, -position, theta),
-        "you turned by position + 1: the first token is position 0, and is not turned at all":
-            lambda k, position, theta: rope_key_by_hand(k, position + 1, theta),
-    },
-    otherwise="for each pair i < hs/2, angle = position × theta^(-2i/hs); then "
-              "(x, y) = (k[i], k[i + hs/2]) becomes (x cos - y sin, x sin + y cos)",
-    forbid=(rope_angles, rotate, turn),
-    unchanged="turn a copy (torch.cat makes a new tensor): the key you were given is the "
-              "cache's own, and others read it",
-    solution=rope_key_by_hand,
-)
+    mistakes=named(R, adjacent=_adjacent_pairs,
+                   exponent=lambda k, at, theta: rope_key_by_hand(k, at, theta ** 0.5),
+                   wrong_way=lambda k, at, theta: rope_key_by_hand(k, -at, theta),
+                   plus_one=lambda k, at, theta: rope_key_by_hand(k, at + 1, theta)),
+    otherwise=R["otherwise"], forbid=ROPE, unchanged=R["unchanged"], solution=rope_key_by_hand)
 check_rope_key = ROPE_KEY.check
 
 
@@ -98,71 +87,40 @@ def move_key_by_hand(k_turned: torch.Tensor, old: int, new: int, theta: float) -
 
 
 def _move_case(seed: int, hs: int, old: int, new: int, theta: float = THETA) -> tuple:
-    raw = _vector(seed, hs)
-    return _rope_reference(raw, old, theta), old, new, theta
+    return _rope_reference(_vector(seed, hs), old, theta), old, new, theta
 
 
-MOVE_CASES = [_move_case(1, 16, 40, 8), _move_case(2, 8, 5, 9), _move_case(3, 24, 100, 20),
-              _move_case(4, 16, 7, 7), _move_case(5, 32, 30, 0, 500.0)]
-
-
-def _moved_reference(k_turned, old, new, theta):
-    return _rope_reference(k_turned, new - old, theta)
-
-
+M = H["move_key"]
 MOVE_KEY = Exercise(
     "move_key",
-    cases=MOVE_CASES,
+    cases=[_move_case(1, 16, 40, 8), _move_case(2, 8, 5, 9), _move_case(3, 24, 100, 20),
+           _move_case(4, 16, 7, 7), _move_case(5, 32, 30, 0, 500.0)],
     describe=lambda k, old, new, theta: (f"a key of {k.shape[-1]} numbers turned for position "
                                          f"{old}, moved to {new}, theta={theta:g}"),
-    reference=_moved_reference,
-    returns=tensor("return the moved key: a tensor of the key's shape",
-                   shape=lambda k, old, new, theta: tuple(k.shape)),
+    reference=lambda k, old, new, theta: _rope_reference(k, new - old, theta),
+    returns=_shaped(M["returns"]),
     same=_close,
-    mistakes={
-        "you turned it by the new position, but the key is already turned by the old one and "
-        "turns add up: turn it by new - old":
-            lambda k, old, new, theta: rope_key_by_hand(k, new, theta),
-        "you turned it by old - new, the wrong way: to move a key from old to new, turn it by "
-        "new - old (negative when it moves to an earlier position)":
-            lambda k, old, new, theta: rope_key_by_hand(k, old - new, theta),
-        "you turned it back to position 0 (by -old) and stopped: then turn it on to the new "
-        "position, or do both at once with new - old":
-            lambda k, old, new, theta: rope_key_by_hand(k, -old, theta),
-    },
-    otherwise="a turn by d after a turn by old is a turn by old + d: turn the key by new - old",
-    forbid=(rope_angles, rotate, turn),
-    unchanged="turn a copy: the key you were given is the cache's own",
-    solution=move_key_by_hand,
-)
+    mistakes=named(M, new_only=lambda k, old, new, theta: rope_key_by_hand(k, new, theta),
+                   backwards=lambda k, old, new, theta: rope_key_by_hand(k, old - new, theta),
+                   to_zero=lambda k, old, new, theta: rope_key_by_hand(k, -old, theta)),
+    otherwise=M["otherwise"], forbid=ROPE, unchanged=M["unchanged"], solution=move_key_by_hand)
 check_move_key = MOVE_KEY.check
 
 
 # --- exercise 3 (debug): one head decoding through a cache of unturned keys --------------------
 
-def _decode(q_raw, k_raw, v, theta, turn_when_cached: bool, turn_when_read: bool):
-    """One head decoded one token per step through a cache of lists; each key turned by its
-    own position when cached, and/or every cached key by the newest position when read."""
+def decode_fixed(q_raw, k_raw, v, theta, when_cached: bool = True, when_read: bool = False):
+    """The fix: each key is turned once, by its own position, when it is cached. (The knobs give
+    the notebook's bug, every cached key turned by the newest position when read, and both.)"""
     keys, values, out = [], [], []
     for t in range(q_raw.shape[0]):
-        keys.append(_turned_by(k_raw[t], t, theta) if turn_when_cached else k_raw[t])
+        keys.append(_turned_by(k_raw[t], t, theta) if when_cached else k_raw[t])
         values.append(v[t])
         K = torch.stack(keys)
-        K = _turned_by(K, t, theta) if turn_when_read else K
+        K = _turned_by(K, t, theta) if when_read else K
         q = _turned_by(q_raw[t], t, theta)
         out.append((K @ q / math.sqrt(q.shape[-1])).softmax(-1) @ torch.stack(values))
     return torch.stack(out)
-
-
-def decode_buggy(q_raw, k_raw, v, theta):
-    """The notebook's broken decoder: each key cached as made, every cached key turned by the
-    newest token's position."""
-    return _decode(q_raw, k_raw, v, theta, turn_when_cached=False, turn_when_read=True)
-
-
-def decode_fixed(q_raw, k_raw, v, theta):
-    """The fix: each key is turned once, by its own position, when it is cached."""
-    return _decode(q_raw, k_raw, v, theta, turn_when_cached=True, turn_when_read=False)
 
 
 def _turned_by(x, position, theta):
@@ -179,41 +137,24 @@ def _attention_reference(q_raw, k_raw, v, theta):
                                                             is_causal=True)[0, 0]
 
 
-def _turned_twice(q_raw, k_raw, v, theta):
-    return _decode(q_raw, k_raw, v, theta, turn_when_cached=True, turn_when_read=True)
-
-
 def _head_case(seed: int, T: int, hs: int, theta: float = THETA) -> tuple:
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(T, hs, generator=g) * 2, torch.randn(T, hs, generator=g) * 2,
             torch.randn(T, hs, generator=g), theta)
 
 
+D = H["decode_one_head"]
 DECODE = Exercise(
     "decode_one_head",
     cases=[_head_case(1, 6, 8), _head_case(2, 12, 16), _head_case(3, 9, 24, 500.0)],
     describe=lambda q, k, v, theta: (f"{q.shape[0]} tokens of one head, head_dim "
                                      f"{q.shape[1]}, theta={theta:g}"),
     reference=_attention_reference,
-    returns=tensor("return the outputs, a (T, head_dim) tensor",
-                   shape=lambda q, k, v, theta: tuple(v.shape)),
+    returns=_shaped(D["returns"]),
     same=_close,
-    mistakes={
-        "this is the bug: every cached key is turned by the newest token's position, so each "
-        "looks 0 positions away from the query and the scores forget where each word was; turn "
-        "a key once, by its own position, when it goes into the cache":
-            decode_buggy,
-        "the scores depend on each key's own position, not on its distance to the query: "
-        "either a cached key is turned twice (by its position, then by the newest token's), or "
-        "the query is not turned (the two give the same scores); a cached key already holds its "
-        "turn, so read it as it is, and turn the query by its own position":
-            _turned_twice,
-    },
-    otherwise="turn each key by its own position once, when it is cached; turn the query by "
-              "its position; then softmax(K q / sqrt(head_dim)) over every cached key",
-    unchanged="leave q_raw, k_raw and v as given: build the cache in lists of your own",
-    solution=decode_fixed,
-)
+    mistakes=named(D, bug=lambda *case: decode_fixed(*case, when_cached=False, when_read=True),
+                   twice=lambda *case: decode_fixed(*case, when_read=True)),
+    otherwise=D["otherwise"], unchanged=D["unchanged"], solution=decode_fixed)
 check_decode_one_head = DECODE.check
 
 
@@ -241,49 +182,32 @@ def measure_reindexed(sinks: int, window: int) -> int:
     return changed
 
 
-def predict_by_hand(lengths: list[int], sinks: int, window: int) -> int:
+def predict_by_hand(lengths: list[int], sinks: int, window: int, last: int = 1,
+                    sinkless: bool = False) -> int:
     """The solution: the answer is read at position L - 1, which sits at slot
     min(L - 1, sinks + window); the sinks are seen from that slot, so nothing moves until the
-    text is longer than sinks + window + 1 tokens, and with no sinks nothing at all."""
-    return sum(L - 1 > sinks + window for L in lengths) if sinks else 0
+    text is longer than sinks + window + 1 tokens, and with no sinks nothing at all. (`last` and
+    `sinkless` give the usual mistakes: the answer read at L - last, a change without sinks.)"""
+    return sum(L - last > sinks + window for L in lengths) if sinks or sinkless else 0
 
 
-REINDEX_CASES = [(4, 19), (4, 47), (0, 16), (2, 62), (4, 120)]
-
+P = H["predict_reindexed"]
 PREDICT = Exercise(
     "predict_reindexed",
-    cases=[(LENGTHS, sinks, window) for sinks, window in REINDEX_CASES],
+    cases=[(LENGTHS, sinks, window) for sinks, window in [(4, 19), (4, 47), (0, 16), (2, 62),
+                                                          (4, 120)]],
     describe=lambda lengths, sinks, window: (f"the {len(lengths)} questions through {sinks} "
                                              f"sinks and a window of {window}"),
     reference=lambda lengths, sinks, window: measure_reindexed(sinks, window),
-    returns=integer("return one int: how many of the questions' answer logits change"),
+    returns=integer(P["returns"]),
     explain=lambda lengths, sinks, window: (
         f"measured: the answer logits of {measure_reindexed(sinks, window)} of the "
         f"{len(lengths)} questions change"),
-    mistakes={
-        "off by one: a query at position t sits at slot min(t, sinks + window), because the "
-        "window holds `window` positions and the new token comes on top; a question of L "
-        "tokens reads its answer at position L - 1":
-            lambda lengths, sinks, window: (sum(L > sinks + window for L in lengths)
-                                            if sinks else 0),
-        "off by one the other way: the answer is read at position L - 1 (the first token is "
-        "position 0), and it moves to another slot only when L - 1 > sinks + window":
-            lambda lengths, sinks, window: (sum(L - 2 > sinks + window for L in lengths)
-                                            if sinks else 0),
-        "the sinks count: the cache holds sinks + window positions (and the new token) before "
-        "anything is evicted, so a question changes only when longer than that":
-            lambda lengths, sinks, window: (sum(L - 1 > window for L in lengths)
-                                            if sinks else 0),
-        "with no sinks, every held key is a window key, and a window key slides down its slots "
-        "together with the query: each distance stays true, and nothing changes":
-            lambda lengths, sinks, window: sum(L - 1 > sinks + window for L in lengths),
-    },
-    otherwise="a question changes when its answer's query, at position L - 1, no longer sits at "
-              "its true position: that is when L - 1 > sinks + window, and only if there are "
-              "sinks to see from the wrong distance",
-    forbid=(GPT.forward, feed),
-    solution=predict_by_hand,
-)
+    mistakes=named(P, off_by_one=lambda lengths, s, w: predict_by_hand(lengths, s, w, last=0),
+                   other_way=lambda lengths, s, w: predict_by_hand(lengths, s, w, last=2),
+                   sinks_count=lambda lengths, s, w: predict_by_hand(lengths, s, w - s),
+                   no_sinks=lambda lengths, s, w: predict_by_hand(lengths, s, w, sinkless=True)),
+    otherwise=P["otherwise"], forbid=(GPT.forward, feed), solution=predict_by_hand)
 check_predict_reindexed = PREDICT.check
 
 # --- exercise 5 (design): a window for a text 4x the trained length, under a memory budget --------
@@ -331,25 +255,7 @@ def choose_long_window_by_hand(budget: int) -> dict:
     return {"sinks": 4, "window": held - 4, "rope": "reindex", "rope_theta": 10000.0}
 
 
-LW = {
-    "dict": "return a dict with the keys sinks, window, rope ('true', 'reindex' or 'rerotate') "
-            "and rope_theta",
-    "too_big": "over the budget: the cache holds sinks + window positions, {per:,} bytes each "
-               "(12 layers × K and V × 8 heads × 24 numbers × 4 bytes): {slots} fit",
-    "true": "at true positions the sinks stay at their true distance, up to {far:,} positions "
-            "from the newest token, far past the {trained} the model was trained on (section 5: "
-            "the loss rises from there); number by slot ('reindex' or 'rerotate')",
-    "too_wide": "numbered by slot, the farthest distance is sinks + window ({far} here), past the "
-                "largest distance training showed ({top}): keep sinks + window at most {top}, "
-                "even when the budget pays for more",
-    "theta": "the window numbered by slot shows only trained distances: keep the trained "
-             "rope_theta ({theta:g}); a scaled θ (NTK) turns every pair by angles training "
-             "never showed, for a full cache read past its length, not for a window",
-    "no_sinks": "keep a few sinks: a trained model parks attention on the first tokens "
-                "(chapter 07)",
-    "wasted": "the budget pays for {slots} positions and the trained distances allow {top}: "
-              "a longer window only helps, hold {want}",
-}
+LW = H["choose_long_window"]
 
 
 @guarded

@@ -1,31 +1,33 @@
 """Checkers for chapter 10 (speculation beyond a draft model), each against the engine (the recipe
-in __init__.py): tree_mask_and_positions (what one target pass needs to read a token tree: each
-node's mask row and position, against engine/tree.py), accepted_path (the walk down a tree that
-the target's own choices take, against verify.accept_matching) and predicted_speedup (predict,
-then measure: what speculation earns a server at a batch size, from the cost of its passes).
-"""
+in __init__.py), all tables: tree_mask_and_positions (what one target pass needs to read a token
+tree: each node's mask row and position, against engine/tree.py), accepted_path (the walk down a
+tree that the target's own choices take, against verify.accept_matching), predicted_speedup
+(predict, then measure: what speculation earns a server at a batch size, from the cost of its
+passes), keep_accepted (debug: keep the accepted path's K/V, against KVCache.compact) and
+choose_tree (design: spend a budget of verify rows on a tree, measured by the engine). The hints
+are in hints/ch10.toml."""
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from ...engine.cache import KVCache
+from ...engine.eagle import feature_generate, tree_size
 from ...engine.sampling import SamplingParams
 from ...engine.tree import children, depths, tree_mask, tree_positions
 from ...engine.verify import accept_matching
-from . import Exercise, Refused, int_list
+from ..checkpoint import load_course_model, load_feature_head
+from ..tokenizer import load_tokenizer
+from . import Exercise, Refused, as_int, hints, int_list, named, parts
 
+H = hints("ch10")
 TREE_HELPERS = (tree_mask, tree_positions, depths, children)
 
-# (parents, root_position): the chapter's tree, a chain, a bush, deeper and wider ones
-TREES = [([-1, -1, 0, 0], 9), ([-1, 0, 1, 2], 4), ([-1, -1, -1], 0), ([-1, 0, 0, 1, 1, 2], 17),
-         ([-1, -1, 0, 1, 2, 3, 4, 5], 30), ([-1, 0, -1, 2, 1, 3, 3], 5), ([-1], 2),
-         ([-1, -1, 1, 1, 2, 2, 3, 6], 11)]
 
-
-def _describe_tree(parents, root_position) -> str:
-    return f"parents={parents}, the root at position {root_position}"
+def _children(parents: list[int], at: int) -> list[int]:  # the engine's `children` is forbidden
+    return [c for c, p in enumerate(parents) if p == at]
 
 
 # --- exercise 1: the mask and positions of a token tree ---------------------------------------
@@ -44,32 +46,11 @@ def mask_and_positions_by_hand(parents: list[int], root_position: int):
     return mask, positions
 
 
-def _mask_reference(parents, root_position):
-    return tree_mask(parents, prefix=0), tree_positions(parents, root_position)
-
-
-def _mask_answer(got, parents, root_position):
-    n = len(parents)
-    hint = (f"return (mask, positions): mask a ({n}, {n}) bool tensor, mask[i, j] True when "
-            f"node i sees node j; positions a list of {n} ints")
-    if not isinstance(got, (tuple, list)) or len(got) != 2:
-        raise Refused(hint)
-    mask, positions = got
-    positions = int_list(positions)
-    if not (isinstance(mask, torch.Tensor) and tuple(mask.shape) == (n, n)
-            and mask.dtype == torch.bool) or positions is None or len(positions) != n:
-        raise Refused(hint)
-    return mask, positions
-
-
-def _same_mask(got, want) -> bool:
-    return torch.equal(got[0], want[0]) and list(got[1]) == list(want[1])
-
-
-def _causal(parents, root_position):
-    n = len(parents)
-    positions = mask_and_positions_by_hand(parents, root_position)[1]
-    return torch.ones(n, n, dtype=torch.bool).tril(), positions
+def _with(parents, root_position, mask=None, positions=None):
+    """The solution's mask and positions, one of them replaced (a usual mistake)."""
+    right_mask, right_positions = mask_and_positions_by_hand(parents, root_position)
+    return (right_mask if mask is None else mask(right_mask),
+            right_positions if positions is None else positions)
 
 
 def _parent_only(parents, root_position):
@@ -77,64 +58,61 @@ def _parent_only(parents, root_position):
     for i, parent in enumerate(parents):
         if parent >= 0:
             mask[i, parent] = True
-    return mask, mask_and_positions_by_hand(parents, root_position)[1]
+    return _with(parents, root_position, mask=lambda right: mask)
 
 
-def _no_self(parents, root_position):
-    mask, positions = mask_and_positions_by_hand(parents, root_position)
-    return mask & ~torch.eye(len(parents), dtype=torch.bool), positions
+def _bool_mask(mask, parents, root_position):  # a part of the answer: the (n, n) bool mask
+    n = len(parents)
+    ok = isinstance(mask, torch.Tensor) and tuple(mask.shape) == (n, n) and mask.dtype == torch.bool
+    return mask if ok else None
 
 
-def _chain_positions(parents, root_position):
-    return (mask_and_positions_by_hand(parents, root_position)[0],
-            [root_position + 1 + i for i in range(len(parents))])
+def _n_ints(positions, parents, root_position):  # a part of the answer: n positions
+    positions = int_list(positions)
+    return positions if positions is not None and len(positions) == len(parents) else None
 
 
-def _depth_from_zero(parents, root_position):
-    mask, positions = mask_and_positions_by_hand(parents, root_position)
-    return mask, [p - 1 for p in positions]
-
-
+M = H["tree_mask_and_positions"]
 MASK = Exercise(
     "tree_mask_and_positions",
-    cases=TREES,
-    describe=_describe_tree,
-    reference=_mask_reference,
-    returns=_mask_answer,
-    same=_same_mask,
+    # (parents, root_position): the chapter's tree, a chain, a bush, deeper and wider ones
+    cases=[([-1, -1, 0, 0], 9), ([-1, 0, 1, 2], 4), ([-1, -1, -1], 0), ([-1, 0, 0, 1, 1, 2], 17),
+           ([-1, -1, 0, 1, 2, 3, 4, 5], 30), ([-1, 0, -1, 2, 1, 3, 3], 5), ([-1], 2),
+           ([-1, -1, 1, 1, 2, 2, 3, 6], 11)],
+    describe=lambda parents, root_position: (f"parents={parents}, the root at position "
+                                             f"{root_position}"),
+    reference=lambda parents, root: (tree_mask(parents, prefix=0), tree_positions(parents, root)),
+    returns=parts(lambda parents, root: M["returns"].format(n=len(parents)), _bool_mask, _n_ints),
+    same=lambda got, want: torch.equal(got[0], want[0]) and list(got[1]) == list(want[1]),
     show=lambda r: (r[0].int().tolist(), list(r[1])),
-    mistakes={
-        "that is a chain's causal mask: node i sees every node before it, a sibling's branch "
-        "too. In a tree a node sees only its ancestors (and itself)": _causal,
-        "a node sees its parent, and its parent's parent, up to the root: copy the parent's "
-        "whole row, not just the parent": _parent_only,
-        "a node sees itself (the diagonal is True), as a token sees its own key in any "
-        "causal pass": _no_self,
-        "positions go by depth, not by node number: siblings share a position (each is a "
-        "guess for the same next token), the root's children at root_position + 1":
-            _chain_positions,
-        "a child of the root is the token right after it: root_position + depth, depth 1 for "
-        "the root's children": _depth_from_zero,
-    },
-    otherwise="for each node i (parents come first): its row = its parent's row (none for the "
-              "root's children), then mask[i, i] = True; position = root_position + its depth",
-    forbid=TREE_HELPERS,
-    unchanged="read parents, don't change them",
-    solution=mask_and_positions_by_hand,
-)
+    mistakes=named(
+        M, causal=lambda ps, root: _with(ps, root, mask=lambda right: right.new_ones(
+            right.shape).tril()),
+        parent_only=_parent_only,
+        no_self=lambda ps, root: _with(ps, root, mask=lambda right: right & ~torch.eye(
+            len(ps), dtype=torch.bool)),
+        chain_positions=lambda ps, root: _with(ps, root, positions=[root + 1 + i for i in range(
+            len(ps))]),
+        depth_from_zero=lambda ps, root: mask_and_positions_by_hand(ps, root - 1)),
+    otherwise=M["otherwise"], forbid=TREE_HELPERS, unchanged=M["unchanged"],
+    solution=mask_and_positions_by_hand)
 check_tree_mask_and_positions = MASK.check
 
 
 # --- exercise 2: the accepted path ----------------------------------------------------------
 
-def path_by_hand(parents: list[int], tokens: list[int], choices: list[int], pick: int = 0):
+def path_by_hand(parents: list[int], tokens: list[int], choices: list[int], pick: int = 0,
+                 row: int = 1, under=None):
     """The solution: from the root, go down to the child holding the target's choice there,
-    while there is one; the target's choice where the walk stops is its own token. (`pick`:
-    which of several matching siblings; the first, as the engine takes.)"""
+    while there is one; the target's choice where the walk stops is its own token. (The knobs
+    give the usual mistakes: `pick` which of several matching siblings, the engine taking the
+    first; the choice after node i read at row i + `row`; `under(at, path)` the nodes the walk
+    may go to, instead of the children of `at`.)"""
     path, at = [], -1
     while True:
-        choice = choices[0 if at < 0 else 1 + at]
-        match = [c for c, p in enumerate(parents) if p == at and tokens[c] == choice]
+        choice = choices[max(at + row, 0)]
+        near = under(at, path) if under else _children(parents, at)
+        match = [c for c in near if tokens[c] == choice]
         if not match:
             return path, choice
         path.append(match[pick])
@@ -149,61 +127,15 @@ def _path_reference(parents, tokens, choices):
     return list(verdict.path), verdict.token
 
 
-def _path_answer(got, parents, tokens, choices):
-    hint = ("return (path, token): path the list of accepted node numbers, root first "
-            "([] when none), token the target's choice where the walk stops (an int)")
-    if not isinstance(got, (tuple, list)) or len(got) != 2:
-        raise Refused(hint)
-    path, token = int_list(got[0]), int_list([got[1]])
-    if path is None or token is None:
-        raise Refused(hint)
-    return list(path), token[0]
-
-
-def _first_child_only(parents, tokens, choices):
-    path, at = [], -1
-    while True:
-        choice = choices[0 if at < 0 else 1 + at]
-        kids = [c for c, p in enumerate(parents) if p == at]
-        if not kids or tokens[kids[0]] != choice:
-            return path, choice
-        path.append(kids[0])
-        at = kids[0]
-
-
 def _by_depth(parents, tokens, choices):
-    path, at, d = [], -1, 1
-    level = []
-    for parent in parents:
-        level.append(1 if parent < 0 else level[parent] + 1)
-    while True:
-        choice = choices[0 if at < 0 else 1 + at]
-        match = [c for c in range(len(parents)) if level[c] == d and tokens[c] == choice]
-        if not match:
-            return path, choice
-        path.append(match[0])
-        at, d = match[0], d + 1
-
-
-def _wrong_row(parents, tokens, choices):
-    path, at = [], -1
-    while True:
-        choice = choices[max(at, 0)]
-        match = [c for c, p in enumerate(parents) if p == at and tokens[c] == choice]
-        if not match:
-            return path, choice
-        path.append(match[0])
-        at = match[0]
-
-
-def _last_match(parents, tokens, choices):
-    return path_by_hand(parents, tokens, choices, pick=-1)
+    level = mask_and_positions_by_hand(parents, 0)[1]  # each node's depth, the root's children 1
+    return path_by_hand(parents, tokens, choices, under=lambda at, path: [
+        c for c, depth in enumerate(level) if depth == len(path) + 1])
 
 
 def _proposal_token(parents, tokens, choices):
     path, token = path_by_hand(parents, tokens, choices)
-    at = path[-1] if path else -1
-    kids = [c for c, p in enumerate(parents) if p == at]
+    kids = _children(parents, path[-1] if path else -1)
     return path, tokens[kids[0]] if kids else token
 
 
@@ -213,61 +145,44 @@ def _path_case(parents, tokens, walk, seed):
     choices = [int(t) for t in torch.randint(0, 50, (len(parents) + 1,), generator=g)]
     at = -1
     for node in walk:
-        choices[0 if at < 0 else 1 + at] = tokens[node]
+        choices[at + 1] = tokens[node]
         at = node
-    kids = [tokens[c] for c, p in enumerate(parents) if p == at]
-    choices[0 if at < 0 else 1 + at] = next(t for t in range(60, 120) if t not in kids)
+    kids = [tokens[c] for c in _children(parents, at)]
+    choices[at + 1] = next(t for t in range(60, 120) if t not in kids)
     return parents, tokens, choices
 
 
-PATH_CASES = [
-    _path_case([-1, -1, 0, 0], [5, 7, 9, 11], [0, 3], 1),         # down the first branch
-    _path_case([-1, -1, 0, 0], [5, 7, 9, 11], [1], 2),            # the second child of the root
-    _path_case([-1, -1, 0, 0], [5, 7, 9, 11], [], 3),             # nothing accepted
-    _path_case([-1, 0, 1, 2], [4, 4, 4, 4], [0, 1, 2], 4),        # a chain
-    _path_case([-1, -1, 0, 1, 2, 3], [8, 9, 20, 21, 30, 31], [1, 3, 5], 5),  # to a leaf
-    _path_case([-1, -1, 0, 1, 1], [8, 9, 20, 20, 22], [1, 3], 6),  # a cousin shares a token
-    _path_case([-1, -1, -1, 2, 2, 4], [3, 6, 12, 1, 2, 7], [2, 4, 5], 7),
-    _path_case([-1, -1, 0, 0, 3], [10, 11, 12, 13, 14], [0, 3], 8),
-    # two siblings hold the same token (children drawn independently): the first one is taken
-    _path_case([-1, -1, 0, 1], [5, 5, 9, 11], [0, 2], 9),
-    _path_case([-1, 0, 0, 1, 2, 2], [7, 3, 3, 8, 6, 6], [0, 1, 3], 10),
-]
-
-
-def _describe_path(parents, tokens, choices) -> str:
-    return (f"parents={parents}, tokens={tokens}; the target's choice at the root "
-            f"{choices[0]}, after node i: {choices[1:]}")
-
-
+P = H["accepted_path"]
 PATH = Exercise(
     "accepted_path",
-    cases=PATH_CASES,
-    describe=_describe_path,
+    cases=[
+        _path_case([-1, -1, 0, 0], [5, 7, 9, 11], [0, 3], 1),         # down the first branch
+        _path_case([-1, -1, 0, 0], [5, 7, 9, 11], [1], 2),            # the root's second child
+        _path_case([-1, -1, 0, 0], [5, 7, 9, 11], [], 3),             # nothing accepted
+        _path_case([-1, 0, 1, 2], [4, 4, 4, 4], [0, 1, 2], 4),        # a chain
+        _path_case([-1, -1, 0, 1, 2, 3], [8, 9, 20, 21, 30, 31], [1, 3, 5], 5),  # to a leaf
+        _path_case([-1, -1, 0, 1, 1], [8, 9, 20, 20, 22], [1, 3], 6),  # a cousin shares a token
+        _path_case([-1, -1, -1, 2, 2, 4], [3, 6, 12, 1, 2, 7], [2, 4, 5], 7),
+        _path_case([-1, -1, 0, 0, 3], [10, 11, 12, 13, 14], [0, 3], 8),
+        # two siblings hold the same token (children drawn independently): the first one is taken
+        _path_case([-1, -1, 0, 1], [5, 5, 9, 11], [0, 2], 9),
+        _path_case([-1, 0, 0, 1, 2, 2], [7, 3, 3, 8, 6, 6], [0, 1, 3], 10)],
+    describe=lambda parents, tokens, choices: (
+        f"parents={parents}, tokens={tokens}; the target's choice at the root {choices[0]}, "
+        f"after node i: {choices[1:]}"),
     reference=_path_reference,
-    returns=_path_answer,
+    returns=parts(P["returns"], lambda path, *case: int_list(path),
+                  lambda token, *case: as_int(token)),
     show=lambda r: (list(r[0]), r[1]),
-    mistakes={
-        "you tried only the first child of each node: a tree offers several guesses for the same "
-        "position; go down to the child (any of them) whose token is the target's choice":
-            _first_child_only,
-        "a token at the right depth is not enough: it must be a child of the node the walk is "
-        "at (a cousin's branch assumed other tokens before it)": _by_depth,
-        "the target's choice after node i is choices[1 + i] (choices[0] is the root's, the "
-        "last committed token's)": _wrong_row,
-        "where the walk stops, the token committed is the target's own choice there, not a "
-        "proposal it refused": _proposal_token,
-        "two siblings may hold the same token (a sampling proposer draws children "
-        "independently): take the FIRST child that holds the target's choice, as the engine "
-        "does (its subtree is the one the walk then reads), not the last": _last_match,
-    },
-    otherwise="at = root; loop: choice = the target's choice after `at`; find the first child "
-              "of `at` whose token == choice; if there is one, append it and go down; else "
-              "return (path, choice)",
-    forbid=(accept_matching, *TREE_HELPERS),
-    unchanged="read the tree and the choices, don't change them",
-    solution=path_by_hand,
-)
+    mistakes=named(
+        P, first_child_only=lambda ps, ts, cs: path_by_hand(
+            ps, ts, cs, under=lambda at, path: _children(ps, at)[:1]),
+        by_depth=_by_depth,
+        wrong_row=lambda ps, ts, cs: path_by_hand(ps, ts, cs, row=0),
+        proposal_token=_proposal_token,
+        last_match=lambda ps, ts, cs: path_by_hand(ps, ts, cs, pick=-1)),
+    otherwise=P["otherwise"], forbid=(accept_matching, *TREE_HELPERS), unchanged=P["unchanged"],
+    solution=path_by_hand)
 check_accepted_path = PATH.check
 
 
@@ -289,58 +204,33 @@ class Cost:
 
 
 def speedup_by_hand(tau: float, gamma: int, batch: int, decode_seconds, verify_seconds,
-                    draft_seconds: float) -> float:
+                    draft_seconds: float, fed: int = 1) -> float:
     """The solution: plain decoding commits `batch` tokens per decode pass of `batch` rows;
     speculation commits batch × tau per step: its drafting, then ONE verify pass of
-    batch × (1 + gamma) rows."""
+    batch × (1 + gamma) rows. (`fed`: the tokens a row's verify pass feeds besides its
+    proposals; 0 is a usual mistake.)"""
     plain = batch / decode_seconds(batch)
-    speculative = batch * tau / (draft_seconds + verify_seconds(batch * (1 + gamma)))
+    speculative = batch * tau / (draft_seconds + verify_seconds(batch * (fed + gamma)))
     return speculative / plain
-
-
-SPEEDUP_CASES = [(3.2, 3, 1, Cost(0.010, 0.0002, 16), Cost(0.011, 0.0002, 16), 0.002),
-                 (3.2, 3, 8, Cost(0.010, 0.0002, 16), Cost(0.011, 0.0002, 16), 0.004),
-                 (3.2, 3, 32, Cost(0.010, 0.0002, 16), Cost(0.011, 0.0003, 16), 0.010),
-                 (2.5, 4, 4, Cost(0.005, 0.0010), Cost(0.004, 0.0010), 0.0),
-                 (1.4, 2, 16, Cost(0.020, 0.0005, 64), Cost(0.020, 0.0005, 64), 0.001),
-                 (4.0, 5, 2, Cost(0.001, 0.0001, 4), Cost(0.002, 0.0001, 4), 0.0003),
-                 (3.0, 3, 64, Cost(0.004, 0.0003, 8), Cost(0.003, 0.0004, 8), 0.020)]
-
-
-def _rows_gamma(tau, gamma, batch, decode, verify, draft):
-    return batch * tau / (draft + verify(batch * gamma)) / (batch / decode(batch))
-
-
-def _no_tau(tau, gamma, batch, decode, verify, draft):
-    return speedup_by_hand(1.0, gamma, batch, decode, verify, draft)
-
-
-def _tau_minus_one(tau, gamma, batch, decode, verify, draft):
-    return speedup_by_hand(tau - 1, gamma, batch, decode, verify, draft)
-
-
-def _no_draft(tau, gamma, batch, decode, verify, draft):
-    return speedup_by_hand(tau, gamma, batch, decode, verify, 0.0)
-
-
-def _inverted(tau, gamma, batch, decode, verify, draft):
-    return 1 / speedup_by_hand(tau, gamma, batch, decode, verify, draft)
-
-
-def _decode_for_verify(tau, gamma, batch, decode, verify, draft):
-    return speedup_by_hand(tau, gamma, batch, decode, decode, draft)
 
 
 def _as_float(got, *case):
     if isinstance(got, bool) or not isinstance(got, (int, float, torch.Tensor)) or (
             isinstance(got, torch.Tensor) and got.numel() != 1):
-        raise Refused("return one number: the speed-up (above 1: speculation pays)")
+        raise Refused(H["predicted_speedup"]["returns"])
     return float(got)
 
 
+S = H["predicted_speedup"]
 SPEEDUP = Exercise(
     "predicted_speedup",
-    cases=SPEEDUP_CASES,
+    cases=[(3.2, 3, 1, Cost(0.010, 0.0002, 16), Cost(0.011, 0.0002, 16), 0.002),
+           (3.2, 3, 8, Cost(0.010, 0.0002, 16), Cost(0.011, 0.0002, 16), 0.004),
+           (3.2, 3, 32, Cost(0.010, 0.0002, 16), Cost(0.011, 0.0003, 16), 0.010),
+           (2.5, 4, 4, Cost(0.005, 0.0010), Cost(0.004, 0.0010), 0.0),
+           (1.4, 2, 16, Cost(0.020, 0.0005, 64), Cost(0.020, 0.0005, 64), 0.001),
+           (4.0, 5, 2, Cost(0.001, 0.0001, 4), Cost(0.002, 0.0001, 4), 0.0003),
+           (3.0, 3, 64, Cost(0.004, 0.0003, 8), Cost(0.003, 0.0004, 8), 0.020)],
     describe=lambda tau, gamma, batch, decode, verify, draft: (
         f"tau={tau} tokens a row commits per step, gamma={gamma}, batch={batch}, "
         f"decode_seconds={decode!r}, verify_seconds={verify!r}, draft_seconds={draft}"),
@@ -348,24 +238,15 @@ SPEEDUP = Exercise(
     returns=_as_float,
     same=lambda got, want: math.isclose(got, want, rel_tol=1e-6),
     show=lambda x: round(x, 4),
-    mistakes={
-        "a row's verify pass feeds its last committed token AND its gamma proposals: "
-        "batch × (1 + gamma) rows, not batch × gamma": _rows_gamma,
-        "speculation's gain is tau tokens per row per step (plain decoding: 1): multiply by "
-        "tau": _no_tau,
-        "tau already counts the target's own token (a step commits the accepted proposals and "
-        "one more): use tau, not tau - 1": _tau_minus_one,
-        "a speculative step also pays its drafting: draft_seconds + the verify pass": _no_draft,
-        "the speed-up is speculative throughput over plain throughput (tokens per second): "
-        "above 1 when speculation pays": _inverted,
-        "time the verify pass with verify_seconds, the decode pass with decode_seconds: a "
-        "server may run them on different kernels (this engine's own decode step reads the "
-        "paged cache, its verify pass is a packed pass with a mask)": _decode_for_verify,
-    },
-    otherwise="plain: batch tokens per decode_seconds(batch); speculative: batch × tau tokens "
-              "per (draft_seconds + verify_seconds(batch × (1 + gamma))); return their ratio",
-    solution=speedup_by_hand,
-)
+    mistakes=named(
+        S, rows_gamma=lambda *case: speedup_by_hand(*case, fed=0),
+        no_tau=lambda tau, *rest: speedup_by_hand(1.0, *rest),
+        tau_minus_one=lambda tau, *rest: speedup_by_hand(tau - 1, *rest),
+        no_draft=lambda *case: speedup_by_hand(*case[:5], 0.0),
+        inverted=lambda *case: 1 / speedup_by_hand(*case),
+        decode_for_verify=lambda tau, gamma, batch, decode, verify, draft: speedup_by_hand(
+            tau, gamma, batch, decode, decode, draft)),
+    otherwise=S["otherwise"], solution=speedup_by_hand)
 check_predicted_speedup = SPEEDUP.check
 
 
@@ -378,10 +259,12 @@ def keep_as_reported(kv: torch.Tensor, n_committed: int, path: list[int]) -> tor
     return kv[:, :, keep]
 
 
-def keep_by_hand(kv: torch.Tensor, n_committed: int, path: list[int]) -> torch.Tensor:
+def keep_by_hand(kv: torch.Tensor, n_committed: int, path: list[int], first: int = 0,
+                 order: int = 1) -> torch.Tensor:
     """The solution: the committed slots, then each accepted node's own slot (node i was
-    written at n_committed + i), in the path's order."""
-    keep = list(range(n_committed)) + [n_committed + node for node in path]
+    written at n_committed + i), in the path's order. (`first` and `order` give the usual
+    mistakes: node i's slot off by one, the path reversed.)"""
+    keep = list(range(n_committed)) + [n_committed + first + node for node in path[::order]]
     return kv[:, :, keep]
 
 
@@ -403,65 +286,37 @@ def _keep_case(n_committed, parents, path):
     return kv, n_committed, path
 
 
-def _slots(kept: torch.Tensor) -> str:
-    return f"the slots {[int(x) for x in kept[0, 0, :, 0].floor()]}"
-
-
-KEEP_CASES = [
-    _keep_case(5, [-1, -1, 0, 0], [1]),                      # the second child of the root
-    _keep_case(9, [-1, -1, 0, 0, 1, 1, 2, 2, 4, 4], [1, 4, 8]),  # the chapter's round
-    _keep_case(3, [-1, -1, 0, 1, 2, 3], [0, 2, 4]),          # first children, a 2-wide tree
-    _keep_case(6, [-1, 0, 1, 2], [0, 1, 2, 3]),              # a chain, all accepted
-    _keep_case(4, [-1, -1, -1, 2, 2, 4], [2, 4, 5]),
-    _keep_case(7, [-1, -1, 0, 0], []),                       # nothing accepted
-]
-
-
 def _keep_answer(got, kv, n_committed, path):
     b, h, _, d = kv.shape
     shape = (b, h, n_committed + len(path), d)
     if not isinstance(got, torch.Tensor) or tuple(got.shape) != shape:
-        raise Refused(f"return one tensor of shape {shape}: the {n_committed} committed "
-                      f"positions, then the {len(path)} accepted nodes', on dim 2 (positions)")
+        raise Refused(K["returns"].format(shape=shape, n_committed=n_committed,
+                                          accepted=len(path)))
     return got
 
 
-def _off_by_one(kv, n_committed, path):
-    return torch.cat([kv[:, :, :n_committed], kv[:, :, [n_committed - 1 + n for n in path]]], 2)
-
-
-def _path_reversed(kv, n_committed, path):
-    keep = list(range(n_committed)) + [n_committed + node for node in reversed(path)]
-    return kv[:, :, keep]
-
-
+K = H["keep_accepted"]
 KEEP = Exercise(
     "keep_accepted",
-    cases=KEEP_CASES,
+    cases=[
+        _keep_case(5, [-1, -1, 0, 0], [1]),                      # the second child of the root
+        _keep_case(9, [-1, -1, 0, 0, 1, 1, 2, 2, 4, 4], [1, 4, 8]),  # the chapter's round
+        _keep_case(3, [-1, -1, 0, 1, 2, 3], [0, 2, 4]),          # first children, a 2-wide tree
+        _keep_case(6, [-1, 0, 1, 2], [0, 1, 2, 3]),              # a chain, all accepted
+        _keep_case(4, [-1, -1, -1, 2, 2, 4], [2, 4, 5]),
+        _keep_case(7, [-1, -1, 0, 0], [])],                      # nothing accepted
     describe=lambda kv, n, path: (
         f"{n} committed positions (slots 0 to {n - 1}), then a tree of {kv.shape[2] - n} "
         f"nodes written after them (node i at slot {n} + i); accepted path {path}"),
     reference=_keep_reference,
     returns=_keep_answer,
     same=torch.equal,
-    show=_slots,
-    mistakes={
-        "that is the report's bug: it keeps the slots right after the committed ones, one per "
-        "accepted node, as a chain's crop does. A tree's verify pass wrote node i at slot "
-        "n_committed + i, whatever its depth: a second child's K/V is not in slot "
-        "n_committed + its depth. Gather each accepted NODE's slot": keep_as_reported,
-        "node i sits at slot n_committed + i (the root, the last committed token, is slot "
-        "n_committed - 1, already kept): an accepted node's slot is off by one":
-            _off_by_one,
-        "the path goes root first: the node at depth 1 goes to position n_committed, the next "
-        "one after it, in the path's order": _path_reversed,
-    },
-    otherwise="keep the committed slots 0 .. n_committed - 1, then slot n_committed + node for "
-              "each node of the path, in order: kv[:, :, keep] on the positions' dim",
-    forbid=(KVCache.compact,),
-    unchanged="return a new tensor; leave kv as the pass wrote it",
-    solution=keep_by_hand,
-)
+    show=lambda kept: f"the slots {[int(x) for x in kept[0, 0, :, 0].floor()]}",
+    mistakes=named(K, as_reported=keep_as_reported,
+                   off_by_one=lambda kv, n, path: keep_by_hand(kv, n, path, first=-1),
+                   reversed=lambda kv, n, path: keep_by_hand(kv, n, path, order=-1)),
+    otherwise=K["otherwise"], forbid=(KVCache.compact,), unchanged=K["unchanged"],
+    solution=keep_by_hand)
 check_keep_accepted = KEEP.check
 
 
@@ -472,48 +327,42 @@ DESIGN_PROMPTS = ("Once upon a time", "The color of dog", "A coin's state is hea
                   "A coin's state is tails. Bob doesn't flip it. Carol flips")
 DESIGN_TOKENS = 48
 DESIGN_BUDGETS = (6, 12)
-_measured: dict = {}
+T = H["choose_tree"]
 
 
+@functools.cache
+def _models() -> tuple:  # the course target, its feature head and the tokenizer, loaded once
+    target = load_course_model("target", "cpu")[0]
+    return target, load_feature_head(target), load_tokenizer()
+
+
+@functools.cache
 def tokens_per_pass(gamma: int, width: int, branch: int) -> float:
     """Tokens the course target commits per target pass, greedy, with the feature head
     proposing a tree γ deep (`tree=(width, branch)`; (1, 1): a chain), over the chapter's 4
     prompts and 48 new tokens each: the engine's measurement (cached)."""
-    key = (gamma, width, branch)
-    if key not in _measured:
-        from ...course.checkpoint import load_course_model, load_feature_head
-        from ...course.tokenizer import load_tokenizer
-        from ...engine.eagle import feature_generate
-        if "models" not in _measured:
-            target = load_course_model("target", "cpu")[0]
-            _measured["models"] = (target, load_feature_head(target), load_tokenizer())
-        target, head, tok = _measured["models"]
-        tree = None if (width, branch) == (1, 1) else (width, branch)
-        with torch.inference_mode():
-            outs = [feature_generate(target, head, tok.encode(p), DESIGN_TOKENS, gamma=gamma,
-                                     tree=tree) for p in DESIGN_PROMPTS]
-        _measured[key] = (sum(o.stats.new_tokens for o in outs)
-                          / sum(o.stats.target_passes for o in outs))
-    return _measured[key]
+    target, head, tok = _models()
+    tree = None if (width, branch) == (1, 1) else (width, branch)
+    with torch.inference_mode():
+        outs = [feature_generate(target, head, tok.encode(p), DESIGN_TOKENS, gamma=gamma,
+                                 tree=tree) for p in DESIGN_PROMPTS]
+    return sum(o.stats.new_tokens for o in outs) / sum(o.stats.target_passes for o in outs)
 
 
 def rows_of(gamma: int, width: int, branch: int) -> int:
     """The most proposals a tree γ deep holds: `branch` at depth 1, then `width` growing
     nodes of `branch` children at each further depth (engine/eagle.py's tree_size)."""
-    from ...engine.eagle import tree_size
     return tree_size(gamma, width, branch)
 
 
 def _design_answer(got, budget):
-    hint = ("return (gamma, width, branch): three positive ints, the tree feature_generate "
-            "grows with gamma=gamma, tree=(width, branch); (gamma, 1, 1) is a chain")
     values = int_list(got) if isinstance(got, (tuple, list)) else None
     if values is None or len(values) != 3 or min(values) < 1:
-        raise Refused(hint)
+        raise Refused(T["returns"])
     rows = rows_of(*values)
     if rows > budget:
-        raise Refused(f"over budget: {tuple(values)} holds up to {rows} proposals, the budget "
-                      f"is {budget} rows per round; shrink it", expected=f"at most {budget} rows")
+        raise Refused(T["over_budget"].format(shape=tuple(values), rows=rows, budget=budget),
+                      expected=f"at most {budget} rows")
     return tuple(values)
 
 
@@ -530,26 +379,15 @@ def _design_otherwise(runs) -> str:
     lines = []
     for (budget,), got in runs:
         best = _design_best(budget)
-        if tokens_per_pass(*got) >= 0.97 * tokens_per_pass(*best):
+        if _design_same(got, best):
             continue
         gamma, width, branch = got
-        if (width, branch) == (1, 1):
-            kind = (f"a chain of {gamma}, {budget - gamma} rows unspent: each position deeper "
-                    f"adds the chance that every guess so far was right")
-        elif gamma == 1:
-            kind = ("a bush: every row a guess for the NEXT position only, so a round commits "
-                    "at most 2 tokens")
-        else:
-            kind = (f"a tree ({width} growing nodes of {branch} children, {gamma} deep), like "
-                    f"the chapter's: its second guesses hedge a position the first guess "
-                    f"usually gets, and cost rows that depth would have used")
-        lines.append(f"budget {budget}: your {tuple(got)} is {kind}; it commits "
-                     f"{tokens_per_pass(*got):.2f} tokens a pass, the engine measured "
-                     f"{tokens_per_pass(*best):.2f} for {best}")
-    why = ("the head's first guess is right about 9 times in 10 here (the chapter's α), so a "
-           "row spent one position deeper earns more than a row spent on a second guess; "
-           "measure shapes with tokens_per_pass before you choose")
-    return "; ".join(lines) + ". " + why
+        kind = ("chain" if (width, branch) == (1, 1) else "bush" if gamma == 1 else "tree")
+        lines.append(T["verdict"].format(
+            budget=budget, shape=tuple(got), mine=tokens_per_pass(*got), best_shape=best,
+            best=tokens_per_pass(*best), kind=T[kind].format(
+                gamma=gamma, spare=budget - gamma, width=width, branch=branch)))
+    return "; ".join(lines) + ". " + T["why"]
 
 
 DESIGN = Exercise(
