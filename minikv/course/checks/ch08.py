@@ -18,7 +18,20 @@ from ...engine.window import SinkWindowCache, feed
 from ..checkpoint import load_course_model
 from ..corpus import coin_flip_eval
 from ..tokenizer import load_tokenizer
-from . import Exercise, as_int, call, expect, fail, guarded, hints, integer, named, passed, tensor
+from . import (
+    Exercise,
+    as_int,
+    call,
+    expect,
+    fail,
+    guarded,
+    hints,
+    integer,
+    named,
+    parts,
+    passed,
+    tensor,
+)
 
 H = hints("ch08")
 THETA = 10000.0
@@ -109,18 +122,23 @@ check_move_key = MOVE_KEY.check
 
 # --- exercise 3 (debug): one head decoding through a cache of unturned keys --------------------
 
-def decode_fixed(q_raw, k_raw, v, theta, when_cached: bool = True, when_read: bool = False):
-    """The fix: each key is turned once, by its own position, when it is cached. (The knobs give
-    the notebook's bug, every cached key turned by the newest position when read, and both.)"""
+def decode_fixed(q_raw, k_raw, v, theta, when_cached: bool = True, when_read: str = ""):
+    """The fix: each key is turned once, by its own position, when it is cached; the outputs and
+    the keys as the cache holds them. The knobs give the mistakes: when_read="newest" turns every
+    cached key by the newest position as it is read (the notebook's bug), "own" by its own
+    position as it is read (the right outputs, from a cache that holds keys before their turn)."""
     keys, values, out = [], [], []
     for t in range(q_raw.shape[0]):
         keys.append(_turned_by(k_raw[t], t, theta) if when_cached else k_raw[t])
         values.append(v[t])
         K = torch.stack(keys)
-        K = _turned_by(K, t, theta) if when_read else K
+        if when_read == "newest":
+            K = _turned_by(K, t, theta)
+        elif when_read == "own":
+            K = turn(K[None, None], torch.arange(t + 1), theta)[0, 0]
         q = _turned_by(q_raw[t], t, theta)
         out.append((K @ q / math.sqrt(q.shape[-1])).softmax(-1) @ torch.stack(values))
-    return torch.stack(out)
+    return torch.stack(out), torch.stack(keys)
 
 
 def _turned_by(x, position, theta):
@@ -130,11 +148,12 @@ def _turned_by(x, position, theta):
 
 
 def _attention_reference(q_raw, k_raw, v, theta):
-    """One full causal pass with q and k turned by their positions (the engine's model)."""
+    """One full causal pass with q and k turned by their positions (the engine's model), and the
+    keys turned, as the engine's cache holds them."""
     at = torch.arange(q_raw.shape[0])
     q, k = (turn(x[None, None], at, theta) for x in (q_raw, k_raw))
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v[None, None],
-                                                            is_causal=True)[0, 0]
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v[None, None], is_causal=True)
+    return out[0, 0], k[0, 0]
 
 
 def _head_case(seed: int, T: int, hs: int, theta: float = THETA) -> tuple:
@@ -150,10 +169,11 @@ DECODE = Exercise(
     describe=lambda q, k, v, theta: (f"{q.shape[0]} tokens of one head, head_dim "
                                      f"{q.shape[1]}, theta={theta:g}"),
     reference=_attention_reference,
-    returns=_shaped(D["returns"]),
-    same=_close,
-    mistakes=named(D, bug=lambda *case: decode_fixed(*case, when_cached=False, when_read=True),
-                   twice=lambda *case: decode_fixed(*case, when_read=True)),
+    returns=parts(D["returns"], _shaped(D["returns"]), _shaped(D["returns"])),
+    same=lambda got, want: all(_close(g, w) for g, w in zip(got, want)),
+    mistakes=named(D, bug=lambda *case: decode_fixed(*case, False, "newest"),
+                   twice=lambda *case: decode_fixed(*case, when_read="newest"),
+                   read_time=lambda *case: decode_fixed(*case, False, "own")),
     otherwise=D["otherwise"], unchanged=D["unchanged"], solution=decode_fixed)
 check_decode_one_head = DECODE.check
 
