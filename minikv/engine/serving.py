@@ -29,7 +29,7 @@ from .sampling import Request, SamplingParams
 from .scheduler import FirstComeFirstServed, Scheduler, Sequence, check_policy
 from .speculative import DraftProposer, Speculation, as_proposal, check_speculation
 from .tree import tree_mask, tree_positions
-from .validate import check_serving
+from .validate import check_flags, int_at_least
 from .verify import accept_matching, commit_round, round_events, verify_and_commit
 
 
@@ -75,9 +75,9 @@ class Engine:
                  page_size: int = 16, prefix_caching: bool = True,
                  max_running: int | None = None, policy: FirstComeFirstServed | None = None,
                  speculative: Speculation | None = None):
-        check_serving(num_blocks, replay_window, page_size, max_running, replay=replay,
-                      trace=trace, record_logits=record_logits,
-                      prefix_caching=prefix_caching)
+        _check_settings(num_blocks, replay_window, page_size, max_running, replay=replay,
+                        trace=trace, record_logits=record_logits,
+                        prefix_caching=prefix_caching)
         check_policy(policy)
         check_speculation(model, speculative, policy)
         self.model, self.replay, self.page_size = model, replay, page_size
@@ -344,3 +344,14 @@ class Runner:
             kind=kind, step=step, input_ids=tuple(fed), token=token, batch=batch,
             positions=tuple(range(first, len(fed))), cache_len_before=first,
             cache_len_after=len(fed), kv_computed=len(fed) - first))
+
+
+# --- checks: raise before anything is allocated ------------------------------------
+def _check_settings(num_blocks, replay_window, page_size, max_running, **flags) -> None:
+    """serve()'s and Engine's numbers and flags, before anything is allocated."""
+    int_at_least("num_blocks", num_blocks, hint=" (blocks in the pool)")
+    int_at_least("replay_window", replay_window, hint=" (positions replayed per pass)")
+    int_at_least("page_size", page_size, hint=" (positions per pool block)")
+    if max_running is not None:
+        int_at_least("max_running", max_running, hint=" (requests running at once)")
+    check_flags(**flags)

@@ -97,13 +97,3 @@ def tightest(limit: int, rooms: dict[str, int | None]) -> tuple[int, str]:
     named = [(n, f"the {name} cache's max_len") for name, n in rooms.items() if n is not None]
     return min([(limit, "block_size"), *named], key=lambda pair: pair[0])
 
-
-
-def check_serving(num_blocks, replay_window, page_size, max_running, **flags) -> None:
-    """serve()'s and Engine's numbers and flags, before anything is allocated."""
-    int_at_least("num_blocks", num_blocks, hint=" (blocks in the pool)")
-    int_at_least("replay_window", replay_window, hint=" (positions replayed per pass)")
-    int_at_least("page_size", page_size, hint=" (positions per pool block)")
-    if max_running is not None:
-        int_at_least("max_running", max_running, hint=" (requests running at once)")
-    check_flags(**flags)
