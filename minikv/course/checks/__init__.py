@@ -280,6 +280,14 @@ def same_cache_prefix(before: tuple, cache, keep: int) -> bool:  # the first `ke
 FORGOT = " (did you forget to return it?)"
 
 
+class Labelled(list):
+    """A case's argument that carries what the case is about (`label`), for the message."""
+
+    def __init__(self, label: str, items=()):
+        super().__init__(items)
+        self.label = label
+
+
 def type_name(value) -> str:  # for hints that say "not a {type}": 'torch.Tensor', 'list'
     return f"{type(value).__module__}.{type(value).__name__}".replace("builtins.", "")
 
