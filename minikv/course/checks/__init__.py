@@ -329,16 +329,18 @@ def predicted(exercise: str, case: str, got, keys: Sequence, not_a_dict: str,
 
 
 def as_measured(exercise: str, case: str, got: dict, measured: dict, wrongs: Callable,
-                said: Callable, label: Callable = str) -> None:
-    """Fail on the first prediction in `got` unlike `measured`, with the hint `said(key, you,
-    want, reason)`: reason joins the hints of the usual wrong values, `wrongs(key)`, it equals."""
+                said: str, otherwise: str, label: Callable = str) -> None:
+    """Fail on the first prediction in `got` unlike `measured`, with the hint `said` filled in
+    ({you}, {want}, {what}: label(key), {reason}: the hints of the usual wrong values
+    `wrongs(key)` that it equals, joined, else `otherwise`)."""
     wrong = [key for key in measured if got[key] != measured[key]]
     if wrong:
         key = wrong[0]
         you, want = got[key], measured[key]
         reason = "; or ".join(dict.fromkeys(h for w, h in wrongs(key) if w == you != want))
         others = f" (and {len(wrong) - 1} more of your predictions)" if len(wrong) > 1 else ""
-        fail(exercise, f"{case}: {label(key)}{others}", want, you, said(key, you, want, reason))
+        fail(exercise, f"{case}: {label(key)}{others}", want, you,
+             said.format(you=you, want=want, what=label(key), reason=reason or otherwise))
 
 
 # --- exercises that return a value, checked from data (the recipe above) -------------------------

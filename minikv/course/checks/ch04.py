@@ -467,9 +467,8 @@ def check_predict_perfect_draft(predict_perfect_draft) -> None:
                                      "(chapter 05): the run this prediction is about needs α = 1")
     mistakes = _prediction_mistakes(P, PERFECT_NEW, PERFECT_GAMMA, out.stats.rounds,
                                     out.stats.proposed, measured["draft_passes"])
-    ck.as_measured(name, case, got, measured, mistakes.get, lambda key, you, want, reason: (
-        f"you predicted {you} {PREDICTED[key]}; the engine counted {want}: "
-        f"{reason or PERFECT['otherwise']}"), PREDICTED.get)
+    ck.as_measured(name, case, got, measured, mistakes.get, PERFECT["wrong"], PERFECT["otherwise"],
+                   PREDICTED.get)
     print(f"  measured: {measured['target_passes']} target and {measured['draft_passes']} draft "
           f"passes, {measured['target_kv']} and {measured['draft_kv']} K/V vectors per layer "
           f"for {PERFECT_NEW} new tokens after a {P}-token prompt")

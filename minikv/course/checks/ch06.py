@@ -135,7 +135,7 @@ GATHER = ck.Exercise(
             pool_keys.size(1), -1, pool_keys.size(3))[:, :length],
         swapped=_read(lambda table, i, s: (table[s], slice(None), i))),
     otherwise=G["otherwise"], unchanged=G["unchanged"],
-    raised=lambda e: G["out_of_range"] if isinstance(e, IndexError) else R["raised"])
+    raised=ck.raised_as(IndexError, G["out_of_range"]))
 check_gather_keys = GATHER.check
 
 # --- exercise 2: blocks for the positions to come, copy-on-write --------------------------------
@@ -533,11 +533,9 @@ def check_predict_peak_blocks(predict_peak_blocks) -> None:
                                                  PagedCache.reserve, BlockPool.allocate),
                        PEAK_KEYS, P["not_a_dict"], P["not_an_int"])
     measured = {key: measure_peak(*key) for key in PEAK_KEYS}
-    ck.as_measured(name, case, got, measured, lambda key: _peak_mistakes(*key),
-                   lambda key, you, want, reason: P["wrong"].format(
-                       you=you, want=want, reason=reason or P["otherwise"]),
-                   lambda key: f"a {key[0]}-token prompt, prefix caching "
-                               f"{'on' if key[1] else 'off'}")
+    ck.as_measured(name, case, got, measured, lambda key: _peak_mistakes(*key), P["wrong"],
+                   P["otherwise"], lambda key: (f"a {key[0]}-token prompt, prefix caching "
+                                                f"{'on' if key[1] else 'off'}"))
     print("  measured: " + "; ".join(
         f"{p}-token prompt, prefix caching {'on' if c else 'off'}: {measured[p, c]} blocks"
         for p, c in PEAK_KEYS))

@@ -402,8 +402,7 @@ def check_predict_bytes(predict_bytes) -> None:
     got = ck.predicted(name, case, ck.prediction(name, case, predict_bytes, GPT.forward, feed),
                        BYTES_KEYS, B["dict"], B["int"])
     measured = measure_bytes()
-    ck.as_measured(name, case, got, measured, _bytes_mistakes, lambda key, you, want, reason: (
-        f"you predicted {you:,} bytes; the cache holds {want:,}: {reason or B['otherwise']}"))
+    ck.as_measured(name, case, got, measured, _bytes_mistakes, B["wrong"], B["otherwise"])
     full = 12 * 2 * 8 * 24 * 4 * BYTES_TOKENS
     print(f"  measured: {measured['gqa2_int4']:,} and {measured['mqa_window']:,} bytes, "
           f"{full / measured['gqa2_int4']:.1f}x and {full / measured['mqa_window']:.1f}x less "
@@ -516,5 +515,5 @@ def check_choose_window(choose_window) -> None:
             ck.fail(name, case, f"a split within {100 * LOSS_MARGIN:.0f}% of the best held-out "
                     f"loss ({best:.3f}, {best_s} sinks + {slots - best_s} window)",
                     f"{sinks} sinks + {window} window: loss {mine:.3f}",
-                    f"{hint} (losses by sinks, window = {slots} - sinks: {table})")
+                    CW["losses"].format(hint=hint, slots=slots, table=table))
     ck.passed(name, 1 + len(OTHER_BUDGETS))
