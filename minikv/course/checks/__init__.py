@@ -313,12 +313,12 @@ def obeyed(exercise: str, case: str, returns: Callable, got, *args, expected=Non
     try:
         return returns(got, *args)
     except Refused as r:
-        fail(exercise, case, r.expected or expected, got, r.hint + (FORGOT if got is None else ""))
+        fail(exercise, case, r.expected or expected, got, r.hint + FORGOT * (got is None))
 
 
 def predicted(exercise: str, case: str, got, keys: Sequence, not_a_dict: str,
               not_whole: str) -> dict:
-    """A prediction: a dict with these keys, each value an int (as it came), or CheckFailed."""
+    """A prediction as a dict of Python ints with these keys, or CheckFailed."""
     if not isinstance(got, dict) or set(got) != set(keys):
         fail(exercise, case, f"a dict with the keys {list(keys)}",
              list(got) if isinstance(got, dict) else got, not_a_dict + FORGOT * (got is None))
