@@ -300,31 +300,27 @@ class _Lazy(UserList):
 
 def _alpha_runs():
     """(label, the run)."""
-    prompt = [3, 17, 200, 41, 9]
-    for seed, gamma in ((0, 2), (1, 4), (2, 6)):
-        target, draft = tiny_pair(seed)
-        out = speculative_generate(target, draft, prompt, 40, gamma=gamma, trace=True)
-        yield f"tiny pair {seed}, greedy, γ = {gamma}", out
-    target, draft = tiny_pair(1)
-    yield "tiny pair 1, temperature 1, γ = 4", speculative_generate(
-        target, draft, [100, 7], 40, gamma=4, temperature=1.0, seed=3, trace=True)
-    yield "tiny pair 2, adaptive γ from 2", speculative_generate(
-        *tiny_pair(2), [5], 40, gamma=2, adaptive_gamma=True, max_gamma=8, trace=True)
-    yield "a draft that is the target itself (never wrong), γ = 3", speculative_generate(
-        target, target, prompt, 20, gamma=3, trace=True)
-    yield "an unrelated random draft, γ = 3", speculative_generate(
-        target, ck.tiny_model(7), prompt, 20, gamma=3, trace=True)
-    yield "1 new token: the prefill alone, no round", speculative_generate(
-        target, draft, prompt, 1, gamma=3, trace=True)
+    (target, draft), prompt = tiny_pair(1), [3, 17, 200, 41, 9]
     (course_target, tok), (course_draft, _) = (load_course_model(m, "cpu")
                                                for m in ("target", "draft"))
     # a coin flip: the distilled draft agrees on the whole of a short story (α = 1 there), while
     # here it misses now and then, so a wrong estimator shows
     ids = tok.encode("A coin's state is heads. Alice flips")
-    yield "the course pair, greedy, γ = 5", speculative_generate(
-        course_target, course_draft, ids, 60, gamma=5, trace=True)
-    yield "the course pair, temperature 0.8, γ = 3", speculative_generate(
-        course_target, course_draft, ids, 60, gamma=3, temperature=0.8, seed=1, trace=True)
+    runs = [(f"tiny pair {seed}, greedy, γ = {gamma}", *tiny_pair(seed), prompt, 40,
+             dict(gamma=gamma)) for seed, gamma in ((0, 2), (1, 4), (2, 6))] + [
+        ("tiny pair 1, temperature 1, γ = 4", target, draft, [100, 7], 40,
+         dict(gamma=4, temperature=1.0, seed=3)),
+        ("tiny pair 2, adaptive γ from 2", *tiny_pair(2), [5], 40,
+         dict(gamma=2, adaptive_gamma=True, max_gamma=8)),
+        ("a draft that is the target itself (never wrong), γ = 3", target, target, prompt, 20,
+         dict(gamma=3)),
+        ("an unrelated random draft, γ = 3", target, ck.tiny_model(7), prompt, 20, dict(gamma=3)),
+        ("1 new token: the prefill alone, no round", target, draft, prompt, 1, dict(gamma=3)),
+        ("the course pair, greedy, γ = 5", course_target, course_draft, ids, 60, dict(gamma=5)),
+        ("the course pair, temperature 0.8, γ = 3", course_target, course_draft, ids, 60,
+         dict(gamma=3, temperature=0.8, seed=1))]
+    for label, t, d, p, n, options in runs:
+        yield label, speculative_generate(t, d, p, n, trace=True, **options)
 
 
 def _alpha_cases() -> list[tuple]:

@@ -176,19 +176,6 @@ def _books(bs: int, num_blocks: int, tables: list[BlockTable], mine: BlockTable,
     return pool
 
 
-def reserve_pool(case: tuple, seed: int) -> tuple[BlockPool, list[BlockTable], BlockTable]:
-    """The case's pool (random K/V in 2 layers of 2 heads), the other tables, and this one."""
-    _, bs, num_blocks, others, (blocks, length), _, order, hashed = case
-    tables = [BlockTable(i, list(b), n) for i, (b, n) in enumerate(others)]
-    mine = BlockTable(len(tables), list(blocks), length)
-    pool = _books(bs, num_blocks, tables, mine, order, layers=2, seed=seed)
-    assert sorted(pool.free) == [b for b in range(num_blocks) if pool.ref[b] == 0], case[0]
-    for b in hashed:
-        h = block_hash("a finished prompt", [b])
-        pool.by_hash[h], pool.hash_of[b] = b, h
-    return pool, tables, mine
-
-
 def _kv_differences(before: BlockPool, old: BlockTable, after: BlockPool,
                     new: BlockTable) -> list[tuple[int, bool]]:
     """(layer, values?) of the tensors read differently through `new` than through `old`."""
@@ -201,10 +188,15 @@ def _kv_differences(before: BlockPool, old: BlockTable, after: BlockPool,
 
 
 def _check_reserve_case(name: str, case_id: int, case: tuple, reserve) -> None:
-    label, bs, _, others, (blocks0, length), n_new, _, _ = case
+    label, bs, num_blocks, others, (blocks0, length), n_new, order, hashed = case
     where = (f"{label}: block_size={bs}, table.blocks={blocks0}, table.length={length}, "
              f"n_new={n_new}")
-    pool, tables, mine = reserve_pool(case, 660 + case_id)
+    tables = [BlockTable(i, list(b), n) for i, (b, n) in enumerate(others)]
+    mine = BlockTable(len(tables), list(blocks0), length)
+    pool = _books(bs, num_blocks, tables, mine, order, layers=2, seed=660 + case_id)  # 2 heads
+    for b in hashed:  # blocks that still hold a finished prompt's K/V
+        h = block_hash("a finished prompt", [b])
+        pool.by_hash[h], pool.hash_of[b] = b, h
     before, want = copy.deepcopy(pool), copy.deepcopy(mine)
     ref0, free0, last = list(pool.ref), list(pool.free), length + n_new - 1
     PagedCache(copy.deepcopy(pool), [want]).reserve(n_new)  # the engine, on a copy
@@ -286,14 +278,11 @@ def _tokens(seed: int, n: int) -> list[int]:
 
 
 def published(bs: int, prompts: list[tuple[list[int], list[int]]]) -> dict[str, int]:
-    """by_hash after these (prompt, blocks) were admitted in order: full blocks, chained hashes."""
-    by_hash: dict[str, int] = {}
+    """by_hash after the engine published these (prompt, blocks), in order."""
+    pool = BlockPool(_config(1, 1, 1), 1, bs)
     for prompt, blocks in prompts:
-        h = ""
-        for i in range(len(prompt) // bs):
-            h = block_hash(h, prompt[i * bs:(i + 1) * bs])
-            by_hash.setdefault(h, blocks[i])
-    return by_hash
+        pool.publish(list(prompt), BlockTable(0, list(blocks), len(prompt)))
+    return pool.by_hash
 
 
 def _matching_cases() -> list[tuple[ck.Labelled, int, dict[str, int]]]:
