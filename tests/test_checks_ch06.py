@@ -237,6 +237,12 @@ def test_gather_reference_is_what_attention_reads():
     assert torch.equal(ch06.engine_read(pool.keys[0], table.blocks, 11), seen[0][0])
 
 
+def test_reserve_cases_free_lists_hold_every_free_block():
+    for label, _, n, others, (blocks, _), _, order, _ in ch06.RESERVE_CASES:
+        held = {b for table, _ in others for b in table} | set(blocks)
+        assert order is None or sorted(order) == sorted(set(range(n)) - held), label
+
+
 def test_admission_cases_sit_at_the_edges():
     """Every case has the free blocks it claims (exactly enough, one short, ...)."""
     for case, (pool, n_tokens, shared, n_running) in zip(ch06._admission_cases(),

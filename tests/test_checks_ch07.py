@@ -164,7 +164,7 @@ WRONG = {  # checker -> (the learner's function(s), a fragment of the hint)
         (lambda x, b: ((Q(x, b)[0] + 2 ** (b - 1)).to(torch.uint8), Q(x, b)[1]), "stored codes"),
         (lambda x, b: Q(x, b, dtype=torch.float32), "small integers, 1 byte each"),
         (lambda x, b: (Q(x, b)[0], Q(x, b)[1][..., 0]), "keepdim=True"),
-        (lambda x, b: (Q(x, b), x.zero_())[0], "x changed in place"),
+        (lambda x, b: (Q(x, b), x.zero_())[0], "x is the model's keys"),
         (lambda x, b: None, "did you forget to return it"),
         (lambda x, b: (Q(x, b)[0], quantize(x, b)[1]), "minikv's own minikv.engine.quantized"),
         (lambda x, b, per="token": Q(x, b), "per-TOKEN scales"),

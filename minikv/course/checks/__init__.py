@@ -265,6 +265,73 @@ def same_cache_prefix(before: tuple, cache, keep: int) -> bool:  # the first `ke
                for a, b in zip(tensors, cache.keys + cache.values))
 
 
+# --- pieces the code checkers of chapters 04, 06 and 07 share ------------------------------------
+FORGOT = " (did you forget to return it?)"
+
+
+class Labelled(list):
+    """A case's argument that carries what the case is about (`label`), for the message."""
+
+    def __init__(self, label: str, items=()):
+        super().__init__(items)
+        self.label = label
+
+
+def type_name(value) -> str:  # for hints that say "not a {type}": 'torch.Tensor', 'list'
+    return f"{type(value).__module__}.{type(value).__name__}".replace("builtins.", "")
+
+
+def raised_as(error, hint: str, says: str = "") -> Callable:
+    """A crash's hint for `call_hinted`: `hint` for an `error` whose message has `says`."""
+    return lambda e: (hint if isinstance(e, error) and says in str(e)
+                      else "your function raised on this input")
+
+
+def call_kept(exercise: str, case: str, unchanged: str, fn, *args,
+              raised: Callable = raised_as((), ""), **kwargs):
+    """`call_hinted` on copies of the tensor arguments; the hint `unchanged` if fn changed one."""
+    given = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    got = call_hinted(exercise, case, raised, fn, *given, **kwargs)
+    expect(all(map(_unchanged, args, given)), exercise, case, "the arguments left as they were",
+           "an argument changed in place", unchanged)
+    return got
+
+
+def obeyed(exercise: str, case: str, returns: Callable, got, *args, expected=None):
+    """A table's contract in a code checker: `returns(got, *args)`, or CheckFailed with its hint."""
+    try:
+        return returns(got, *args)
+    except Refused as r:
+        fail(exercise, case, r.expected or expected, got, r.hint + FORGOT * (got is None))
+
+
+def predicted(exercise: str, case: str, got, keys: Sequence, not_a_dict: str,
+              not_whole: str) -> dict:
+    """A prediction as a dict of Python ints with these keys, or CheckFailed."""
+    if not isinstance(got, dict) or set(got) != set(keys):
+        fail(exercise, case, f"a dict with the keys {list(keys)}",
+             list(got) if isinstance(got, dict) else got, not_a_dict + FORGOT * (got is None))
+    for key in keys:
+        expect(as_int(got[key]) is not None, exercise, f"{case}: {key}", "an int", got[key],
+               not_whole)
+    return {key: as_int(got[key]) for key in keys}
+
+
+def as_measured(exercise: str, case: str, got: dict, measured: dict, wrongs: Callable,
+                said: str, otherwise: str, label: Callable = str) -> None:
+    """Fail on the first prediction in `got` unlike `measured`, with the hint `said` filled in
+    ({you}, {want}, {what}: label(key), {reason}: the hints of the usual wrong values
+    `wrongs(key)` that it equals, joined, else `otherwise`)."""
+    wrong = [key for key in measured if got[key] != measured[key]]
+    if wrong:
+        key = wrong[0]
+        you, want = got[key], measured[key]
+        reason = "; or ".join(dict.fromkeys(h for w, h in wrongs(key) if w == you != want))
+        others = f" (and {len(wrong) - 1} more of your predictions)" if len(wrong) > 1 else ""
+        fail(exercise, f"{case}: {label(key)}{others}", want, you,
+             said.format(you=you, want=want, what=label(key), reason=reason or otherwise))
+
+
 # --- exercises that return a value, checked from data (the recipe above) -------------------------
 
 def kind(value) -> str:

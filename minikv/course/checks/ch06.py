@@ -33,17 +33,7 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@functools.cache
-def _tiny_model():
-    return ck.tiny_model(0)
-
-
-class _Labelled(list):
-    """A case's argument that carries what the case is about (`label`), for the message."""
-
-    def __init__(self, label: str, items=()):
-        super().__init__(items)
-        self.label = label
+_tiny_model = functools.cache(lambda: ck.tiny_model(0))
 
 
 # --- exercise 1 (a table): a sequence's keys, read through its block table ----------------------
@@ -131,7 +121,7 @@ def _gathered(got, pool_keys, table, length) -> torch.Tensor:
 
 
 GATHER = ck.Exercise(
-    "gather_keys", cases=[(numbered(n, nh, bs, hs), _Labelled(label, table), length)
+    "gather_keys", cases=[(numbered(n, nh, bs, hs), ck.Labelled(label, table), length)
                           for label, n, nh, bs, hs, table, length in GATHER_CASES],
     describe=lambda keys, table, length: (f"{table.label}: pool_keys of shape "
                                           f"{tuple(keys.shape)} (blocks of {keys.size(2)}), "
@@ -145,7 +135,7 @@ GATHER = ck.Exercise(
             pool_keys.size(1), -1, pool_keys.size(3))[:, :length],
         swapped=_read(lambda table, i, s: (table[s], slice(None), i))),
     otherwise=G["otherwise"], unchanged=G["unchanged"],
-    raised=lambda e: G["out_of_range"] if isinstance(e, IndexError) else R["raised"])
+    raised=ck.raised_as(IndexError, G["out_of_range"]))
 check_gather_keys = GATHER.check
 
 # --- exercise 2: blocks for the positions to come, copy-on-write --------------------------------
@@ -186,19 +176,6 @@ def _books(bs: int, num_blocks: int, tables: list[BlockTable], mine: BlockTable,
     return pool
 
 
-def reserve_pool(case: tuple, seed: int) -> tuple[BlockPool, list[BlockTable], BlockTable]:
-    """The case's pool (random K/V in 2 layers of 2 heads), the other tables, and this one."""
-    _, bs, num_blocks, others, (blocks, length), _, order, hashed = case
-    tables = [BlockTable(i, list(b), n) for i, (b, n) in enumerate(others)]
-    mine = BlockTable(len(tables), list(blocks), length)
-    pool = _books(bs, num_blocks, tables, mine, order, layers=2, seed=seed)
-    assert sorted(pool.free) == [b for b in range(num_blocks) if pool.ref[b] == 0], case[0]
-    for b in hashed:
-        h = block_hash("a finished prompt", [b])
-        pool.by_hash[h], pool.hash_of[b] = b, h
-    return pool, tables, mine
-
-
 def _kv_differences(before: BlockPool, old: BlockTable, after: BlockPool,
                     new: BlockTable) -> list[tuple[int, bool]]:
     """(layer, values?) of the tensors read differently through `new` than through `old`."""
@@ -211,13 +188,18 @@ def _kv_differences(before: BlockPool, old: BlockTable, after: BlockPool,
 
 
 def _check_reserve_case(name: str, case_id: int, case: tuple, reserve) -> None:
-    label, bs, _, others, (blocks0, length), n_new, _, _ = case
+    label, bs, num_blocks, others, (blocks0, length), n_new, order, hashed = case
     where = (f"{label}: block_size={bs}, table.blocks={blocks0}, table.length={length}, "
              f"n_new={n_new}")
-    pool, tables, mine = reserve_pool(case, 660 + case_id)
-    before, want_pool, want = copy.deepcopy(pool), copy.deepcopy(pool), copy.deepcopy(mine)
+    tables = [BlockTable(i, list(b), n) for i, (b, n) in enumerate(others)]
+    mine = BlockTable(len(tables), list(blocks0), length)
+    pool = _books(bs, num_blocks, tables, mine, order, layers=2, seed=660 + case_id)  # 2 heads
+    for b in hashed:  # blocks that still hold a finished prompt's K/V
+        h = block_hash("a finished prompt", [b])
+        pool.by_hash[h], pool.hash_of[b] = b, h
+    before, want = copy.deepcopy(pool), copy.deepcopy(mine)
     ref0, free0, last = list(pool.ref), list(pool.free), length + n_new - 1
-    PagedCache(want_pool, [want]).reserve(n_new)  # the engine, on a copy
+    PagedCache(copy.deepcopy(pool), [want]).reserve(n_new)  # the engine, on a copy
     with ck.forbid(name, PagedCache.reserve, BlockPool.reserve, BlockPool.blocks_needed,
                    BlockPool.copy_on_write):
         ck.call_hinted(name, where, lambda e: R["empty_table"] if isinstance(e, IndexError) and not
@@ -288,26 +270,22 @@ def check_reserve(reserve) -> None:
         _check_reserve_case("reserve", i, case, reserve)
     ck.passed("reserve", len(RESERVE_CASES))
 
+
 # --- exercise 3 (a table): a prompt's cached prefix blocks ----------------------------------------
-
-
 def _tokens(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1000) for _ in range(n)]
 
 
 def published(bs: int, prompts: list[tuple[list[int], list[int]]]) -> dict[str, int]:
-    """by_hash after these (prompt, blocks) were admitted in order: full blocks, chained hashes."""
-    by_hash: dict[str, int] = {}
+    """by_hash after the engine published these (prompt, blocks), in order."""
+    pool = BlockPool(_config(1, 1, 1), 1, bs)
     for prompt, blocks in prompts:
-        h = ""
-        for i in range(len(prompt) // bs):
-            h = block_hash(h, prompt[i * bs:(i + 1) * bs])
-            by_hash.setdefault(h, blocks[i])
-    return by_hash
+        pool.publish(list(prompt), BlockTable(0, list(blocks), len(prompt)))
+    return pool.by_hash
 
 
-def _matching_cases() -> list[tuple[_Labelled, int, dict[str, int]]]:
+def _matching_cases() -> list[tuple[ck.Labelled, int, dict[str, int]]]:
     """(prompt labelled with what the case is about, block_size, by_hash)."""
     P, T, U, V, W, X = (_tokens(s, n) for s, n in ((1, 12), (2, 4), (3, 4), (4, 4), (5, 4),
                                                      (6, 8)))
@@ -336,7 +314,7 @@ def _matching_cases() -> list[tuple[_Labelled, int, dict[str, int]]]:
          published(16, [(shared + q1, list(range(20, 34)))])),
         ("blocks of 1 token", [5, 6, 7], 1, published(1, [([5, 6, 7, 8], [0, 1, 2, 3])])),
     ]
-    return [(_Labelled(label, prompt), bs, by_hash) for label, prompt, bs, by_hash in cases]
+    return [(ck.Labelled(label, prompt), bs, by_hash) for label, prompt, bs, by_hash in cases]
 
 
 def engine_shared_prefix(prompt: list[int], bs: int, by_hash: dict[str, int]) -> list[int]:
@@ -393,9 +371,8 @@ MATCHING = ck.Exercise(
         cumulative=partial(_match, cumulative=True), unchained=partial(_match, chained=False)))
 check_matching_blocks = MATCHING.check
 
+
 # --- exercise 4 (a table): the admission rule ----------------------------------------------------
-
-
 class _Pool(BlockPool):
     """A case's pool, its `label`, the request's prompt and tokens; equal when the books are."""
 
@@ -478,8 +455,7 @@ def _a_bool(got, *case) -> bool:
     if isinstance(got, bool) or (type(got).__module__ == "numpy"
                                  and type(got).__name__ in ("bool_", "bool")):
         return bool(got)
-    kind_of = f"{type(got).__module__}.{type(got).__name__}".replace("builtins.", "")
-    raise ck.Refused(A["not_a_bool"].format(kind=kind_of))
+    raise ck.Refused(A["not_a_bool"].format(kind=ck.type_name(got)))
 
 
 def _admission_otherwise(answers) -> str:
@@ -542,31 +518,20 @@ def check_predict_peak_blocks(predict_peak_blocks) -> None:
     name = "predict_peak_blocks"
     case = (f"{PEAK_SAMPLES} requests with the same prompt, {PEAK_NEW} new tokens each, arriving "
             f"together, blocks of {PEAK_BLOCK}, a large pool")
-    got = ck.prediction(name, case, predict_peak_blocks, serve, PagedCache.reserve,
-                        BlockPool.allocate)
-    if not isinstance(got, dict) or sorted(got) != sorted(PEAK_KEYS):
-        ck.fail(name, case, f"a dict with the keys {PEAK_KEYS}",
-                sorted(got) if isinstance(got, dict) else got,
-                P["not_a_dict"] + (" (did you forget to return it?)" if got is None else ""))
-    for key in PEAK_KEYS:
-        ck.expect(type(got[key]) is int, name, f"{case}: {key}", "an int", got[key],
-                  P["not_an_int"])
+    got = ck.predicted(name, case, ck.prediction(name, case, predict_peak_blocks, serve,
+                                                 PagedCache.reserve, BlockPool.allocate),
+                       PEAK_KEYS, P["not_a_dict"], P["not_an_int"])
     measured = {key: measure_peak(*key) for key in PEAK_KEYS}
-    for (prompt_len, caching), you in ((key, got[key]) for key in PEAK_KEYS):
-        want = measured[prompt_len, caching]
-        reason = "; or ".join(dict.fromkeys(h for w, h in _peak_mistakes(prompt_len, caching)
-                                            if w == you and w != want)) or P["otherwise"]
-        ck.expect(you == want, name, f"{case}: a {prompt_len}-token prompt, prefix caching "
-                  f"{'on' if caching else 'off'}", want, you,
-                  P["wrong"].format(you=you, want=want, reason=reason))
+    ck.as_measured(name, case, got, measured, lambda key: _peak_mistakes(*key), P["wrong"],
+                   P["otherwise"], lambda key: (f"a {key[0]}-token prompt, prefix caching "
+                                                f"{'on' if key[1] else 'off'}"))
     print("  measured: " + "; ".join(
         f"{p}-token prompt, prefix caching {'on' if c else 'off'}: {measured[p, c]} blocks"
         for p, c in PEAK_KEYS))
     ck.passed(name, len(PEAK_KEYS))
 
+
 # --- exercise 6 (debug): giving blocks back on a rollback ----------------------------------------
-
-
 class BuggyPagedCache(PagedCache):
     """The notebook's broken rollback, verbatim: it gives back the block that still holds the
     sequence's last positions whenever the new length is not a multiple of block_size."""
@@ -593,19 +558,13 @@ CROP_CASES = [
 ]
 
 
-def crop_pool(case):
-    """The case's pool (just the books), the tables of the others, and this table."""
-    _, bs, (blocks, length), others, _ = case
-    tables = [BlockTable(i + 1, list(o), len(o) * bs) for i, o in enumerate(others)]
-    mine = BlockTable(0, list(blocks), length)
-    num_blocks = max(set(blocks) | {b for o in others for b in o}) + 3
-    return _books(bs, num_blocks, tables, mine), tables, mine
-
-
 def _cropped(cache_class, case) -> tuple:
     """(table.blocks, length, pool.ref, pool.free) after cache_class's crop on the case."""
-    pool, _, mine = crop_pool(case)
-    cache_class(pool, [mine]).crop(case[-1])
+    _, bs, (blocks, length), others, n = case
+    tables = [BlockTable(i + 1, list(o), len(o) * bs) for i, o in enumerate(others)]
+    mine = BlockTable(0, list(blocks), length)
+    pool = _books(bs, max(set(blocks) | {b for o in others for b in o}) + 3, tables, mine)
+    cache_class(pool, [mine]).crop(n)
     return mine.blocks, mine.length, pool.ref, list(pool.free)
 
 
@@ -672,9 +631,8 @@ def _check_crop_in_decoding(name, cache_class) -> None:
         ck.fail(name, case, f"target-only greedy: {alone}", new,
                 C["text"].format(at=at) + C["symptom"])
 
+
 # --- exercise 7 (design, a table): a block size for a memory budget ------------------------------
-
-
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 DESIGN_BUDGETS = (0.0, 0.05, 0.1, 0.25)
 
@@ -696,17 +654,17 @@ def reference_block_size(lengths: list[int], max_waste: float) -> int:
     return _largest(lambda bs: blocks_taken(lengths, bs) * bs <= (1 + max_waste) * sum(lengths))
 
 
-def _snapshots() -> list[_Labelled]:
+def _snapshots() -> list[ck.Labelled]:
     """The positions each running sequence holds, labelled with what the snapshot is."""
     g = random.Random(6)
     chat = [g.randint(5, 40) for _ in range(64)]
     mixed = [g.randint(6, 80) + int(math.exp(g.uniform(math.log(4), math.log(127))))
              for _ in range(48)]
     documents = [g.randint(900, 2000) for _ in range(4)]
-    return [_Labelled("48 sequences of a mixed workload (prompts of 6-80 tokens, outputs of "
-                      "4-127)", mixed), _Labelled("64 short chat turns of 5-40 tokens", chat),
-            _Labelled("4 long documents of 900-2000 tokens", documents),
-            _Labelled("sequences whose lengths are all multiples of 64", [64, 192, 320, 128])]
+    return [ck.Labelled("48 sequences of a mixed workload (prompts of 6-80 tokens, outputs of "
+                      "4-127)", mixed), ck.Labelled("64 short chat turns of 5-40 tokens", chat),
+            ck.Labelled("4 long documents of 900-2000 tokens", documents),
+            ck.Labelled("sequences whose lengths are all multiples of 64", [64, 192, 320, 128])]
 
 
 def _reserved(lengths, bs) -> str:
@@ -737,7 +695,7 @@ check_choose_block_size = BLOCK_SIZE.check
 SCHEDULE_NEW = 64  # new tokens per request: every finished prompt decodes to the end of the case
 
 
-def _schedule_cases() -> list[tuple[_Labelled, int]]:
+def _schedule_cases() -> list[tuple[ck.Labelled, int]]:
     """(prompt lengths, labelled, budget); budget > requests, so every schedule ends."""
     cases = [("three prompts, the first shorter than the budget", [5, 40, 12], 16),
              ("one long prompt alone", [30], 8),
@@ -747,7 +705,7 @@ def _schedule_cases() -> list[tuple[_Labelled, int]]:
              ("two prompts that fit in one step", [10, 10], 20),
              ("many decode rows eating into a small budget", [3, 50, 7, 20], 10),
              ("a budget of 6 for three prompts", [17, 33, 5], 6)]
-    return [(_Labelled(label, lens), budget) for label, lens, budget in cases]
+    return [(ck.Labelled(label, lens), budget) for label, lens, budget in cases]
 
 
 def engine_schedule(prompt_lens: list[int], budget: int) -> list[list[int]]:

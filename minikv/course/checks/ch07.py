@@ -21,7 +21,6 @@ from ..evaluate import heldout_losses
 H = ck.hints("ch07")
 TEXT = ("A coin's state is heads. Alice flips, then Bob flips, then Carol does not flip. "
         "What's the state? A:")
-FORGOT = " (did you forget to return it?)"
 
 # --- exercise 1: grouped-query attention -------------------------------------------------------
 G = H["gqa_attention"]
@@ -68,9 +67,9 @@ GQA_MISTAKES = {  # hint -> a wrong gqa_attention; the last three are told apart
 }
 
 
-def _gqa_crash_hint(nh: int, nkv: int):
-    return lambda error: (G["crash"].format(nkv=nkv, nh=nh, group=nh // nkv) if isinstance(
-        error, RuntimeError) and nkv not in (1, nh) else "your function raised on this input")
+def _gqa_crash_hint(nh: int, nkv: int):  # a crash only unexpanded K/V heads explain
+    return ck.raised_as(RuntimeError if nkv not in (1, nh) else (),
+                        G["crash"].format(nkv=nkv, nh=nh, group=nh // nkv))
 
 
 @ck.guarded
@@ -86,12 +85,9 @@ def check_gqa_attention(gqa_attention) -> None:
                 f"n_kv_head = {nkv}, {heads}")
         q = torch.randn(B, nh, T, hs, generator=gen) * 1.5
         k, v = (torch.randn(B, nkv, T, hs, generator=gen) * 1.5 for _ in range(2))
-        given = [t.clone() for t in (q, k, v)]
         with _no_kernel(name):
-            got = ck.call_hinted(name, case, _gqa_crash_hint(nh, nkv), gqa_attention, *given)
-        for label, before, after in zip("qkv", (q, k, v), given):
-            ck.expect(torch.equal(before, after), name, case, f"{label} left unchanged",
-                      f"{label} changed in place", G["unchanged"])
+            got = ck.call_kept(name, case, G["unchanged"], gqa_attention, q, k, v,
+                               raised=_gqa_crash_hint(nh, nkv))
         want = causal_attention(q, k, v)  # SDPA with enable_gqa
         ck.expect_tensor(name, case, got, want, shape_words=" (B, n_head, T, head_dim)",
                          values="the engine's attention output (to 1e-5)", mistakes=GQA_MISTAKES,
@@ -157,9 +153,8 @@ def quant_cases() -> list[tuple[str, torch.Tensor, int, str]]:
 
 
 def engine_quantized(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...]:
-    """The engine's signed codes (int64, in [-qmax, qmax]), scales (..., T, 1) and dequantized x
-    (it stores code + 2^(bits-1) as uint8, two codes a byte at 4 bits)."""
-    packed, scales = quantize(x, bits)
+    """The engine's signed codes (int64, in [-qmax, qmax]), scales (..., T, 1) and dequantized x."""
+    packed, scales = quantize(x, bits)  # it stores code + 2^(bits-1), two codes a byte at 4 bits
     codes = dequantize(packed, torch.ones_like(scales), bits, x.size(-1))  # code x 1, exactly
     return codes.round().long(), scales, dequantize(packed, scales, bits, x.size(-1))
 
@@ -202,7 +197,7 @@ def _check_quantized(name, case, x, bits, got) -> tuple[torch.Tensor, torch.Tens
     want_codes, want_scales, _ = engine_quantized(x, bits)
     ck.expect(isinstance(got, (tuple, list)) and len(got) == 2, name, case, f"a pair (codes "
               f"{tuple(x.shape)}, scales {tuple(want_scales.shape)})", ck.kind(got),
-              Q["pair"] + (FORGOT if got is None else ""))
+              Q["pair"] + ck.FORGOT * (got is None))
     codes, scales = got
 
     def scales_hint(s: torch.Tensor) -> str:  # not all positive, or which wrong scales
@@ -271,20 +266,16 @@ def check_quantize(quantize_block, dequantize_block) -> None:
     name, cases = "quantize_block", quant_cases()
     for label, x, bits, per in cases:
         case = f"{label}, bits={bits}" + (", per='channel'" if per == "channel" else "")
-        given = x.clone()
         with ck.forbid(name, *QUANT_FORBIDDEN):
-            got = ck.call_hinted(name, case, lambda e: Q["broadcast"] if isinstance(
-                e, RuntimeError) and "size of tensor" in str(e) else "your function raised on "
-                "this input", quantize_block, given, bits, **({"per": per} if per != "token"
-                                                               else {}))
-        ck.expect(torch.equal(given, x), name, case, "x left unchanged", "x changed in place",
-                  Q["unchanged"])
+            got = ck.call_kept(name, case, Q["unchanged"], quantize_block, x, bits,
+                               raised=ck.raised_as(RuntimeError, Q["broadcast"], "size of tensor"),
+                               **({"per": per} if per != "token" else {}))
         check = _check_quantized if per == "token" else _check_channel_quantized
         codes, scales = check(name, case, x, bits, got)
-        mine = (codes.clone(), scales.clone())
         with ck.forbid("dequantize_block", *QUANT_FORBIDDEN):
-            out = ck.call("dequantize_block", case, dequantize_block, *mine)
-        _check_dequantized(case, x, codes, scales, mine, out)
+            out = ck.call_kept("dequantize_block", case, D["unchanged"], dequantize_block, codes,
+                               scales)
+        _check_dequantized(case, x, codes, scales, out)
     ck.passed("quantize_block and dequantize_block", len(cases))
 
 
@@ -293,10 +284,8 @@ DEQUANT_MISTAKES = {D["codes"]: lambda codes, scales: codes.double(),  # a wrong
                     D["divided"]: lambda codes, scales: codes.double() / scales.double()}
 
 
-def _check_dequantized(case, x, codes, scales, mine, out) -> None:
+def _check_dequantized(case, x, codes, scales, out) -> None:
     name = "dequantize_block"
-    ck.expect(torch.equal(mine[0], codes) and torch.equal(mine[1], scales), name, case,
-              "codes and scales left unchanged", "changed in place", D["unchanged"])
     ck.expect_tensor(name, case, out, (codes.double() * scales.double()).to(scales.dtype),
                      shape_words=", x's", values="codes * scales", hints={**D, "nan": D["close"]},
                      mistakes=DEQUANT_MISTAKES, inputs=(codes, scales), same=lambda a, b: bool(
@@ -312,9 +301,8 @@ N_TOKENS = 24  # each (sinks, window) is fed N_TOKENS tokens one per pass, t = 0
 WINDOW_PAIRS = [(2, 4), (0, 5), (4, 8), (1, 1), (0, 1), (3, 2), (5, 3), (4, 12)]
 
 
-def _right(t: int, s: int, w: int) -> list[int]:
-    seen = t + 1
-    return list(range(seen)) if seen <= s + w else list(range(s)) + list(range(seen - w, seen))
+def _right(t: int, s: int, w: int) -> list[int]:  # with w ± 1: the window's off-by-ones
+    return sorted(set(range(min(s, t + 1))) | set(_recent(t, w)))
 
 
 def _recent(t: int, n: int) -> list[int]:
@@ -358,14 +346,14 @@ HELD = ck.Exercise(
                                        f"per pass: positions 0 .. {t} written)"),
     reference=lambda t, sinks, window: engine_positions(sinks, window)[t],
     returns=_held_list, forbid=(SinkWindowCache.update, feed), solution=_right,
-    mistakes={HELD_HINTS[key]: wrong for key, wrong in dict(
-        window_plus_one=lambda t, s, w: sorted(set(range(min(s, t + 1))) | set(_recent(t, w + 1))),
-        window_minus_one=lambda t, s, w: sorted(set(range(min(s, t + 1))) | set(_recent(t, w - 1))),
+    mistakes=ck.named(
+        HELD_HINTS, window_plus_one=lambda t, s, w: _right(t, s, w + 1),
+        window_minus_one=lambda t, s, w: _right(t, s, w - 1),
         sinks_twice=lambda t, s, w: list(range(min(s, t + 1))) + _recent(t, w),
         unwritten_sinks=lambda t, s, w: sorted(set(range(s)) | set(_recent(t, w))),
         no_sinks=lambda t, s, w: _recent(t, w), last_all=lambda t, s, w: _recent(t, s + w),
         slots=lambda t, s, w: list(range(len(_right(t, s, w)))),
-        tokens_seen=lambda t, s, w: _right(t - 1, s, w) if t > 0 else []).items()},
+        tokens_seen=lambda t, s, w: _right(t - 1, s, w) if t > 0 else []),
     otherwise=_held_otherwise)
 check_held_positions = HELD.check
 EXERCISES = (HELD,)
@@ -411,20 +399,10 @@ def check_predict_bytes(predict_bytes) -> None:
     name = "predict_bytes"
     case = ("after the first 50 tokens of a story: target-gqa2 with a 4-bit "
             "QuantizedKVCache, target-mqa with SinkWindowCache(sinks=4, window=16)")
-    got = ck.prediction(name, case, predict_bytes, GPT.forward, feed)
-    ck.expect(isinstance(got, dict) and sorted(got) == sorted(BYTES_KEYS), name, case,
-              f"a dict with the keys {list(BYTES_KEYS)}", sorted(got) if isinstance(got, dict)
-              else got, B["dict"] + (FORGOT if got is None else ""))
-    for key in BYTES_KEYS:
-        ck.expect(isinstance(got[key], int) and not isinstance(got[key], bool), name,
-                  f"{case}: {key}", "an int", got[key], B["int"])
+    got = ck.predicted(name, case, ck.prediction(name, case, predict_bytes, GPT.forward, feed),
+                       BYTES_KEYS, B["dict"], B["int"])
     measured = measure_bytes()
-    for key in BYTES_KEYS:
-        reasons = dict.fromkeys(h for w, h in _bytes_mistakes(key)
-                                if w == got[key] and w != measured[key])
-        ck.expect(got[key] == measured[key], name, f"{case}: {key}", measured[key], got[key],
-                  f"you predicted {got[key]:,} bytes; the cache holds {measured[key]:,}: "
-                  f"{'; or '.join(reasons) or B['otherwise']}")
+    ck.as_measured(name, case, got, measured, _bytes_mistakes, B["wrong"], B["otherwise"])
     full = 12 * 2 * 8 * 24 * 4 * BYTES_TOKENS
     print(f"  measured: {measured['gqa2_int4']:,} and {measured['mqa_window']:,} bytes, "
           f"{full / measured['gqa2_int4']:.1f}x and {full / measured['mqa_window']:.1f}x less "
@@ -502,6 +480,14 @@ def window_bytes(sinks: int, window: int) -> int:
     return cache.nbytes
 
 
+def _split(got):
+    """The contract: (sinks, window), sinks ≥ 0 and window ≥ 1."""
+    pair = ck.int_list(got) if isinstance(got, (tuple, list)) else None
+    if pair is None or len(pair) != 2 or pair[0] < 0 or pair[1] < 1:
+        raise ck.Refused(CW["pair"])
+    return pair
+
+
 @ck.guarded
 @torch.no_grad()
 def check_choose_window(choose_window) -> None:
@@ -509,12 +495,9 @@ def check_choose_window(choose_window) -> None:
     name, per_position = "choose_window", window_bytes(0, 1)
     for budget in (DESIGN_BUDGET,) + OTHER_BUDGETS:
         case = f"a budget of {budget:,} bytes of K/V per sequence (the fp32 course target)"
-        got = ck.call(name, case, choose_window, budget)
-        pair = ck.int_list(got) if isinstance(got, (tuple, list)) else None
-        ck.expect(pair is not None and len(pair) == 2 and pair[0] >= 0 and pair[1] >= 1, name,
-                  case, "(sinks, window): two ints, sinks ≥ 0, window ≥ 1", got,
-                  CW["pair"] + (FORGOT if got is None else ""))
-        (sinks, window), slots = pair, budget // per_position
+        sinks, window = ck.obeyed(name, case, _split, ck.call(name, case, choose_window, budget),
+                                  expected="(sinks, window): two ints, sinks ≥ 0, window ≥ 1")
+        slots = budget // per_position
         held = window_bytes(sinks, window)
         ck.expect(held <= budget, name, case, f"at most {budget:,} bytes held", f"{held:,} bytes "
                   f"for {sinks} sinks + {window} window",
@@ -532,5 +515,5 @@ def check_choose_window(choose_window) -> None:
             ck.fail(name, case, f"a split within {100 * LOSS_MARGIN:.0f}% of the best held-out "
                     f"loss ({best:.3f}, {best_s} sinks + {slots - best_s} window)",
                     f"{sinks} sinks + {window} window: loss {mine:.3f}",
-                    f"{hint} (losses by sinks, window = {slots} - sinks: {table})")
+                    CW["losses"].format(hint=hint, slots=slots, table=table))
     ck.passed(name, 1 + len(OTHER_BUDGETS))
