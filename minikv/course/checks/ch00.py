@@ -1,6 +1,5 @@
-"""Chapter 00's checkers: count_params and encode_documents (tables), forward_by_hand, predict_
-generation (predict, then measure), load_gpt2_fixed (debug) and choose_width (design). Hints:
-hints/ch00.toml."""
+"""Chapter 00's checkers: count_params, encode_documents (tables), forward_by_hand,
+predict_generation, load_gpt2_fixed and choose_width. Hints: hints/ch00.toml."""
 from __future__ import annotations
 
 import bisect
@@ -60,19 +59,6 @@ check_count_params = COUNT_PARAMS.check
 
 
 # --- exercise 2: documents as one token stream --------------------------------------------------
-def _a_stream(got, tok, docs) -> list[int]:
-    if isinstance(got, torch.Tensor) or type(got).__module__ == "numpy":
-        raise ck.Refused(ENC["array"].format(type=f"{type(got).__module__}.{type(got).__name__}"))
-    if not isinstance(got, (list, tuple)):
-        raise ck.Refused(ENC["not_list"].format(type=type(got).__name__))
-    if any(isinstance(t, (list, tuple)) for t in got):
-        raise ck.Refused(ENC["nested"])
-    if ck.int_list(got) is None:
-        bad = next(t for t in got if ck.as_int(t) is None)
-        raise ck.Refused(ENC["not_int"].format(bad=bad, type=type(bad).__name__))
-    return ck.int_list(got)
-
-
 def _each(tok, docs, before=(), after=(), skip_empty=False) -> list[int]:
     return [t for d in docs if d or not skip_empty for t in [*before, *tok.encode(d), *after]]
 
@@ -82,7 +68,8 @@ ENCODE_DOCUMENTS = ck.Exercise(  # the first case tells the mistakes apart; tupl
         ("héllo wörld ☕", "", "A coin's state is heads."),
         ("Once upon a time", " there was a dog."), ("The color of dog can vary widely.",), (),
         ("a", "b", "a b"), ("",))],
-    describe=lambda tok, docs: f"docs={list(docs)!r}", returns=_a_stream,
+    describe=lambda tok, docs: f"docs={list(docs)!r}",
+    returns=lambda got, *case: ck.token_ids(got, ENC),
     reference=lambda tok, docs: _each(tok, docs, after=[tok.eot_token]),
     mistakes=ck.named(
         ENC, no_eot=_each,
@@ -199,10 +186,8 @@ def check_predict_generation(predict_generation) -> None:
     if values == want:
         return print(f"✓ {name}: as measured, {want[0]} forward passes and {want[1]} K/V "
                      f"vectors per layer")
-    hint = next((h for pair, h in _generation_mistakes(
-        len(ids), len(prompt.split()), len(prompt), len(out.tokens), limit)
-        if all(m is None or m == v for m, v in zip(pair, values))
-        and any(m is not None and m != w for m, w in zip(pair, want))), "")
+    hint = ck.pair_hint(_generation_mistakes(len(ids), len(prompt.split()), len(prompt),
+                                             len(out.tokens), limit), values, want, "")
     ck.fail(name, f"generate(target, tok.encode({prompt!r}), {limit}, eos_id=tok.eot_token): it "
             f"wrote {[tok.decode([t]) for t in out.tokens]}",
             f"{want[0]} forward passes, {want[1]} K/V vectors per layer (measured)",
@@ -294,33 +279,33 @@ def _widest(budget: int) -> int:  # the largest multiple of 8 whose float32 weig
     return 8 * bisect.bisect_right(range(1, 128), budget, key=lambda m: _weight_bytes(8 * m))
 
 
+def _judge_width(budget: int | None, got) -> str:
+    name, b = "choose_width", budget or WIDTH_BUDGET
+    width, best = ck.as_int(got), _widest(b)
+    case = (f"GPTConfig(vocab_size=1024, block_size=256, n_layer=12, n_head=8, n_embd=your "
+            f"choice), float32 weights within {b:,} bytes ({b / 2**20:g} MiB)")
+    if width is None or width <= 0:
+        ck.fail(name, case, "a positive int n_embd", got, WIDTH["refused"])
+    ck.expect(width % 8 == 0, name, case, "an n_embd that 8 heads split evenly", width,
+              WIDTH["heads"].format(width=width))
+    used = _weight_bytes(width)
+    shown = f"n_embd={width}: {used:,} bytes ({used / 2**20:.2f} MiB)"
+    if width != best and budget is not None and width == _widest(WIDTH_BUDGET):
+        ck.fail(name, case, f"n_embd={best}", shown, WIDTH["budget"])
+    if used > b:
+        embeddings = (WIDTH_SHAPE["vocab_size"] + WIDTH_SHAPE["block_size"]) * width
+        ck.fail(name, case, f"at most {b:,} bytes", shown, WIDTH["embeddings"].format(
+            embeddings=embeddings, width=width, mib=4 * embeddings / 2**20)
+            if used - 4 * embeddings <= b else
+            WIDTH["two_bytes"] if used // 2 <= b else WIDTH["over"])
+    ck.expect(width == best, name, case, "the widest n_embd whose weights fit", shown,
+              WIDTH["wider"].format(width=width, mib=used / 2**20) + (
+                  WIDTH["mb"] if budget is None and width == _widest(24 * 10**6) else ""))
+    return f"✓ {name}: n_embd={width} is the widest that fits ({used / 2**20:.2f} MiB of 24)"
+
+
 @ck.guarded
 def check_choose_width(choose_width) -> None:
-    name = "choose_width"  # the default budget first, then others: exactly full, a byte short
-    for budget in (None, _weight_bytes(200), _weight_bytes(200) - 1, 4 * 2**20, 100 * 2**20):
-        args, b = (() if budget is None else (budget,)), budget or WIDTH_BUDGET
-        got = ck.call(name, f"choose_width({', '.join(map(str, args))})", choose_width, *args)
-        width, best = ck.as_int(got), _widest(b)
-        case = (f"GPTConfig(vocab_size=1024, block_size=256, n_layer=12, n_head=8, n_embd=your "
-                f"choice), float32 weights within {b:,} bytes ({b / 2**20:g} MiB)")
-        if width is None or width <= 0:
-            ck.fail(name, case, "a positive int n_embd", got, WIDTH["refused"])
-        ck.expect(width % 8 == 0, name, case, "an n_embd that 8 heads split evenly", width,
-                  WIDTH["heads"].format(width=width))
-        used = _weight_bytes(width)
-        shown = f"n_embd={width}: {used:,} bytes ({used / 2**20:.2f} MiB)"
-        if width != best and budget is not None and width == _widest(WIDTH_BUDGET):
-            ck.fail(name, case, f"n_embd={best}", shown, WIDTH["budget"])
-        if used > b:
-            embeddings = (WIDTH_SHAPE["vocab_size"] + WIDTH_SHAPE["block_size"]) * width
-            ck.fail(name, case, f"at most {b:,} bytes", shown, WIDTH["embeddings"].format(
-                embeddings=embeddings, width=width, mib=4 * embeddings / 2**20)
-                if used - 4 * embeddings <= b else
-                WIDTH["two_bytes"] if used // 2 <= b else WIDTH["over"])
-        ck.expect(width == best, name, case, "the widest n_embd whose weights fit", shown,
-                  WIDTH["wider"].format(width=width, mib=used / 2**20) + (
-                      WIDTH["mb"] if budget is None and width == _widest(24 * 10**6) else ""))
-        if budget is None:
-            message = (f"✓ {name}: n_embd={width} is the widest that fits ({used / 2**20:.2f} "
-                       f"MiB of 24)")
-    print(message)
+    """The default budget first, then others: exactly full, a byte short, smaller, larger."""
+    ck.design("choose_width", choose_width, (None, _weight_bytes(200), _weight_bytes(200) - 1,
+                                             4 * 2**20, 100 * 2**20), _judge_width)
