@@ -56,9 +56,9 @@ def _per_cut(length):  # a wrong clause_cuts: length(tok, question, i) for each 
 
 def _cut_list(got, *case) -> list[int]:
     if ck.int_list(got) is None:
-        floats = "float" in str(getattr(got, "dtype", "")) or (isinstance(got, (list, tuple))
-                                                              and len(got) > 0 and all(
-                                                                  isinstance(v, float) for v in got))
+        floats = "float" in str(getattr(got, "dtype", "")) or (
+            isinstance(got, (list, tuple)) and len(got) > 0
+            and all(isinstance(v, float) for v in got))
         raise ck.Refused(CUT["floats"] if floats else CUT["not_a_list"]
                          + ("" if got is None else " (did you forget to return it?)"))
     return ck.int_list(got)
