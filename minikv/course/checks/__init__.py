@@ -136,17 +136,6 @@ def pair_hint(mistakes: list, got: Sequence[int], want: Sequence[int], otherwise
                  and any(m is not None and m != w for m, w in zip(pair, want))), otherwise)
 
 
-def design(name: str, fn, arguments: Sequence, judge, run=None) -> None:
-    """A design exercise: fn() with its default, then fn(a) for each later a in `arguments` (None
-    first), each answer judged by judge(a, got), which fails on a wrong choice; once every choice
-    passed, the default's judgement (its ✓ line) is printed. run(case, args) may call fn instead."""
-    lines = []
-    for a in arguments:
-        args = () if a is None else (a,)
-        case = f"{name}({', '.join(map(str, args))})"
-        lines.append(judge(a, run(case, args) if run else call(name, case, fn, *args)))
-    print(lines[0])
-
 
 # --- how every check runs --------------------------------------------------------------------
 

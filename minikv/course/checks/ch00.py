@@ -279,33 +279,33 @@ def _widest(budget: int) -> int:  # the largest multiple of 8 whose float32 weig
     return 8 * bisect.bisect_right(range(1, 128), budget, key=lambda m: _weight_bytes(8 * m))
 
 
-def _judge_width(budget: int | None, got) -> str:
-    name, b = "choose_width", budget or WIDTH_BUDGET
-    width, best = ck.as_int(got), _widest(b)
-    case = (f"GPTConfig(vocab_size=1024, block_size=256, n_layer=12, n_head=8, n_embd=your "
-            f"choice), float32 weights within {b:,} bytes ({b / 2**20:g} MiB)")
-    if width is None or width <= 0:
-        ck.fail(name, case, "a positive int n_embd", got, WIDTH["refused"])
-    ck.expect(width % 8 == 0, name, case, "an n_embd that 8 heads split evenly", width,
-              WIDTH["heads"].format(width=width))
-    used = _weight_bytes(width)
-    shown = f"n_embd={width}: {used:,} bytes ({used / 2**20:.2f} MiB)"
-    if width != best and budget is not None and width == _widest(WIDTH_BUDGET):
-        ck.fail(name, case, f"n_embd={best}", shown, WIDTH["budget"])
-    if used > b:
-        embeddings = (WIDTH_SHAPE["vocab_size"] + WIDTH_SHAPE["block_size"]) * width
-        ck.fail(name, case, f"at most {b:,} bytes", shown, WIDTH["embeddings"].format(
-            embeddings=embeddings, width=width, mib=4 * embeddings / 2**20)
-            if used - 4 * embeddings <= b else
-            WIDTH["two_bytes"] if used // 2 <= b else WIDTH["over"])
-    ck.expect(width == best, name, case, "the widest n_embd whose weights fit", shown,
-              WIDTH["wider"].format(width=width, mib=used / 2**20) + (
-                  WIDTH["mb"] if budget is None and width == _widest(24 * 10**6) else ""))
-    return f"✓ {name}: n_embd={width} is the widest that fits ({used / 2**20:.2f} MiB of 24)"
-
-
 @ck.guarded
 def check_choose_width(choose_width) -> None:
-    """The default budget first, then others: exactly full, a byte short, smaller, larger."""
-    ck.design("choose_width", choose_width, (None, _weight_bytes(200), _weight_bytes(200) - 1,
-                                             4 * 2**20, 100 * 2**20), _judge_width)
+    name = "choose_width"  # the default budget first, then others: exactly full, a byte short
+    for budget in (None, _weight_bytes(200), _weight_bytes(200) - 1, 4 * 2**20, 100 * 2**20):
+        args, b = (() if budget is None else (budget,)), budget or WIDTH_BUDGET
+        got = ck.call(name, f"choose_width({', '.join(map(str, args))})", choose_width, *args)
+        width, best = ck.as_int(got), _widest(b)
+        case = (f"GPTConfig(vocab_size=1024, block_size=256, n_layer=12, n_head=8, n_embd=your "
+                f"choice), float32 weights within {b:,} bytes ({b / 2**20:g} MiB)")
+        if width is None or width <= 0:
+            ck.fail(name, case, "a positive int n_embd", got, WIDTH["refused"])
+        ck.expect(width % 8 == 0, name, case, "an n_embd that 8 heads split evenly", width,
+                  WIDTH["heads"].format(width=width))
+        used = _weight_bytes(width)
+        shown = f"n_embd={width}: {used:,} bytes ({used / 2**20:.2f} MiB)"
+        if width != best and budget is not None and width == _widest(WIDTH_BUDGET):
+            ck.fail(name, case, f"n_embd={best}", shown, WIDTH["budget"])
+        if used > b:
+            embeddings = (WIDTH_SHAPE["vocab_size"] + WIDTH_SHAPE["block_size"]) * width
+            ck.fail(name, case, f"at most {b:,} bytes", shown, WIDTH["embeddings"].format(
+                embeddings=embeddings, width=width, mib=4 * embeddings / 2**20)
+                if used - 4 * embeddings <= b else
+                WIDTH["two_bytes"] if used // 2 <= b else WIDTH["over"])
+        ck.expect(width == best, name, case, "the widest n_embd whose weights fit", shown,
+                  WIDTH["wider"].format(width=width, mib=used / 2**20) + (
+                      WIDTH["mb"] if budget is None and width == _widest(24 * 10**6) else ""))
+        if budget is None:
+            message = (f"✓ {name}: n_embd={width} is the widest that fits ({used / 2**20:.2f} "
+                       f"MiB of 24)")
+    print(message)

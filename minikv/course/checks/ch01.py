@@ -271,43 +271,43 @@ def _batched_decode(cfg, batch: int, bpv: int = BF16, keys_only: bool = False) -
     return batch * flops / (weights + batch * own)
 
 
-def _judge_intensity(batch: int | None, got) -> str:
-    name, cfg, b = "predict_batched_intensity", GPTConfig.preset("gpt2"), batch or BATCH
-    call = f"{name}({'' if batch is None else batch})"
-    value = got if isinstance(got, (int, float)) and not isinstance(got, bool) else None
-    if isinstance(got, torch.Tensor) and got.numel() == 1 or type(got).__module__ == "numpy":
-        value = float(got)
-    if value is None or not value > 0:
-        ck.fail(name, call, "a positive number (FLOPs per byte)", got, INT["refused"])
-    want, weights = _batched_decode(cfg, b), bench.pass_cost(cfg, 0, 0, BF16)[1]
-    if abs(value - want) <= 0.3 * want:
-        return (f"✓ {name}: you predicted {value:.3g}; the cost model gives {want:.2f} FLOPs per "
-                f"byte, far below an H100's balance point ({H100_BALANCE:.0f}): the K/V reads "
-                f"dominate")
-    single = bench.pass_cost(cfg, 1, CACHED, BF16)
-    numbers = dict(batch=b, cached=CACHED, kv_one=(single[1] - weights) / 1e6,
-                   weights=weights / 1e6)
-    no_kv = b * single[0] / (weights + b * 2 * cfg.n_embd * BF16)
-    hint = next((INT[key] for v, key in [
-        *([(_batched_decode(cfg, BATCH), "batch")] if batch else []),
-        (b * single[0] / single[1], "times_batch"),
-        (b * _batched_decode(cfg, 1, 4), "fp32_times_batch"), (no_kv, "no_kv"),
-        (no_kv / 2, "fp32_no_kv"), (single[0] / single[1], "one_sequence"),
-        (_batched_decode(cfg, 1, 4), "fp32_one_sequence"), (want / 2, "fp32"),
-        (_batched_decode(cfg, b, keys_only=True), "keys_only")]
-        if abs(value - v) <= 0.1 * v), INT["otherwise"])
-    ck.fail(name, f"one decode pass of GPT-2 small in bf16 over {b} sequences, each with "
-            f"{CACHED:,} tokens cached ({call})", f"{want:.2f} FLOPs per byte (within 30%: "
-            f"{0.7 * want:.2f} to {1.3 * want:.2f})", f"{value:.4g}",
-            hint.format(shared=INT["shared"].format(**numbers), **numbers))
-
-
 @ck.guarded
 def check_predict_batched_intensity(predict_batched_intensity) -> None:
-    ck.design("predict_batched_intensity", predict_batched_intensity, (None, 1, 8, 512),
-              _judge_intensity, run=lambda case, args: ck.prediction(
-                  "predict_batched_intensity", case, lambda: predict_batched_intensity(*args),
-                  GPT.forward, generate))
+    name, cfg = "predict_batched_intensity", GPTConfig.preset("gpt2")
+    for batch in (None, 1, 8, 512):
+        args, b = (() if batch is None else (batch,)), batch or BATCH
+        call = f"{name}({', '.join(map(str, args))})"
+        got = ck.prediction(name, call, lambda: predict_batched_intensity(*args), GPT.forward,
+                            generate)
+        value = got if isinstance(got, (int, float)) and not isinstance(got, bool) else None
+        if isinstance(got, torch.Tensor) and got.numel() == 1 or type(got).__module__ == "numpy":
+            value = float(got)
+        if value is None or not value > 0:
+            ck.fail(name, call, "a positive number (FLOPs per byte)", got, INT["refused"])
+        want, weights = _batched_decode(cfg, b), bench.pass_cost(cfg, 0, 0, BF16)[1]
+        if abs(value - want) <= 0.3 * want:
+            if batch is None:
+                message = (f"✓ {name}: you predicted {value:.3g}; the cost model gives "
+                           f"{want:.2f} FLOPs per byte, far below an H100's balance point "
+                           f"({H100_BALANCE:.0f}): the K/V reads dominate")
+            continue
+        single = bench.pass_cost(cfg, 1, CACHED, BF16)
+        numbers = dict(batch=b, cached=CACHED, kv_one=(single[1] - weights) / 1e6,
+                       weights=weights / 1e6)
+        no_kv = b * single[0] / (weights + b * 2 * cfg.n_embd * BF16)
+        hint = next((INT[key] for v, key in [
+            *([(_batched_decode(cfg, BATCH), "batch")] if batch else []),
+            (b * single[0] / single[1], "times_batch"),
+            (b * _batched_decode(cfg, 1, 4), "fp32_times_batch"), (no_kv, "no_kv"),
+            (no_kv / 2, "fp32_no_kv"), (single[0] / single[1], "one_sequence"),
+            (_batched_decode(cfg, 1, 4), "fp32_one_sequence"), (want / 2, "fp32"),
+            (_batched_decode(cfg, b, keys_only=True), "keys_only")]
+            if abs(value - v) <= 0.1 * v), INT["otherwise"])
+        ck.fail(name, f"one decode pass of GPT-2 small in bf16 over {b} sequences, each with "
+                f"{CACHED:,} tokens cached ({call})", f"{want:.2f} FLOPs per byte (within 30%: "
+                f"{0.7 * want:.2f} to {1.3 * want:.2f})", f"{value:.4g}",
+                hint.format(shared=INT["shared"].format(**numbers), **numbers))
+    print(message)
 
 
 # --- exercise 5: debug a decoder ----------------------------------------------------------------
@@ -359,47 +359,46 @@ def _chunk_intensities(cfg: GPTConfig, chunk: int, prompt: int = CHUNK_PROMPT) -
         cfg, min(chunk, prompt - done), done, BF16))) for done in range(0, prompt, chunk)]
 
 
-def _judge_chunk(prompt: int | None, got, default: list) -> str:
-    """One choice judged; `default` holds the default prompt's choice once judged."""
-    name, cfg, P = "choose_chunk", GPTConfig.preset("gpt2"), prompt or CHUNK_PROMPT
-    chunk = ck.as_int(got)
-    case = (f"chunked prefill of a {P:,}-token prompt, GPT-2 small, bf16, on an H100 "
-            f"(balance point {H100_BALANCE:.0f} FLOPs per byte)")
-    if chunk is None or chunk < 1:
-        ck.fail(name, case, "a chunk size, a positive int", got, CH["refused"])
-    best = next(c for c in range(1, P + 1)
-                if min(i for _, _, i in _chunk_intensities(cfg, c, P)) >= H100_BALANCE)
-    rows = _chunk_intensities(cfg, min(chunk, P), P)
-    shown = ", ".join(f"{n} tokens after {done}: {i:.0f}" for n, done, i in rows[:4])
-    if chunk != best and prompt and [chunk] == default:
-        ck.fail(name, case, f"chunk={best}", f"chunk={chunk}: {shown}",
-                CH["prompt"].format(prompt=P))
-    slow = [(k, n, done, i) for k, (n, done, i) in enumerate(rows) if i < H100_BALANCE]
-    if slow:
-        k, n, done, intensity = slow[0]
-        hint = CH["slow"].format(k=k + 1, n=n, done=done, intensity=intensity)
-        if k > 0 and k == len(rows) - 1:
-            hint += CH["remainder"].format(prompt=P, done=done, n=n)
-            if _chunk_intensities(cfg, chunk)[0][2] >= H100_BALANCE \
-                    > _chunk_intensities(cfg, chunk - 1)[0][2]:  # ONE prefill's crossover
-                hint += CH["one_prefill"].format(chunk=chunk, prompt=P)
-        elif k == 0:
-            hint += CH["full_chunk"] + (CH["cpu"] if chunk in (11, 12, 18) else "")
-        ck.fail(name, case, f"every pass at {H100_BALANCE:.0f} FLOPs per byte or more",
-                f"chunk={chunk}: {shown}{' ...' if len(rows) > 4 else ''}", hint)
-    ck.expect(chunk < P, name, case, "a chunk that splits the prompt",
-              f"chunk={chunk}: one pass", CH["no_chunking"])
-    ck.expect(chunk == best, name, case, "the smallest chunk that keeps every pass "
-              "compute-bound", f"chunk={chunk}: " + ", ".join(
-                  f"{n} tokens after {done}: {i:.0f}" for n, done, i in rows), CH["smaller"])
-    default += [chunk] if prompt is None else []
-    return (f"✓ {name}: chunks of {chunk}: " + ", ".join(
-        f"{n} tokens after {done} cached do {i:.0f} FLOPs per byte" for n, done, i in rows)
-        + f"; none smaller keeps every pass at {H100_BALANCE:.0f} or more")
-
-
 @ck.guarded
 def check_choose_chunk(choose_chunk) -> None:
-    default: list = []
-    ck.design("choose_chunk", choose_chunk, (None, 866, 1294),
-              lambda prompt, got: _judge_chunk(prompt, got, default))
+    name, cfg, default = "choose_chunk", GPTConfig.preset("gpt2"), None
+    for prompt in (None, 866, 1294):
+        args, P = (() if prompt is None else (prompt,)), prompt or CHUNK_PROMPT
+        got = ck.call(name, f"choose_chunk({', '.join(map(str, args))})", choose_chunk, *args)
+        chunk = ck.as_int(got)
+        case = (f"chunked prefill of a {P:,}-token prompt, GPT-2 small, bf16, on an H100 "
+                f"(balance point {H100_BALANCE:.0f} FLOPs per byte)")
+        if chunk is None or chunk < 1:
+            ck.fail(name, case, "a chunk size, a positive int", got, CH["refused"])
+        best = next(c for c in range(1, P + 1)
+                    if min(i for _, _, i in _chunk_intensities(cfg, c, P)) >= H100_BALANCE)
+        rows = _chunk_intensities(cfg, min(chunk, P), P)
+        shown = ", ".join(f"{n} tokens after {done}: {i:.0f}" for n, done, i in rows[:4])
+        if chunk != best and prompt and chunk == default:
+            ck.fail(name, case, f"chunk={best}", f"chunk={chunk}: {shown}",
+                    CH["prompt"].format(prompt=P))
+        slow = [(k, n, done, i) for k, (n, done, i) in enumerate(rows) if i < H100_BALANCE]
+        if slow:
+            k, n, done, intensity = slow[0]
+            hint = CH["slow"].format(k=k + 1, n=n, done=done, intensity=intensity)
+            if k > 0 and k == len(rows) - 1:
+                hint += CH["remainder"].format(prompt=P, done=done, n=n)
+                if _chunk_intensities(cfg, chunk)[0][2] >= H100_BALANCE \
+                        > _chunk_intensities(cfg, chunk - 1)[0][2]:  # ONE prefill's crossover
+                    hint += CH["one_prefill"].format(chunk=chunk, prompt=P)
+            elif k == 0:
+                hint += CH["full_chunk"] + (CH["cpu"] if chunk in (11, 12, 18) else "")
+            ck.fail(name, case, f"every pass at {H100_BALANCE:.0f} FLOPs per byte or more",
+                    f"chunk={chunk}: {shown}{' ...' if len(rows) > 4 else ''}", hint)
+        ck.expect(chunk < P, name, case, "a chunk that splits the prompt",
+                  f"chunk={chunk}: one pass", CH["no_chunking"])
+        ck.expect(chunk == best, name, case, "the smallest chunk that keeps every pass "
+                  "compute-bound", f"chunk={chunk}: " + ", ".join(
+                      f"{n} tokens after {done}: {i:.0f}" for n, done, i in rows), CH["smaller"])
+        if prompt is None:
+            default, message = chunk, (
+                f"✓ {name}: chunks of {chunk}: " + ", ".join(
+                    f"{n} tokens after {done} cached do {i:.0f} FLOPs per byte"
+                    for n, done, i in rows)
+                + f"; none smaller keeps every pass at {H100_BALANCE:.0f} or more")
+    print(message)

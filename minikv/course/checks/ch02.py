@@ -508,34 +508,32 @@ def _most_heads(budget: int) -> int:
     return max(n for n in range(1, 33) if 32 % n == 0 and _kv_bytes(n) <= budget)
 
 
-def _judge_heads(budget: int | None, got) -> str:
-    name, b = "choose_kv_heads", budget or SERVE_BUDGET
-    heads, best = ck.as_int(got), _most_heads(b)
-    case = (f"an 8B-like model (32 layers, 32 query heads of 128), fp16 cache, 32 requests of "
-            f"8,192 positions each, {b:,} bytes ({b / 2**30:g} GiB) for the cache")
-    if heads is None or heads < 1:
-        ck.fail(name, case, "a number of K/V heads, a positive int", ck.kind(got),
-                HEADS["refused"])
-    try:
-        used = _kv_bytes(heads)
-    except ValueError as e:
-        ck.fail(name, case, "an n_kv_head that GPTConfig accepts", heads,
-                HEADS["divide"].format(error=e))
-    shown = f"n_kv_head={heads}: {used / 2**30:g} GiB"
-    if heads != best and budget is not None and heads == _most_heads(SERVE_BUDGET):
-        ck.fail(name, case, f"n_kv_head={best}", shown, HEADS["budget"])
-    if used > b:
-        ck.fail(name, case, f"at most {b / 2**30:g} GiB", shown, HEADS[
-            "keys_only" if used // 2 <= b else "over"] + (HEADS["mha"] if heads == 32 else ""))
-    ck.expect(heads == best, name, case, "the most K/V heads whose cache fits", shown,
-              HEADS["more"])
-    return (f"✓ {name}: {heads} K/V heads, {used / 2**30:g} GiB of 40; the next larger choice "
-            f"GPTConfig accepts would not fit")
-
-
 @ck.guarded
 def check_choose_kv_heads(choose_kv_heads) -> None:
-    """The default budget, then exactly full, a byte short, 1 and 32 heads."""
-    ck.design("choose_kv_heads", choose_kv_heads, (None, _kv_bytes(8), _kv_bytes(16) - 1,
-                                                   _kv_bytes(1), _kv_bytes(32)), _judge_heads,
-              run=lambda case, args: _call("choose_kv_heads", case, choose_kv_heads, *args))
+    name = "choose_kv_heads"  # the default budget, then exactly full, a byte short, 1 and 32 heads
+    for budget in (None, _kv_bytes(8), _kv_bytes(16) - 1, _kv_bytes(1), _kv_bytes(32)):
+        args, b = (() if budget is None else (budget,)), budget or SERVE_BUDGET
+        got = _call(name, f"{name}({', '.join(map(str, args))})", choose_kv_heads, *args)
+        heads, best = ck.as_int(got), _most_heads(b)
+        case = (f"an 8B-like model (32 layers, 32 query heads of 128), fp16 cache, 32 requests of "
+                f"8,192 positions each, {b:,} bytes ({b / 2**30:g} GiB) for the cache")
+        if heads is None or heads < 1:
+            ck.fail(name, case, "a number of K/V heads, a positive int", ck.kind(got),
+                    HEADS["refused"])
+        try:
+            used = _kv_bytes(heads)
+        except ValueError as e:
+            ck.fail(name, case, "an n_kv_head that GPTConfig accepts", heads,
+                    HEADS["divide"].format(error=e))
+        shown = f"n_kv_head={heads}: {used / 2**30:g} GiB"
+        if heads != best and budget is not None and heads == _most_heads(SERVE_BUDGET):
+            ck.fail(name, case, f"n_kv_head={best}", shown, HEADS["budget"])
+        if used > b:
+            ck.fail(name, case, f"at most {b / 2**30:g} GiB", shown, HEADS[
+                "keys_only" if used // 2 <= b else "over"] + (HEADS["mha"] if heads == 32 else ""))
+        ck.expect(heads == best, name, case, "the most K/V heads whose cache fits", shown,
+                  HEADS["more"])
+        if budget is None:
+            message = (f"✓ {name}: {heads} K/V heads, {used / 2**30:g} GiB of 40; the next "
+                       f"larger choice GPTConfig accepts would not fit")
+    print(message)
