@@ -110,6 +110,30 @@ def tiny_model(seed: int, std: float = 0.1, **config_overrides) -> GPT:
     return model
 
 
+def token_ids(got, h: dict[str, str]) -> list[int]:
+    """The contract "a flat list of token ids", else Refused with the hint h["array"],
+    h["not_list"], h["nested"] (where h has it) or h["not_int"]."""
+    if isinstance(got, torch.Tensor) or type(got).__module__ == "numpy":
+        raise Refused(h["array"].format(type=f"{type(got).__module__}.{type(got).__name__}"))
+    if not isinstance(got, (list, tuple)):
+        raise Refused(h["not_list"].format(type=type(got).__name__))
+    if "nested" in h and any(isinstance(t, (list, tuple)) for t in got):
+        raise Refused(h["nested"])
+    bad = [t for t in got if as_int(t) is None]
+    if bad:
+        raise Refused(h["not_int"].format(bad=bad[0], type=type(bad[0]).__name__))
+    return [as_int(t) for t in got]
+
+
+def pair_hint(mistakes: list, got: Sequence[int], want: Sequence[int], otherwise: str) -> str:
+    """The hint of the first ((a, b), hint) in `mistakes` whose pair gives `got` (None: any
+    value) and is wrong somewhere, for a predicted pair of counts; else `otherwise`."""
+    return next((hint for pair, hint in mistakes
+                 if all(m is None or m == v for m, v in zip(pair, got))
+                 and any(m is not None and m != w for m, w in zip(pair, want))), otherwise)
+
+
+
 # --- how every check runs --------------------------------------------------------------------
 
 def fresh(chapter: str):

@@ -1,6 +1,5 @@
-"""Chapter 00's checkers: count_params and encode_documents (tables), forward_by_hand, predict_
-generation (predict, then measure), load_gpt2_fixed (debug) and choose_width (design). Hints:
-hints/ch00.toml."""
+"""Chapter 00's checkers: count_params, encode_documents (tables), forward_by_hand,
+predict_generation, load_gpt2_fixed and choose_width. Hints: hints/ch00.toml."""
 from __future__ import annotations
 
 import bisect
@@ -60,19 +59,6 @@ check_count_params = COUNT_PARAMS.check
 
 
 # --- exercise 2: documents as one token stream --------------------------------------------------
-def _a_stream(got, tok, docs) -> list[int]:
-    if isinstance(got, torch.Tensor) or type(got).__module__ == "numpy":
-        raise ck.Refused(ENC["array"].format(type=f"{type(got).__module__}.{type(got).__name__}"))
-    if not isinstance(got, (list, tuple)):
-        raise ck.Refused(ENC["not_list"].format(type=type(got).__name__))
-    if any(isinstance(t, (list, tuple)) for t in got):
-        raise ck.Refused(ENC["nested"])
-    if ck.int_list(got) is None:
-        bad = next(t for t in got if ck.as_int(t) is None)
-        raise ck.Refused(ENC["not_int"].format(bad=bad, type=type(bad).__name__))
-    return ck.int_list(got)
-
-
 def _each(tok, docs, before=(), after=(), skip_empty=False) -> list[int]:
     return [t for d in docs if d or not skip_empty for t in [*before, *tok.encode(d), *after]]
 
@@ -82,7 +68,8 @@ ENCODE_DOCUMENTS = ck.Exercise(  # the first case tells the mistakes apart; tupl
         ("héllo wörld ☕", "", "A coin's state is heads."),
         ("Once upon a time", " there was a dog."), ("The color of dog can vary widely.",), (),
         ("a", "b", "a b"), ("",))],
-    describe=lambda tok, docs: f"docs={list(docs)!r}", returns=_a_stream,
+    describe=lambda tok, docs: f"docs={list(docs)!r}",
+    returns=lambda got, *case: ck.token_ids(got, ENC),
     reference=lambda tok, docs: _each(tok, docs, after=[tok.eot_token]),
     mistakes=ck.named(
         ENC, no_eot=_each,
@@ -199,10 +186,8 @@ def check_predict_generation(predict_generation) -> None:
     if values == want:
         return print(f"✓ {name}: as measured, {want[0]} forward passes and {want[1]} K/V "
                      f"vectors per layer")
-    hint = next((h for pair, h in _generation_mistakes(
-        len(ids), len(prompt.split()), len(prompt), len(out.tokens), limit)
-        if all(m is None or m == v for m, v in zip(pair, values))
-        and any(m is not None and m != w for m, w in zip(pair, want))), "")
+    hint = ck.pair_hint(_generation_mistakes(len(ids), len(prompt.split()), len(prompt),
+                                             len(out.tokens), limit), values, want, "")
     ck.fail(name, f"generate(target, tok.encode({prompt!r}), {limit}, eos_id=tok.eot_token): it "
             f"wrote {[tok.decode([t]) for t in out.tokens]}",
             f"{want[0]} forward passes, {want[1]} K/V vectors per layer (measured)",

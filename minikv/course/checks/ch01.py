@@ -37,15 +37,10 @@ def _pass_log(model: torch.nn.Module):
 
 
 def _token_list(name: str, case: str, expected, got) -> list[int]:
-    if isinstance(got, torch.Tensor) or type(got).__module__ == "numpy":
-        ck.fail(name, case, expected, got,
-                DEC["array"].format(type=f"{type(got).__module__}.{type(got).__name__}"))
-    if not isinstance(got, (list, tuple)):
-        ck.fail(name, case, expected, got, DEC["not_list"].format(type=type(got).__name__))
-    bad = [t for t in got if ck.as_int(t) is None][:1]
-    ck.expect(not bad, name, case, expected, list(got), bad and DEC["not_int"].format(
-        bad=bad[0], type=type(bad[0]).__name__))
-    return [ck.as_int(t) for t in got]
+    try:
+        return ck.token_ids(got, DEC)
+    except ck.Refused as r:
+        ck.fail(name, case, expected, got, r.hint)
 
 
 def _shapes(shapes: list, k: int = 8) -> str:

@@ -433,10 +433,8 @@ def check_predict_attention_pairs(predict_attention_pairs) -> None:
         return print(f"✓ {name}: as counted, {naive} (query, key) pairs without a cache and "
                      f"{cached} with one, per layer and head: the cache makes K/V work linear, "
                      f"not attention's")
-    hint = next((m for (a, b), m in _pairs_mistakes(len(prompt), n, target.config.n_head,
-                                                    target.config.n_layer)
-                 if (a is None or a == pair[0]) and (b is None or b == pair[1])
-                 and not (a in (None, naive) and b in (None, cached))), PAIRS["otherwise"])
+    hint = ck.pair_hint(_pairs_mistakes(len(prompt), n, target.config.n_head,
+                                        target.config.n_layer), pair, want, PAIRS["otherwise"])
     ck.fail(name, "generate(target, tok.encode('Once upon a'), 5) without and with a cache, "
             "(query, key) pairs per layer and head, counted in every pass", tuple(want),
             tuple(pair), hint)
