@@ -182,8 +182,7 @@ class PagedCache(Cache):
             self.pool.reserve(t, n_new)
 
     def crop(self, max_length: int) -> None:
-        """Roll the sequence back to max_length positions (the verify core calls this).
-        """
+        """Roll the sequence back to max_length positions (the verify core calls this)."""
         int_at_least("crop length", max_length, 0, " (the positions kept)",
                      self.tables[0].length + 1)
         self.pool.crop(self.tables[0], max_length)

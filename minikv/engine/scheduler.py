@@ -50,8 +50,7 @@ class Sequence:
 
     @property
     def prefilling(self) -> bool:
-        """Admitted, its prompt (or a preempted request's tokens) not all computed yet.
-        """
+        """Admitted, its prompt (or a preempted request's tokens) not all computed yet."""
         return self.table.length < self.prefill_end
 
     @property
@@ -154,13 +153,11 @@ class FirstComeFirstServed:
         return sched.step_tokens + tokens <= self.max_tokens
 
     def victim(self, sched: Scheduler, keep: Sequence) -> Sequence:
-        """The newest running request but `keep`: it waited least, costs least to redo.
-        """
+        """The newest running request but `keep`: it waited least, costs least to redo."""
         return next(s for s in reversed(sched.running) if s is not keep)
 
     def chunk(self, sched: Scheduler, s: Sequence) -> int:
-        """Positions of its prefill `s` computes this step: all, or what the budget
-        left."""
+        """Positions of its prefill `s` computes this step: all, or what the budget left."""
         rest = s.prefill_end - s.table.length
         if not self.chunked_prefill or s.replay:
             return rest
@@ -226,8 +223,7 @@ class Scheduler:
         return index
 
     def abort(self, index: int) -> None:
-        """Out of the queue, or its blocks back at once; a finished request stays as is.
-        """
+        """Out of the queue, or its blocks back at once; a finished request stays as is."""
         if index not in self.seqs:
             raise ValueError(f"no request {index} in this engine")
         s = self.seqs[index]
@@ -239,8 +235,7 @@ class Scheduler:
             self.running.remove(s)
 
     def forget(self, index: int) -> None:
-        """Drop a finished or aborted request's record (a long-running server's memory).
-        """
+        """Drop a finished or aborted request's record (a long-running server's memory)."""
         if index in self.seqs and self.seqs[index].sent >= 0:
             raise ValueError(f"request {index} is still running: abort it first")
         self.seqs.pop(index, None)

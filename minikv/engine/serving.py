@@ -91,8 +91,7 @@ class Engine:
         self._new_pool(num_blocks)
 
     def _new_pool(self, num_blocks: int) -> None:
-        """A pool of `num_blocks` blocks, and a scheduler over it (serve: before any
-        add)."""
+        """A pool of `num_blocks` blocks, and a scheduler over it (serve: before any add)."""
         self.pool = self.runner.pool = BlockPool(
             self.model.config, num_blocks, self.page_size, device=self.model.device,
             dtype=self.model.dtype)
@@ -110,8 +109,7 @@ class Engine:
         return self.scheduler.add(request, index, self.replay, self.runner.proposer())
 
     def step(self) -> dict[int, tuple[list[int], bool]]:
-        """One step; for each request that moved on: its new tokens, and if it is done.
-        """
+        """One step; for each request that moved on: its new tokens, and if it is done."""
         if not self.has_work():
             return {}
         plan = self.scheduler.schedule()
@@ -152,8 +150,7 @@ class Runner:
         self.speculation = speculation
 
     def proposer(self):
-        """A request's own proposer: the one given, fresh; a draft's, greedy; or lookup.
-        """
+        """A request's own proposer: the one given, fresh; a draft's, greedy; or lookup."""
         spec = self.speculation
         if spec is None:
             return None
@@ -164,8 +161,7 @@ class Runner:
         return PromptLookup(spec.ngram)
 
     def run(self, plan: dict, step: int) -> dict[Sequence, list[int]]:
-        """The plan's passes; each row's tokens (a replayed request's decode: a
-        proposal)."""
+        """The plan's passes; each row's tokens (a replayed request's decode: a proposal)."""
         out = {}
         with torch.inference_mode():
             for s in plan["replay"]:
