@@ -133,7 +133,6 @@ def pair_hint(mistakes: list, got: Sequence[int], want: Sequence[int], otherwise
                  and any(m is not None and m != w for m, w in zip(pair, want))), otherwise)
 
 
-
 # --- how every check runs --------------------------------------------------------------------
 
 def fresh(chapter: str):
