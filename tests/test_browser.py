@@ -52,6 +52,9 @@ pytestmark = pytest.mark.browser
 # but a machine busy with other tests has taken over 10 s. Every wait below polls and returns as
 # soon as the page shows the step, so a generous bound costs a passing run nothing.
 STEP_WAIT_S = 60
+# How long a chapter's cells may take to run in the browser: under a minute alone on 2 cores, but
+# several times that beside CPU-bound processes. Polled too.
+RUN_ALL_S = 600
 
 
 def chromium() -> str:
@@ -209,14 +212,15 @@ def run_notebook(lab: Lab, browser: Browser, notebook: str):
     page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
     page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
     stepper = panel.locator(".widget-vbox:has(> .widget-hbox .minikv-next)").last
-    stepper.wait_for(timeout=120_000)
-    deadline = time.monotonic() + 120
-    # "Run All" queues every cell; the kernel is idle only after the last
-    while time.monotonic() < deadline:
-        if not panel.locator(".jp-InputArea-prompt", has_text="[*]").count():
-            lab.wait_idle(notebook)
-            break
+    stepper.wait_for(timeout=RUN_ALL_S * 1000)
+    # "Run All" queues every cell, and a click on a stepper waits behind them: go on only once
+    # no cell is queued or running and the kernel is idle
+    deadline = time.monotonic() + RUN_ALL_S
+    while panel.locator(".jp-InputArea-prompt", has_text="[*]").count():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{notebook}: cells still running after {RUN_ALL_S} s")
         time.sleep(0.5)
+    lab.wait_idle(notebook, timeout=RUN_ALL_S)
     return stepper
 
 
