@@ -244,8 +244,8 @@ class Runner:
     def prefill(self, prompts: list[Sequence], step: int,
                 decoding: list[Sequence] | None = None) -> dict[Sequence, list[int]]:
         """ONE packed pass over each prompt's next `s.chunk` tokens, after (chunked
-        prefill) the `decoding` rows' newest tokens. A prompt's full blocks are
-        published (their K/V exists now), and it gets a token if its prefill ends."""
+        prefill) the `decoding` rows' newest tokens. A chunk's full blocks are published
+        (their K/V exists now), and a prompt gets a token if its prefill ends."""
         chunked, decoding = decoding is not None, decoding or []
         rows, firsts = decoding + prompts, [s.table.length for s in prompts]
         if not rows:
@@ -255,8 +255,9 @@ class Runner:
         out = {s: [self.decoded(s, row, step, len(rows), 1)]
                for s, row in zip(decoding, logits)}
         for s, row, first in zip(prompts, logits[len(decoding):], firsts):
-            self.pool.publish(s.prompt, s.table, upto=s.table.length)
-            s.stats.prefill_chunks += chunked
+            if chunked:  # a chunk's full blocks: findable now (a whole prompt's: at admission)
+                self.pool.publish(s.prompt, s.table, upto=s.table.length)
+                s.stats.prefill_chunks += 1
             out[s] = [] if s.prefilling else [s.sampling.choose(row, len(s.tokens))]
             self.prefilled(s, step, first, len(rows), (out[s] or [None])[0])
         return out
