@@ -17,6 +17,7 @@ from .engine import (
     KVCache,
     KVCounter,
     QuantizedKVCache,
+    Radix,
     Request,
     RequestOutput,
     SamplingParams,
@@ -41,5 +42,5 @@ __all__ = [
     "resolve_device", "load_tokenizer", "EOT", "speculative_generate", "serve", "Request",
     "RequestOutput", "Verdict", "verify_and_commit", "load_course_model", "lookup_generate",
     "generate_batch", "QuantizedKVCache", "SinkWindowCache", "Speculation", "feature_generate",
-    "load_feature_head",
+    "load_feature_head", "Radix",
 ]

@@ -1,7 +1,7 @@
 """The engine: a GPT-2 and the ways it decodes with a KV cache. Read config, model,
 rope, cache, sampling, generate, records, tree, verify, speculative, lookup, eagle, attention,
-flash, batch, paged, scheduler, serving, then the caches that hold less (quantized, window),
-then validate; it imports no tooling."""
+flash, batch, paged, radix, scheduler, serving, session, then the caches that hold less
+(quantized, window), then validate; it imports no tooling."""
 from .batch import generate_batch
 from .cache import Cache, KVCache, kv_cache_bytes
 from .config import PRESETS, GPTConfig
@@ -10,6 +10,7 @@ from .generate import generate
 from .lookup import lookup_generate
 from .model import GPT, causal_attention
 from .quantized import QuantizedKVCache
+from .radix import Radix, RadixTree
 from .records import GenerationOutput, KVCounter, RequestOutput, Stats, TraceEvent
 from .sampling import Request, SamplingParams
 from .scheduler import FirstComeFirstServed, Scheduler
@@ -24,5 +25,5 @@ __all__ = ["Cache", "KVCache", "kv_cache_bytes", "PRESETS", "GPTConfig", "Genera
            "speculate", "Proposal", "lookup_generate", "generate_batch", "QuantizedKVCache",
            "SinkWindowCache", "Verdict", "verify_and_commit", "Scheduler",
            "FirstComeFirstServed", "Speculation", "FeatureHead", "feature_generate", "Engine",
-           "Proposer"]
+           "Proposer", "Radix", "RadixTree"]
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import deque
 
 from .paged import BlockPool, BlockTable
+from .radix import Hit, Radix, prefix_cache
 from .records import PoolStep, RequestOutput, ServeStats, TraceEvent
 from .sampling import Request
 from .validate import check_flags, check_room, int_at_least, tightest, token_ids
@@ -174,14 +175,15 @@ class Scheduler:
 
     def __init__(self, pool: BlockPool, cfg, policy: FirstComeFirstServed | None = None, *,
                  replay_window: int = 4, ahead: int | None = None, rooms: dict | None = None,
-                 prefix_caching: bool = True,
+                 prefix_caching: bool | Radix = True,
                  max_running: int | None = None, trace: bool = False):
         self.pool, self.cfg = pool, cfg
         self.policy = policy or FirstComeFirstServed()
         self.replay_window = replay_window
         self.ahead = ahead    # speculating: what a round writes past its last token
         self.rooms = rooms    # speculating: the max_len of a proposer's caches, by name
-        self.prefix_caching, self.max_running = prefix_caching, max_running
+        self.max_running = max_running
+        self.prefix = prefix_cache(pool, prefix_caching, cfg)  # what others computed
         self.seqs: dict[int, Sequence] = {}  # every request not yet forgotten
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -231,6 +233,7 @@ class Scheduler:
         if s in self.waiting:
             self.waiting.remove(s)
         elif s in self.running:
+            self.prefix.leave(s)
             self.pool.free_table(s.table)
             self.running.remove(s)
 
@@ -289,28 +292,32 @@ class Scheduler:
                 "decode": [s for s in decode if ahead is None or s.replay],
                 "speculate": [s for s in decode if ahead is not None and not s.replay]}
 
-    def admission(self, s: Sequence) -> tuple[list[int], int, int]:
-        """What admitting `s` takes, the pool unchanged: the cached blocks its prompt
-        shares (none for a replayed one: another pass, of another shape, computed them),
-        the free blocks it takes (a shared block a running request holds costs none) and
-        the tokens its prefill computes."""
+    def admission(self, s: Sequence, cached: bool = True) -> tuple[Hit, int, int]:
+        """What admitting `s` takes, the pool unchanged: what its prefix finds cached
+        (nothing for a replayed one: another pass, of another shape, computed it; nor for
+        a proposer that reads the target's features of every position), the free blocks
+        it takes (a cached block that is held costs none) and the tokens it computes."""
         positions = s.prefill_positions(self.replay_window)
-        reuse = not (s.replay or getattr(s.proposer, "wants_features", False))
-        shared = self.pool.cached_prefix(s.prompt) if reuse and self.prefix_caching else []
-        held = sum(self.pool.ref[b] > 0 for b in shared)
-        tokens = positions - len(shared) * self.pool.page_size
-        return shared, -(-positions // self.pool.page_size) - held, tokens
+        reuse = cached and not (s.replay or getattr(s.proposer, "wants_features", False))
+        hit = self.prefix.lookup(s) if reuse else Hit()
+        blocks = -(-positions // self.pool.page_size) - hit.n_blocks + hit.taken
+        return hit, blocks, positions - hit.length
 
     def admit(self) -> None:
-        """Newcomers to `running` while the policy picks one that fits, blocks taken."""
+        """Newcomers to `running` while the policy picks one that fits, blocks taken
+        (cached ones nobody runs on evicted first, when the pool is short)."""
         while (s := self.policy.next_waiting(self)) is not None:
-            shared, blocks, tokens = self.admission(s)
+            hit, blocks, tokens = self.admission(s)
+            if (short := blocks + 1 + len(self.running) - self.free_blocks()) > 0:
+                self.prefix.evict(short, spare=hit)  # cached blocks nobody runs on go first
+                if blocks + 1 - self.free_blocks() > 0 and not self.running:
+                    # Alone, it must run, if need be computing what it would have read.
+                    hit, blocks, tokens = self.admission(s, cached=False)
+                    self.prefix.evict(blocks + 1 - self.free_blocks())
             if not self.policy.fits(self, s, blocks, tokens):
                 break
             self.waiting.remove(s)
-            for block in shared:
-                self.pool.share(block, s.index)
-            s.table.blocks, s.table.length = list(shared), len(shared) * self.pool.page_size
+            self.prefix.take(s, hit)
             s.stats.reused += s.table.length
             self.pool.reserve(s.table, tokens)
             self.running.append(s)
@@ -320,8 +327,8 @@ class Scheduler:
                              else s.table.length + tokens)
             if self.policy.chunked_prefill and not s.replay:
                 self.plan_chunk(s)  # its blocks are published as its chunks compute them
-            else:
-                self.pool.publish(s.prompt, s.table)  # findable now: its prefill runs first
+            else:  # hashed blocks findable now: its prefill runs first
+                self.prefix.publish(s, s.prefill_end)
                 s.chunk = s.prefill_end - s.table.length
                 self.step_tokens += s.chunk
 
@@ -339,8 +346,11 @@ class Scheduler:
         def needed() -> int:
             return sum(self.pool.blocks_needed(s.table, n) for s, n in rows
                        if s in self.running)
-        while self.pool.n_free < needed():
-            self.preempt(self.policy.victim(self, rows[0][0]))
+        while (short := needed() - self.pool.n_free) > 0:
+            # Cached blocks nobody runs on go first; alone, a request lets go of its own.
+            alone = len(self.running) == 1
+            if not (self.prefix.evict(short) or alone and self.prefix.evict(short, locked=True)):
+                self.preempt(self.policy.victim(self, rows[0][0]))
         self.promised = needed()
 
     def preempt(self, s: Sequence) -> None:
@@ -352,6 +362,7 @@ class Scheduler:
             s.proposer = s.proposer.fresh()
         s.events.append(TraceEvent(kind="preempt", step=self.now, cache_len_after=0,
                                    cache_len_before=len(s.tokens) - 1))
+        self.prefix.leave(s)
         self.pool.free_table(s.table, preempted=True)
         s.stats.preempted += 1
         self.running.remove(s)
@@ -368,7 +379,10 @@ class Scheduler:
             else:  # committed; a replay has judged every proposal
                 s.tokens += tokens
                 s.proposals.clear()
+        for s in plan["prefill"] + plan["chunks"]:  # their new positions' K/V exist now
+            self.prefix.publish(s, s.table.length)
         for s in [s for s in self.running if s.done]:
+            self.prefix.leave(s)
             self.pool.free_table(s.table)
             self.running.remove(s)
         if self.pool_steps is not None:

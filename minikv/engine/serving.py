@@ -24,6 +24,7 @@ from .attention import masked_attention, num_kv_splits, packed_causal_mask, page
 from .flash import splits_of
 from .lookup import PromptLookup
 from .paged import BlockPool, PagedBatch, PagedCache
+from .radix import Radix
 from .records import ServeOutputs, TraceEvent
 from .sampling import Request, SamplingParams
 from .scheduler import FirstComeFirstServed, Scheduler, Sequence, check_policy
@@ -35,12 +36,13 @@ from .verify import accept_matching, commit_round, round_events, verify_and_comm
 
 def serve(model, requests, replay_window: int = 4, replay: bool = True,
           trace: bool = False, record_logits: bool = False, *, page_size: int = 16,
-          num_blocks: int | None = None, prefix_caching: bool = True,
+          num_blocks: int | None = None, prefix_caching: bool | Radix = True,
           max_running: int | None = None, policy: FirstComeFirstServed | None = None,
           speculative: Speculation | None = None) -> ServeOutputs:
     """Serve `requests` (each arriving at its `arrival` step) to completion, over a pool
     of `num_blocks` blocks of `page_size` positions (default: room for all at once).
-    `prefix_caching`: a prompt reuses the blocks of its beginning another computed;
+    `prefix_caching`: a prompt reuses the blocks of its beginning another computed
+    (True: found by hash, chapter 06; Radix(): in a radix tree, kept past its request);
     `max_running` caps the batch; `policy` admits and preempts (scheduler.py);
     deterministic requests are replayed every `replay_window` positions (`replay=False`:
     never); `speculative`: the others propose tokens that a packed pass verifies."""
@@ -72,12 +74,11 @@ class Engine:
 
     def __init__(self, model, num_blocks: int, *, replay_window: int = 4,
                  replay: bool = True, trace: bool = False, record_logits: bool = False,
-                 page_size: int = 16, prefix_caching: bool = True,
+                 page_size: int = 16, prefix_caching: bool | Radix = True,
                  max_running: int | None = None, policy: FirstComeFirstServed | None = None,
                  speculative: Speculation | None = None):
-        _check_settings(num_blocks, replay_window, page_size, max_running, replay=replay,
-                        trace=trace, record_logits=record_logits,
-                        prefix_caching=prefix_caching)
+        _check_settings(num_blocks, replay_window, page_size, max_running, prefix_caching,
+                        replay=replay, trace=trace, record_logits=record_logits)
         check_policy(policy)
         check_speculation(model, speculative, policy)
         self.model, self.replay, self.page_size = model, replay, page_size
@@ -244,8 +245,8 @@ class Runner:
     def prefill(self, prompts: list[Sequence], step: int,
                 decoding: list[Sequence] | None = None) -> dict[Sequence, list[int]]:
         """ONE packed pass over each prompt's next `s.chunk` tokens, after (chunked
-        prefill) the `decoding` rows' newest tokens. A chunk's full blocks are published
-        (their K/V exists now), and a prompt gets a token if its prefill ends."""
+        prefill) the `decoding` rows' newest tokens. A prompt gets a token if its prefill
+        ends."""
         chunked, decoding = decoding is not None, decoding or []
         rows, firsts = decoding + prompts, [s.table.length for s in prompts]
         if not rows:
@@ -255,8 +256,7 @@ class Runner:
         out = {s: [self.decoded(s, row, step, len(rows), 1)]
                for s, row in zip(decoding, logits)}
         for s, row, first in zip(prompts, logits[len(decoding):], firsts):
-            if chunked:  # a chunk's full blocks: findable now (a whole prompt's: at admission)
-                self.pool.publish(s.prompt, s.table, upto=s.table.length)
+            if chunked:
                 s.stats.prefill_chunks += 1
             out[s] = [] if s.prefilling else [s.sampling.choose(row, len(s.tokens))]
             self.prefilled(s, step, first, len(rows), (out[s] or [None])[0])
@@ -344,7 +344,8 @@ class Runner:
 
 
 # --- checks: raise before anything is allocated ------------------------------------
-def _check_settings(num_blocks, replay_window, page_size, max_running, **flags) -> None:
+def _check_settings(num_blocks, replay_window, page_size, max_running, prefix_caching,
+                    **flags) -> None:
     """serve()'s and Engine's numbers and flags, before anything is allocated."""
     int_at_least("num_blocks", num_blocks, hint=" (blocks in the pool)")
     int_at_least("replay_window", replay_window, hint=" (positions replayed per pass)")
@@ -352,3 +353,6 @@ def _check_settings(num_blocks, replay_window, page_size, max_running, **flags) 
     if max_running is not None:
         int_at_least("max_running", max_running, hint=" (requests running at once)")
     check_flags(**flags)
+    if not isinstance(prefix_caching, (bool, Radix)):
+        raise TypeError(f"prefix_caching must be True, False or a minikv.Radix(), not "
+                        f"{prefix_caching!r:.30}")
