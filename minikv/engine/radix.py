@@ -199,8 +199,10 @@ class RadixTree(PrefixCache):
     # --- writing: insert on commit ----------------------------------------------------
     def insert(self, tokens: list[int], blocks: list[int]) -> Node:
         """Cache `tokens`, whose K/V `blocks` hold (a table's: position p in blocks[p //
-        page_size]); the tree shares each block it keeps. The deepest node of them."""
+        page_size]); the tree shares each block it keeps. Its path counts as used now (a
+        request just computed it). The deepest node of them."""
         ps, node, pos = self.pool.page_size, self.root, 0
+        self.clock += 1
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
@@ -208,6 +210,7 @@ class RadixTree(PrefixCache):
                 for block in child.blocks:
                     self.pool.share(block, TREE)
                 node.children[tokens[pos]] = child
+                child.used = self.clock
                 return child
             k = common_length(child.tokens, tokens[pos:])
             if k < len(child.tokens):
@@ -218,6 +221,7 @@ class RadixTree(PrefixCache):
                 for block in child.blocks:
                     self.pool.share(block, TREE)
             node, pos = child, pos + k
+            node.used = self.clock
         return node
 
     def split(self, child: Node, k: int) -> Node:

@@ -30,7 +30,7 @@ from .sampling import Request, SamplingParams
 from .scheduler import FirstComeFirstServed, Scheduler, Sequence, check_policy
 from .speculative import DraftProposer, Speculation, as_proposal, check_speculation
 from .tree import tree_mask, tree_positions
-from .validate import check_flags, int_at_least
+from .validate import check_flags, check_model, int_at_least
 from .verify import accept_matching, commit_round, round_events, verify_and_commit
 
 
@@ -77,7 +77,7 @@ class Engine:
                  page_size: int = 16, prefix_caching: bool | Radix = True,
                  max_running: int | None = None, policy: FirstComeFirstServed | None = None,
                  speculative: Speculation | None = None):
-        _check_settings(num_blocks, replay_window, page_size, max_running, prefix_caching,
+        _check_settings(model, num_blocks, replay_window, page_size, max_running, prefix_caching,
                         replay=replay, trace=trace, record_logits=record_logits)
         check_policy(policy)
         check_speculation(model, speculative, policy)
@@ -344,11 +344,15 @@ class Runner:
 
 
 # --- checks: raise before anything is allocated ------------------------------------
-def _check_settings(num_blocks, replay_window, page_size, max_running, prefix_caching,
+def _check_settings(model, num_blocks, replay_window, page_size, max_running, prefix_caching,
                     **flags) -> None:
     """serve()'s and Engine's numbers and flags, before anything is allocated."""
+    check_model("model", model)
     int_at_least("num_blocks", num_blocks, hint=" (blocks in the pool)")
     int_at_least("replay_window", replay_window, hint=" (positions replayed per pass)")
+    if replay_window >= model.config.block_size:
+        raise ValueError(f"replay_window={replay_window} does not fit the model's context "
+                         f"(block_size={model.config.block_size}): lower replay_window")
     int_at_least("page_size", page_size, hint=" (positions per pool block)")
     if max_running is not None:
         int_at_least("max_running", max_running, hint=" (requests running at once)")
