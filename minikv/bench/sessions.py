@@ -1,34 +1,28 @@
 """`python -m minikv bench-sessions`: chapter 11's cache across turns, measured on this machine.
 
-Two multi-turn workloads, each one script (the same messages; the replies the model's own, greedy),
-run under four prefix caches: none (the baseline), chapter 06's hashed blocks, chapter 11's radix
-tree, and the tree with a second tier in host memory; each at two pool sizes:
+Two multi-turn workloads, one script each (the same messages; the replies the model's own,
+greedy), under four prefix caches: none (the baseline), chapter 06's hashed blocks, chapter 11's
+radix tree, and the tree with a second tier in host memory:
 
-- dialogues: coin-flip conversations, all in one batch a round (`session.turn`): turn 1 states a
-  coin and who flips and asks the state; every later turn adds people flipping or not and asks
-  again, after the whole history (the model's answers included);
-- agent: one long instruction said once, then waves of short branches forked after it, each round
-  adding a tool-result-like message; some rounds edit a branch (its last turn rewound, another
-  message sent instead).
+- dialogues: coin-flip conversations, a round of turns in one batch (`session.turn`): turn 1
+  states a coin, who flips, and asks the state; each later turn adds people and asks again;
+- agent: one long instruction said once, then waves of branches forked after it, a short
+  tool-result-like message a round; some rounds edit a branch (last turn rewound, another sent).
 
-Pools: roomy (the tree never evicts: every distinct position of the script fits beside the
-running turns) and tight (half the blocks the tree held at its peak in the roomy pool: every
-cache must let go of half of what it could use, and a round's turns may not all fit at once, so
-some wait). The tier holds as many blocks as the roomy pool.
-
-Per configuration: prefill tokens computed (the engine's trace: prefill, chunk and recompute
-events, so a preempted turn's recomputation counts; checked against K/V counted on the model),
-hit rate (prompt positions read from the cache over those read or computed), TTFT p50/p99 (wall
-clock, a turn's request added until its first token leaves Engine.step; closed loop: a round's
-turns are added together once the last round's are done), the most pool blocks held at the end
-of a step (running turns and what the cache keeps) and blocks evicted, moved to and back from
-the tier. Ratios against no cache and against hashed blocks, all from one run: token counts are
-exact; times are medians of --repeats runs, the caches in turn (A, B, C, D, A, ...). Replies are
-checked equal across caches in float64 on the CPU (in float32 a near-tie can flip a greedy token
-when a prefix is read rather than computed; float32's agreement is reported beside). Writes
-results.json and README.md to --out (default runs/bench-sessions; the committed run:
-benchmarks/sessions); --quick runs a tiny random model (numbers mean nothing) and writes nothing
-unless given --out.
+Each at two pools: roomy (every position the script makes fits: the tree never evicts) and tight
+(half what the tree held at its peak in the roomy pool: every cache lets go of half of what it
+could use); the tier holds as many blocks as the roomy pool. Measured: prefill tokens computed
+(the trace's prefill, chunk and recompute events, so a preemption's recomputation counts;
+checked against the K/V counted on the model), hit rate (positions read from the cache over
+those read or computed), TTFT p50/p99 (wall clock from a turn's request added to its first token
+out of Engine.step; closed loop: a round starts when the last is done), the most blocks held at
+the end of a step, blocks evicted and moved to and back from the tier. Counts are exact; times
+are medians of --repeats runs, the caches in turn (A, B, C, D, A, ...), each a ratio against no
+cache and hashed blocks in the same run. Replies are checked equal across caches in float64 on
+the CPU (in float32 a near-tie may flip a greedy token when a prefix is read rather than
+computed; float32's agreement is reported too). Writes results.json and README.md to --out
+(default runs/bench-sessions; the committed run: benchmarks/sessions); --quick runs a tiny random
+model (its numbers mean nothing) and writes nothing unless given --out.
 """
 from __future__ import annotations
 
