@@ -9,6 +9,7 @@
     bench      the benchmarks: benchmarks/README.md, results.json, plots.png
     bench-load the server under load: latency percentiles, goodput, chunked prefill
     bench-spec speculation beyond a draft: draft model, feature head, token trees, in a server
+    bench-sessions  the cache across turns: dialogues and an agent loop under four prefix caches
     exercises  regenerate exercises/ from solutions/ (--check: only report)
     grade      the grade report: ✓, ✗ with the checker's hint, or not started, per exercise
     run        execute notebooks in place, saving their outputs
@@ -41,6 +42,7 @@ COMMANDS = {
     "serve-http": ("minikv.server", False),
     "bench-load": ("minikv.bench.load", False),
     "bench-spec": ("minikv.bench.speculation", False),
+    "bench-sessions": ("minikv.bench.sessions", False),
 }
 
 

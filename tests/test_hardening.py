@@ -665,16 +665,17 @@ def test_no_command_overwrites_a_shipped_file_by_default(monkeypatch, tmp_path):
     monkeypatch.setattr("minikv.bench.claim_directory", stop)
     monkeypatch.setattr("minikv.bench.load.claim_directory", stop)
     monkeypatch.setattr("minikv.bench.speculation.claim_directory", stop)
+    monkeypatch.setattr("minikv.bench.sessions.claim_directory", stop)
     monkeypatch.setattr(train, "claim_directory", stop)
-    from minikv.bench import load, speculation
+    from minikv.bench import load, sessions, speculation
     for main, args in ((figures.main, []), (bench_main, ["--quick"]), (bench_main, []),
-                       (load.main, []), (speculation.main, []),
+                       (load.main, []), (speculation.main, []), (sessions.main, []),
                        (train.main, ["--preset", "draft"])):
         with pytest.raises(SystemExit):
             main(args)
     shipped = [ROOT / "figures", ROOT / "benchmarks", ROOT / "docs", checkpoint.MODELS_DIR,
                tokenizer.RANKS_PATH.parent]
-    assert len(seen) == 6  # each command got as far as choosing its folder
+    assert len(seen) == 7  # each command got as far as choosing its folder
     for path in seen.values():
         assert not any(path == s or s in path.parents for s in shipped), path
     doc = ROOT / "docs" / "course-models.md"

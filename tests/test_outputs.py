@@ -46,6 +46,7 @@ WRITERS = {
     "bench": lambda out: ["bench", "--quick", "--out", out],
     "bench-load": lambda out: ["bench-load", "--quick", "--out", out],
     "bench-spec": lambda out: ["bench-spec", "--quick", "--out", out],
+    "bench-sessions": lambda out: ["bench-sessions", "--quick", "--out", out],
     "grade --cache": lambda out: ["grade", NOTEBOOK, "--cache", out],
 }
 
@@ -124,7 +125,8 @@ def test_the_committed_output_folders_are_marked_as_their_commands():
     benchmarks/speculation): each is marked as its command's, so they still may."""
     for folder, command in (("figures", "figures"), ("benchmarks", "bench"),
                             ("benchmarks/load", "bench-load"),
-                            ("benchmarks/speculation", "bench-spec")):
+                            ("benchmarks/speculation", "bench-spec"),
+                            ("benchmarks/sessions", "bench-sessions")):
         assert claim_directory(ROOT / folder, command) == ROOT / folder
 
 
@@ -159,6 +161,10 @@ BAD = [  # (command and good arguments, option, wrong value, what the message sa
         ("--out", "{file}", "not a directory")]],
     (["bench-load", "--quick"], "--out", "{file}", "not a directory"),
     (["bench-spec", "--quick"], "--out", "{file}", "not a directory"),
+    *[(["bench-sessions", "--quick"], opt, value, says) for opt, value, says in [
+        ("--repeats", "0", "at least 1"), ("--repeats", "-2", "at least 1"),
+        ("--repeats", "x", "an integer"), ("--threads", "0", "at least 1"),
+        ("--device", "tpu", "tpu"), ("--out", "{file}", "not a directory")]],
     (["figures"], "--out", "{file}", "not a directory"),
     *[(["grade", NOTEBOOK], opt, value, says) for opt, value, says in [
         ("--timeout", "0", "from 1 to"), ("--timeout", "-1", "from 1 to"),
