@@ -294,8 +294,9 @@ class RadixTree(PrefixCache):
             leaves = [x for x in self.nodes() if x.tiered and not x.children and x not in keep]
             if not leaves:
                 return False
-            self.counts["dropped"] += len(min(leaves, key=lambda x: x.used).blocks)
-            self.remove(min(leaves, key=lambda x: x.used))
+            oldest = min(leaves, key=lambda x: x.used)
+            self.counts["dropped"] += len(oldest.blocks)
+            self.remove(oldest)
         return True
 
     def move(self, node: Node, to_tier: bool) -> None:
