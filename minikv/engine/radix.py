@@ -118,6 +118,12 @@ def prefix_cache(pool: BlockPool, setting: bool | Radix, cfg) -> PrefixCache:
     return HashedBlocks(pool) if setting else PrefixCache(pool)
 
 
+def check_prefix_caching(setting) -> None:
+    if not isinstance(setting, (bool, Radix)):
+        raise TypeError(f"prefix_caching must be True, False or a minikv.Radix(), not "
+                        f"{setting!r:.30}")
+
+
 class Node:
     """An edge of the tree: `tokens` at positions start.., their `blocks` (in the pool,
     or in the tier when `tiered`), the running requests reading through it (`locks`),

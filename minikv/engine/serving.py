@@ -24,13 +24,13 @@ from .attention import masked_attention, num_kv_splits, packed_causal_mask, page
 from .flash import splits_of
 from .lookup import PromptLookup
 from .paged import BlockPool, PagedBatch, PagedCache
-from .radix import Radix
+from .radix import Radix, check_prefix_caching
 from .records import ServeOutputs, TraceEvent
 from .sampling import Request, SamplingParams
 from .scheduler import FirstComeFirstServed, Scheduler, Sequence, check_policy
 from .speculative import DraftProposer, Speculation, as_proposal, check_speculation
 from .tree import tree_mask, tree_positions
-from .validate import check_flags, check_model, int_at_least
+from .validate import check_flags, check_model, check_room, int_at_least
 from .verify import accept_matching, commit_round, round_events, verify_and_commit
 
 
@@ -350,13 +350,9 @@ def _check_settings(model, num_blocks, replay_window, page_size, max_running, pr
     check_model("model", model)
     int_at_least("num_blocks", num_blocks, hint=" (blocks in the pool)")
     int_at_least("replay_window", replay_window, hint=" (positions replayed per pass)")
-    if replay_window >= model.config.block_size:
-        raise ValueError(f"replay_window={replay_window} does not fit the model's context "
-                         f"(block_size={model.config.block_size}): lower replay_window")
+    check_room(replay_window + 1, model.config.block_size, "a replay window", "replay_window")
     int_at_least("page_size", page_size, hint=" (positions per pool block)")
     if max_running is not None:
         int_at_least("max_running", max_running, hint=" (requests running at once)")
     check_flags(**flags)
-    if not isinstance(prefix_caching, (bool, Radix)):
-        raise TypeError(f"prefix_caching must be True, False or a minikv.Radix(), not "
-                        f"{prefix_caching!r:.30}")
+    check_prefix_caching(prefix_caching)
