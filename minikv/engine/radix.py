@@ -201,10 +201,12 @@ class RadixTree(PrefixCache):
         """Cache `tokens`, whose K/V `blocks` hold (a table's: position p in blocks[p //
         page_size]); the tree shares each block it keeps. The deepest node of them."""
         ps, node, pos = self.pool.page_size, self.root, 0
+        self.clock += 1  # what was just computed is the most recently used (SGLang's too)
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
                 child = Node(tokens[pos:], pos, node, blocks[pos // ps:(len(tokens) - 1) // ps + 1])
+                child.used = self.clock
                 for block in child.blocks:
                     self.pool.share(block, TREE)
                 node.children[tokens[pos]] = child
@@ -212,6 +214,7 @@ class RadixTree(PrefixCache):
             k = common_length(child.tokens, tokens[pos:])
             if k < len(child.tokens):
                 child = self.split(child, k)
+            child.used = self.clock
             if child.tiered:  # computed again: the request's blocks replace the tier's
                 self.drop_blocks(child)
                 child.blocks, child.tiered = blocks[pos // ps:(pos + k - 1) // ps + 1], False
