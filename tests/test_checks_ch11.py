@@ -119,17 +119,17 @@ def choose_sizes(budget, target):
     return budget // 4, 0
 
 
-CODE = {ch11.check_insert: insert, ch11.check_predict_reused: predict_reused,
+CODE = {ch11.check_insert_sequence: insert, ch11.check_predict_reused: predict_reused,
         ch11.check_evict: FixedRadixTree, ch11.check_choose_sizes: choose_sizes}
 RIGHT = [
     (ch11.check_match_length, lambda root, tokens: match_recursive(root, list(tokens))),
-    (ch11.check_insert, inserter(start=lambda child, k: child.parent.start + len(
+    (ch11.check_insert_sequence, inserter(start=lambda child, k: child.parent.start + len(
         child.parent.tokens) + k if child.parent.tokens else k)),
     (ch11.check_choose_sizes, lambda budget, target: [c for b, t, c in ch11.DESIGN_CASES
                                                       if (b, t) == (budget, target)][0]),
 ]
 MISTAKES = {  # checker: [(wrong answer, a fragment of the hint it must get)]
-    ch11.check_insert: [
+    ch11.check_insert_sequence: [
         (inserter(split=False), "split the edge"),
         (inserter(prefix_split=False), "a node ending where each inserted sequence ends"),
         (inserter(start=lambda child, k: child.start), "a node's start is the position"),

@@ -1,6 +1,6 @@
 """Chapter 11's checkers (a radix tree of prefixes over the paged pool, eviction, a second
 tier), against the engine's RadixTree on the CPU, leaving the caller's random state alone:
-match_length and split_blocks (tables); insert, predict_reused, evict (FixedRadixTree) and
+match_length and split_blocks (tables); insert_sequence, predict_reused, evict (FixedRadixTree) and
 choose_sizes (code). The hints are in hints/ch11.toml."""
 from __future__ import annotations
 
@@ -197,20 +197,22 @@ def _holds(root: Node, seq) -> bool:
 
 
 @ck.guarded
-def check_insert(insert) -> None:
-    """insert(root, tokens): the engine's RadixTree.insert, without blocks."""
-    name = "insert"
+def check_insert_sequence(insert) -> None:
+    """insert_sequence(root, tokens): the engine's RadixTree.insert, without blocks."""
+    name = "insert_sequence"
     for label, sequences in INSERT_CASES:
-        root, want = Node([], 0, None, []), engine_tree([])
+        root, want = Node([], 0, None, []), engine_tree([], spare=64)
         for i, seq in enumerate(sequences):
-            where = (f"{label}: {sequences[:i]} inserted, then insert(root, {seq})"
-                     if i else f"{label}: insert(root, {seq}) into an empty tree")
+            where = (f"{label}: {sequences[:i]} inserted, then "
+                     f"insert_sequence(root, {seq})" if i else
+                     f"{label}: insert_sequence(root, {seq}) into an empty tree")
             with ck.forbid(name, RadixTree.insert, RadixTree.split):
                 ck.call_hinted(name, where, lambda e: IN["raised"], insert, root, list(seq))
-            table = BlockTable(0)
-            want.pool = BlockPool(_CFG, len(seq) + 1, PAGE)
+            table = BlockTable(0)  # the engine's tree, given the sequence in fresh blocks
             want.pool.reserve(table, len(seq))
+            table.length = len(seq)
             want.insert(list(seq), table.blocks)
+            want.pool.free_table(table)
             if _shape(root) != _shape(want.root) or _books(root):
                 broken = _books(root)
                 lost = [s for s in sequences[:i + 1] if not _holds(root, s)]
