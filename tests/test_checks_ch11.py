@@ -70,8 +70,8 @@ insert = inserter()
 
 
 def predict_reused():
-    return {("turn 2", "tree"): 11, ("turn 2", "hashed"): 8, ("regenerated", "tree"): 16,
-            ("regenerated", "hashed"): 16, ("edited", "tree"): 14, ("edited", "hashed"): 12}
+    return {("turn 2", "tree"): 10, ("turn 2", "hashed"): 8, ("regenerated", "tree"): 15,
+            ("regenerated", "hashed"): 12, ("edited", "tree"): 13, ("edited", "hashed"): 12}
 
 
 def _predict(**changes):
@@ -80,7 +80,8 @@ def _predict(**changes):
                                             "hashed"): v for k, v in changes.items()}}
 
 
-def evictor(release=True, locks=True, use_spare=True, leaves=True, count_freed=True, twice=False):
+def evictor(release=True, locks=True, use_spare=True, leaves=True, count_freed=True, twice=False,
+            count=True):
     """FixedRadixTree, with any of its steps replaceable by a wrong one."""
     class Tree(ch11.BuggyRadixTree):
         def evict(self, n, spare=None, locked=False):
@@ -103,7 +104,7 @@ def evictor(release=True, locks=True, use_spare=True, leaves=True, count_freed=T
                     released += 1
                 if victim.tokens[0] in victim.parent.children:
                     del victim.parent.children[victim.tokens[0]]
-                self.counts["evicted"] += len(victim.blocks)
+                self.counts["evicted"] += len(victim.blocks) * count
             return self.pool.n_free - before if count_freed else released
     return Tree
 
@@ -139,15 +140,16 @@ MISTAKES = {  # checker: [(wrong answer, a fragment of the hint it must get)]
         (lambda root, tokens: RadixTree.insert(ch11.engine_tree([]), tokens, []),
          "called minikv's own")],
     ch11.check_predict_reused: [
-        (_predict(t2tree=12), "never fed"), (_predict(t2tree=9), "the first message only"),
-        (_predict(t2tree=8), "token by token"), (_predict(retree=17), "computed again"),
-        (_predict(retree=11), "rewinding forgets turns"),
-        (_predict(edtree=13), "the match goes on into the old message"),
-        (_predict(t2hashed=11), "never findable"), (_predict(t2hashed=9), "never published"),
+        (_predict(t2tree=11), "never fed"), (_predict(t2tree=8), "the first message only"),
+        (_predict(t2tree=8), "token by token"), (_predict(retree=16), "computed again"),
+        (_predict(retree=10), "rewinding forgets turns"),
+        (_predict(edtree=12), "the match goes on into the old message"),
+        (_predict(t2hashed=10), "never findable"), (_predict(t2hashed=4), "being matched"),
         (_predict(rehashed=8), "was published when it was admitted"),
-        (_predict(edhashed=14), "differ in one position"),
-        (_predict(edhashed=16), "stops at the last block"),
-        (_predict(t2tree=11.0), "positions come whole"),
+        (_predict(rehashed=16), "ends on a block"),
+        (_predict(edhashed=13), "differ in one position"),
+        (_predict(edhashed=8), "still found"), (_predict(edhashed=16), "ends on a block"),
+        (_predict(t2tree=10.0), "positions come whole"),
         (lambda: {"turn 2": 11}, "one prediction per"),
         (lambda: ch11.measure_reused(), "a prediction is made before the measurement")],
     ch11.check_evict: [
@@ -159,6 +161,7 @@ MISTAKES = {  # checker: [(wrong answer, a fragment of the hint it must get)]
         (evictor(release=False, locks=False), "running request still reads"),
         (evictor(count_freed=False), "return the blocks actually freed"),
         (evictor(twice=True), "released twice"),
+        (evictor(count=False), "count what you evict"),
         (type("ByTheEngine", (ch11.BuggyRadixTree,),
               {"evict": lambda self, n, spare=None, locked=False:
                RadixTree.evict(self, n, spare, locked)}), "called minikv's own"),
@@ -224,4 +227,6 @@ def test_the_predicted_counts_follow_the_rules_the_hints_state():
     assert measured["turn 2", "tree"] == history - 1
     assert measured["regenerated", "tree"] == history + len(ch11.SECOND) - 1
     assert measured["edited", "tree"] == history + 2  # two tokens of the old message agree
+    assert measured["turn 2", "hashed"] == len(ch11.FIRST)  # both of its full blocks
+    assert measured["regenerated", "hashed"] == measured["regenerated", "tree"] // 4 * 4
     assert measured == predict_reused()

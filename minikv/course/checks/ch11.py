@@ -67,6 +67,8 @@ MATCH_CASES = [  # (what the case is about, the tree's sequences, the query)
     ("the root's second edge", [S1, S4], [40, 41, 42, 9]),
     ("down the other branch of a split", [S1, S2, S3], [1, 2, 3, 4, 5, 6, 20, 21, 22]),
     ("a query that ends exactly where an edge ends", [S1, S2], [1, 2, 3, 4, 5, 6]),
+    ("a query that leaves an edge with a token one of the edge's children begins with",
+     [S1, S2], [1, 2, 3, 7, 8, 9]),
 ]
 
 
@@ -294,7 +296,7 @@ check_split_blocks = SPLIT.check
 
 
 # --- exercise 4 (predict, then measure): what each turn reuses -----------------------------
-FIRST = [101, 102, 103, 104, 105, 106, 107, 108, 109]     # 9 tokens
+FIRST = [101, 102, 103, 104, 105, 106, 107, 108]          # 8 tokens: two whole blocks
 SECOND = [201, 202, 203, 204, 205]                         # 5
 EDITED = [201, 202, 303, 304, 305]                         # 5, its first 2 as SECOND's
 REPLY = 3
@@ -332,12 +334,14 @@ def _predict_mistakes(key) -> list[tuple[int, str]]:
                              (history + 1, PR["edited_minus_one"]),
                              ((history + 2) // PAGE * PAGE, PR["whole_blocks"])],
         ("turn 2", "hashed"): [(history - 1, PR["hashed_reply"]),
-                               (len(FIRST), PR["hashed_partial"]),
-                               (-(-len(FIRST) // PAGE) * PAGE, PR["hashed_partial"])],
-        ("regenerated", "hashed"): [(prompt, PR["full_hit"]),
-                                    ((len(FIRST) - 1) // PAGE * PAGE, PR["hashed_published"])],
+                               ((prompt - 1) // PAGE * PAGE, PR["hashed_reply"]),
+                               ((len(FIRST) - 1) // PAGE * PAGE, PR["hashed_first_rule"])],
+        ("regenerated", "hashed"): [(prompt - 1, PR["full_hit"]),
+                                    (prompt // PAGE * PAGE, PR["hashed_boundary"]),
+                                    (len(FIRST), PR["hashed_published"])],
         ("edited", "hashed"): [(history + 2, PR["hashed_tokens"]),
-                               ((prompt - 1) // PAGE * PAGE, PR["hashed_edited"])],
+                               (history // PAGE * PAGE, PR["hashed_edited"]),
+                               (prompt // PAGE * PAGE, PR["hashed_boundary"])],
     }[what, cache]
 
 
@@ -428,7 +432,7 @@ def _evict_case(case, cls) -> tuple:
     freed = cls.evict(tree, n, hit, locked)
     nodes = sorted((x.start, tuple(x.tokens)) for x in tree.nodes())
     return (freed, nodes, list(tree.pool.ref), sorted(tree.pool.free),
-            [list(r.table.blocks) for r in held])
+            [list(r.table.blocks) for r in held], tree.counts["evicted"])
 
 
 @ck.guarded
@@ -451,7 +455,7 @@ def check_evict(tree_class) -> None:
         want = _evict_case(case, RadixTree)
         if got == want:
             continue
-        freed, nodes, ref, free, tables = got
+        freed, nodes, ref, free, tables, _ = got
         if any(b in t for b in free for t in tables):
             hint = EV["freed_held"]
         elif any(r == 0 and w > 0 for r, w in zip(ref, want[2])):
@@ -469,6 +473,8 @@ def check_evict(tree_class) -> None:
                     if len(nodes) < len(want[1]) else EV["too_few"])
         elif freed != want[0]:
             hint = EV["returned"]
+        elif got[5] != want[5]:
+            hint = EV["counted"]
         else:
             hint = EV["books"]
         ck.fail(name, where, _evict_words(want), _evict_words(got), hint)
@@ -477,9 +483,9 @@ def check_evict(tree_class) -> None:
 
 
 def _evict_words(state) -> str:
-    freed, nodes, ref, free, _ = state
+    freed, nodes, ref, free, _, evicted = state
     return (f"{freed} freed; nodes {[list(t) for _, t in nodes]}; pool.ref {ref}; "
-            f"free blocks {free}")
+            f"free blocks {free}; counts['evicted'] {evicted}")
 
 
 # Three users, a fork and a turn of all of them at once, in a pool too small to keep every
