@@ -493,6 +493,56 @@ def test_speculation_chapter_tree_stepper_in_jupyterlab(session):
                                                      "tree_committed"})
 
 
+def chapter_11_snapshots():
+    """The run chapter 11's tree stepper steps through (notebooks/11, section 4): two users on a
+    pool of 22 blocks of 4 with a tier of 16, recorded after every engine step."""
+    from minikv.engine.serving import Engine
+    from minikv.engine.session import Session, turn
+    from minikv.viz.radix import TreeRecorder
+    target, tok = minikv.load_course_model("target", "cpu")
+
+    def message(turn_, name, flips):
+        act = "flips" if flips else "doesn't flip"
+        said = (f"A coin's state is heads. {name} {act}." if turn_ == 0
+                else f" Then {name} {act}.")
+        return tok.encode(said + " What's the state? A:")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the chapter: the same bits, the same replies
+    try:
+        engine = Engine(target, 22, page_size=4, prefix_caching=minikv.Radix(tier_blocks=16))
+        recorder = TreeRecorder(engine, tok.decode)
+        a, b = Session(engine), Session(engine)
+        a.say(message(0, "Alice", True), 2)
+        b.say(message(0, "Bob", False), 2)
+        turn([a, b], [message(1, "Carol", True), message(1, "Dave", True)], 2)
+        a.say(message(2, "Erin", False), 2)
+        b.say(message(2, "Frank", True), 2)
+    finally:
+        torch.set_num_threads(threads)
+    return recorder.snapshots
+
+
+def test_cache_across_turns_chapter_tree_stepper_in_jupyterlab(session):
+    """Chapter 11's stepper over the engine's radix tree opens on the split; Next walks through
+    the turns that follow to a leaf evicted to the tier and the step that copies it back, each
+    caption (what the step did to the tree) and numbers line as the engine's recorded state
+    says, each picture drawn anew."""
+    from minikv.viz.radix import tree_caption, tree_info
+    start_lab, browser = session
+    lab = start_lab(["11_the_cache_across_turns.ipynb"])
+    stepper = run_notebook(lab, browser, "11_the_cache_across_turns.ipynb")
+    snaps = chapter_11_snapshots()
+    events = [" ".join(s.events) for s in snaps]
+    split = next(i for i, e in enumerate(events) if "split at position" in e)
+    back = next(i for i, e in enumerate(events) if "copied back from the tier" in e)
+    assert split < next(i for i, e in enumerate(events) if "evicted to the tier" in e) < back
+    expected = [(text(f"step {i + 1}/{len(snaps)} {tree_caption(s)}"),
+                 int(tree_info(s).split()[2])) for i, s in enumerate(snaps)]
+    assert "copy-on-write" in expected[split][0]
+    click_through(browser, stepper, expected[split:back + 1], "11",
+                  {0: "tree_split", back - split: "tree_copied_back"}, first=split)
+
+
 def course_files() -> dict[str, bytes]:
     return {str(p.relative_to(ROOT)): p.read_bytes() if p.is_file() else b"<dir>"
             for folder in ("notebooks", "exercises", "solutions")

@@ -201,16 +201,19 @@ def test_eviction_frees_the_least_recently_used_leaf_or_the_least_hit():
         assert sorted(node.tokens[0] for node in tree.nodes()) == sorted({1, 10, 20} - {gone})
 
 
-def test_what_a_request_just_computed_counts_as_recently_used():
-    tree = tree_over(evict="lru")
+def test_a_leaf_just_inserted_is_the_most_recently_used():
+    """LRU keeps what a request has just computed: a leaf inserted after another leaf was last
+    matched is the younger of the two (SGLang stamps an inserted node's access time too)."""
     a, b = [1, 2, 3, 4, 10, 11, 12, 13], [1, 2, 3, 4, 20, 21, 22, 23]
-    for tokens in (a, b):  # b inserted after a was last read: b is the newer
-        table = table_for(tree, len(tokens))
-        tree.insert(tokens, table.blocks)
-        tree.pool.free_table(table)
-        if tokens == a:
-            touch(tree, a)
-    tree.evict(1)
+    tree = tree_over()
+    table = table_for(tree, len(a))
+    tree.insert(a, table.blocks)
+    tree.pool.free_table(table)
+    touch(tree, a)
+    table = table_for(tree, len(b))
+    tree.insert(b, table.blocks)  # computed after a was read: never matched, yet the newest
+    tree.pool.free_table(table)
+    assert tree.evict(1) == 1
     assert sorted(node.tokens[0] for node in tree.nodes()) == [1, 20]
 
 

@@ -213,21 +213,21 @@ class RadixTree(PrefixCache):
             child = node.children.get(tokens[pos])
             if child is None:
                 child = Node(tokens[pos:], pos, node, blocks[pos // ps:(len(tokens) - 1) // ps + 1])
+                child.used = self.clock
                 for block in child.blocks:
                     self.pool.share(block, TREE)
                 node.children[tokens[pos]] = child
-                child.used = self.clock
                 return child
             k = common_length(child.tokens, tokens[pos:])
             if k < len(child.tokens):
                 child = self.split(child, k)
+            child.used = self.clock
             if child.tiered:  # computed again: the request's blocks replace the tier's
                 self.drop_blocks(child)
                 child.blocks, child.tiered = blocks[pos // ps:(pos + k - 1) // ps + 1], False
                 for block in child.blocks:
                     self.pool.share(block, TREE)
             node, pos = child, pos + k
-            node.used = self.clock
         return node
 
     def split(self, child: Node, k: int) -> Node:

@@ -51,7 +51,7 @@ import minikv
 from ...engine import GPT, GPTConfig
 
 HERE = Path(__file__).resolve().parent
-CHAPTERS = tuple(f"ch{i:02}" for i in range(11))  # the chapters, 00 to 10
+CHAPTERS = tuple(f"ch{i:02}" for i in range(12))  # the chapters, 00 to 11
 
 
 class CheckFailed(AssertionError):
