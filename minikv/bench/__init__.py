@@ -37,6 +37,20 @@ OUT_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 RESULTS = OUT_DIR if OUT_DIR.is_dir() else Path(__file__).resolve().parents[1] / "_benchmarks"
 
 
+
+def device_and_out(parser, args, command: str) -> tuple:
+    """A bench command's device and --out folder (None with --quick and no --out; never a
+    committed folder by default), both checked before any model is loaded: the folder new,
+    empty, or the command's own."""
+    out = Path(args.out) if args.out else (None if args.quick else Path("runs") / command)
+    try:
+        device = resolve_device(args.device)
+        if out is not None:
+            claim_directory(out, command)
+    except ValueError as e:
+        parser.error(str(e))
+    return device, out
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -36,18 +36,17 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from ..course.arguments import positive
 from ..course.corpus import random_coin_flip, random_fact
-from ..course.device import describe_device, resolve_device
-from ..course.files import claim_directory, mark_directory, write_atomically
+from ..course.device import describe_device
+from ..course.files import mark_directory, write_atomically
 from ..engine import KVCounter, Radix
 from ..engine.serving import Engine
 from ..engine.session import Session, turn
-from . import SERVE_WINDOW
+from . import SERVE_WINDOW, device_and_out
 from .load import pct
 
 PAGE = 16  # the Engine's default page size
@@ -308,13 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="default: runs/bench-sessions, nothing with --quick (the committed "
                              "run: --out benchmarks/sessions)")
     args = parser.parse_args(argv)
-    out = Path(args.out) if args.out else (None if args.quick else Path("runs") / "bench-sessions")
-    try:  # before any model is loaded: new, empty, or bench-sessions' own folder
-        device = resolve_device(args.device)
-        if out is not None:
-            claim_directory(out, "bench-sessions")
-    except ValueError as e:
-        parser.error(str(e))
+    device, out = device_and_out(parser, args, "bench-sessions")
     if args.threads:
         torch.set_num_threads(args.threads)
     from ..course.tokenizer import load_tokenizer

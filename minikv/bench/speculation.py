@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..course.device import describe_device, resolve_device
-from ..course.files import claim_directory, mark_directory, write_atomically
+from ..course.device import describe_device
+from ..course.files import mark_directory, write_atomically
 from ..engine import GPT, GPTConfig, Request, Speculation, generate, serve, speculative_generate
 from ..engine.eagle import FeatureHead, feature_generate, tree_size
 from ..engine.speculative import Proposer
 from . import OUT_DIR as BENCHMARKS
-from . import alternate, alternate_all
+from . import alternate, alternate_all, device_and_out
 
 OUT_DIR = BENCHMARKS / "speculation"
 PROMPTS = ("Once upon a time", "The color of dog", "A coin's state is heads. Alice flips",
@@ -258,14 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="rerun the serving curve only; keep the proposers' rows of the "
                              "results.json already in --out")
     args = parser.parse_args(argv)
-    # never the committed benchmarks/speculation by default: a run writes there only when asked
-    out = Path(args.out) if args.out else (None if args.quick else Path("runs") / "bench-spec")
-    try:  # before any model is loaded: new, empty, or bench-spec's own folder
-        device = resolve_device(args.device)
-        if out is not None:
-            claim_directory(out, "bench-spec")
-    except ValueError as e:
-        parser.error(str(e))
+    device, out = device_and_out(parser, args, "bench-spec")
     if args.quick:
         torch.manual_seed(0)
         target = GPT(GPTConfig.preset("tiny")).to(device).eval()

@@ -21,6 +21,7 @@ it would otherwise compute.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -408,10 +409,8 @@ def tier_pool(cfg, num_blocks: int, pool: BlockPool, path: str | None = None) ->
     tier = BlockPool(cfg, num_blocks, pool.page_size, device="cpu", dtype=pool.keys[0].dtype)
     if path is not None:
         shape = (2, len(pool.keys), *tier.keys[0].shape)
-        numel = 1
-        for d in shape:
-            numel *= d
-        mapped = torch.from_file(path, shared=True, size=numel, dtype=tier.keys[0].dtype)
+        mapped = torch.from_file(path, shared=True, size=math.prod(shape),
+                                 dtype=tier.keys[0].dtype)
         mapped = mapped.view(shape)
         tier.keys, tier.values = list(mapped[0]), list(mapped[1])
     return tier
