@@ -260,7 +260,8 @@ def test_the_admission_rule_is_what_serve_applies(monkeypatch):
         pool = copy.deepcopy(sched.pool)  # less the blocks this step's running rows will take
         for _ in range(sched.promised):
             pool.free.pop()
-        mine = ch06._rule()(pool, len(s.tokens), sched.admission(s)[0], len(sched.running))
+        mine = ch06._rule()(pool, len(s.tokens), sched.admission(s)[0].found,
+                       len(sched.running))
         decisions.append((mine, original(self, sched, s, blocks, tokens)))
         return decisions[-1][1]
     monkeypatch.setattr(FirstComeFirstServed, "fits", watch)

@@ -664,8 +664,7 @@ def test_no_command_overwrites_a_shipped_file_by_default(monkeypatch, tmp_path):
     monkeypatch.setattr(figures, "claim_directory", stop)
     monkeypatch.setattr("minikv.bench.claim_directory", stop)
     monkeypatch.setattr("minikv.bench.load.claim_directory", stop)
-    monkeypatch.setattr("minikv.bench.speculation.claim_directory", stop)
-    monkeypatch.setattr("minikv.bench.sessions.claim_directory", stop)
+    # bench-spec and bench-sessions claim theirs through bench.device_and_out, patched above
     monkeypatch.setattr(train, "claim_directory", stop)
     from minikv.bench import load, sessions, speculation
     for main, args in ((figures.main, []), (bench_main, ["--quick"]), (bench_main, []),
