@@ -35,6 +35,9 @@ ENGINE_STATEMENT_BUDGET = sum({
     "issue 52: the cache across turns (radix.py: the prefix cache as a seam, hashed blocks behind "
     "it; a radix tree over the pool: match, insert, split, locks; eviction by two policies; a "
     "second tier; a session's K/V out and back), sessions (session.py: turns, fork, rewind)": 345,
+    "issue 53: the cache shrunk in the architecture (MLA: a latent cached, its naive and absorbed "
+    "forms; cross-layer groups reading one K/V; every cache kind built from kv_shape and "
+    "kv_layers, values narrower than keys)": 84,
 }.values())
 # The shape of readable code, measured as code-review-2026-11-25.md measured it (section 2).
 LONGEST_FUNCTION = 45       # lines, signature and docstring included (nano-vllm's engine: 49)

@@ -46,7 +46,8 @@ CONFIG_FILE, WEIGHTS_FILE, METADATA_FILE = "config.json", "model.safetensors", "
 FORMAT = "minikv-checkpoint-2"  # the header's sha256 covers config.json and training.json too
 MODELS_DIR = Path(__file__).parent / "models"
 # shipped in minikv/course/models/<name>/, made by `python -m minikv train --ship`
-COURSE_MODELS = ("target", "draft", "target-gqa2", "target-mqa", "target-rope")
+COURSE_MODELS = ("target", "draft", "target-gqa2", "target-mqa", "target-rope", "target-mla",
+                 "target-cla2")
 # chapter 10's draft on the target's own features (engine/eagle.py), made by
 # `python -m minikv train-head --ship`: not a GPT, so not among COURSE_MODELS
 FEATURE_HEAD = "feature-head"
@@ -193,16 +194,20 @@ def read_metadata(directory: str | Path) -> dict:
 def expected_shapes(config: GPTConfig, layers: int | None = None,
                     kind: type = GPT) -> dict[str, tuple]:
     """Name -> shape of every stored tensor of a `kind` (a GPT, or a FeatureHead) with
-    `config`, read off a one-layer model built on the meta device (no memory): block 0's shapes
-    repeat for every layer."""
-    one = GPTConfig(**{**config.to_dict(), "n_layer": 1})
+    `config`, read off a model of one group of layers built on the meta device (no memory):
+    block j's shapes repeat for every layer i = j mod layers_per_kv (cross-layer attention:
+    the upper layers of a group make no K/V; one group of one layer otherwise)."""
+    n = config.n_layer if layers is None else layers
+    group = min(config.layers_per_kv, n)
+    one = GPTConfig(**{**config.to_dict(), "n_layer": group})
     with torch.device("meta"):
         shapes = {n: tuple(t.shape) for n, t in kind(one).state_dict().items() if n != TIED}
     out = {}
     for name, shape in shapes.items():
-        if name.startswith("transformer.h.0."):
-            for i in range(config.n_layer if layers is None else layers):
-                out[name.replace(".h.0.", f".h.{i}.", 1)] = shape
+        if name.startswith("transformer.h."):
+            j = int(name.split(".")[2])
+            for i in range(j, n, group):
+                out[name.replace(f".h.{j}.", f".h.{i}.", 1)] = shape
         else:
             out[name] = shape
     return out

@@ -26,7 +26,7 @@ from . import arguments, corpus
 from .checkpoint import COURSE_MODELS, MODELS_DIR, WEIGHTS_FILE, load_course_model, read_metadata
 from .device import describe_device, resolve_device
 from .files import check_writable, write_atomically
-from .train import VARIANTS, corpus_loss, load_corpora
+from .train import CACHE_VARIANTS, VARIANTS, corpus_loss, load_corpora
 from .variants import mean_pool_kv_heads
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "course-models.md"
@@ -158,6 +158,13 @@ def prompt_agreement_by_kind(target, proposers: dict, tok, questions) -> dict:
             for kind, c in counts.items()}
 
 
+def cached(c) -> str:
+    """What one layer of a config's cache holds per position, in words."""
+    what = (f"latent {c.kv_lora_rank}" if c.kv_lora_rank is not None else
+            f"{c.kv_heads} K/V" if c.kv_heads != c.n_head else "K/V")
+    return what + (f", one per {c.layers_per_kv} layers" if c.layers_per_kv > 1 else "")
+
+
 def complete(model, tok, prompt: str, max_new_tokens: int = 48) -> str:
     out = generate(model, tok.encode(prompt), max_new_tokens, eos_id=tok.eot_token)
     return tok.decode(out.tokens)
@@ -171,6 +178,9 @@ def report(device=None) -> str:
     # the grouped-query variants before uptraining: the target's K/V heads mean-pooled, no training
     pooled = {f"{name}, pooled only": mean_pool_kv_heads(models["target"], k)
               for name, k in VARIANTS.items()}
+    # chapter 12's before uptraining: the target converted (a truncated SVD; layers paired)
+    pooled |= {f"{name}, converted only": make(models["target"])
+               for name, (_, make) in CACHE_VARIANTS.items()}
     measured = {**models, **pooled}
     acc = {name: coin_flip_accuracy(m, tok) for name, m in measured.items()}
     losses = {name: heldout_losses(m, tok) for name, m in measured.items()}
@@ -180,6 +190,9 @@ def report(device=None) -> str:
                                                                          keep=multi_token(tok))}
     unseen_acc = {(name, which): coin_flip_accuracy(models[name], tok, questions=qs)
                   for name in ("target", "target-rope", "draft") for which, qs in unseen.items()}
+    unseen_acc |= {(name, "unseen names"): coin_flip_accuracy(models[name], tok,
+                                                              questions=unseen["unseen names"])
+                   for name in (*VARIANTS, *CACHE_VARIANTS)}  # the caches' frontier (ch. 12)
     people = [p for q in unseen["unseen names"] for p, _ in q.steps]
     several = statistics.mean(map(multi_token(tok), people))
     # the draft, and for scale two proposers of the target's own size made from it (the variants)
@@ -205,8 +218,8 @@ def report(device=None) -> str:
         "",
         "## Models",
         "",
-        "| model | layers | heads (K/V) | width | block | parameters | K/V bytes per token "
-        "(fp32) | file size (stored as) | training wall time | training device |",
+        "| model | layers | heads (what a layer caches) | width | block | parameters | K/V bytes "
+        "per token (fp32) | file size (stored as) | training wall time | training device |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in models.items():
@@ -216,7 +229,7 @@ def report(device=None) -> str:
         phases = md.get("phases") or [md]  # a second phase, if any, went on from the first
         minutes = " + ".join(f"{p.get('wall_time_s', float('nan')) / 60:.1f}" for p in phases)
         steps = " + ".join(str(p.get("train", {}).get("steps", "?")) for p in phases)
-        lines.append(f"| {name} | {c.n_layer} | {c.n_head} ({c.kv_heads}) | {c.n_embd} | "
+        lines.append(f"| {name} | {c.n_layer} | {c.n_head} ({cached(c)}) | {c.n_embd} | "
                      f"{c.block_size} | {m.num_params():,} | "
                      f"{kv_cache_bytes(c, 1, dtype=torch.float32):,} | {size / 1e6:.2f} MB "
                      f"({md.get('stored_dtype', 'float32')}) | "
@@ -233,9 +246,17 @@ def report(device=None) -> str:
         "from",
         "the target). `target-rope` (chapter 08) is the target's shape with a Llama-style block",
         "(rotary positions, RMSNorm, SwiGLU), trained by the target's two phases step for step.",
-        "\"pooled only\" rows below measure the pooled model before any uptraining.",
+        "Chapter 12's variants are the target converted, then uptrained as the grouped-query "
+        "ones:",
+        "`target-mla` caches a 48-wide latent per layer (multi-head latent attention; its key "
+        "and value",
+        "projections factored by a truncated SVD), as many numbers as `target-mqa`'s one K/V "
+        "head;",
+        "`target-cla2` has each pair of layers read the lower one's K/V (cross-layer attention).",
+        "\"pooled only\" and \"converted only\" rows below measure a variant before any "
+        "uptraining.",
         "Weights stored as float16 are rounded from the trained float32 ones (to keep every",
-        "shipped file within 64 MB together) and computed in float32 once loaded; every table",
+        "shipped file within 80 MB together) and computed in float32 once loaded; every table",
         "below measures the shipped files.",
         "",
         f"## Held-out coin flips, training names: accuracy by number of people ({n_q} questions "

@@ -39,6 +39,9 @@ def architecture(model: GPT) -> str:
     """"gpt2" or "llama": the Hugging Face family whose layout this model's block is."""
     cfg = model.config
     block = dict(positions=cfg.positions, norm=cfg.norm, mlp=cfg.mlp, bias=cfg.bias)
+    if cfg.kv_lora_rank is not None or cfg.layers_per_kv > 1:
+        raise ValueError("an MLA or cross-layer model has no GPT-2 or Llama layout to export "
+                         "to: export a model of the other choices")
     if block == GPT2_BLOCK and cfg.kv_heads == cfg.n_head:
         return "gpt2"
     if block == LLAMA:

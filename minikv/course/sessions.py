@@ -4,7 +4,7 @@ another engine's tree (another process's, on the same model) and gives back a Se
 that goes on with the tokens the saved one would have given.
 
 The file: tensors `tokens` (the history), `starts` (where each turn began), `keys` and
-`values` (n_layer, kv_heads, positions, head_dim: the tree's positions of the history);
+`values` (cache layers, heads, positions, width: GPTConfig.kv_shape; the tree's positions);
 a header naming the format, the model's config and a fingerprint of its weights (K/V
 are only worth anything to the weights that computed them), and a SHA-256 over all of
 it. Loading checks the header, then every tensor's declared shape and dtype against the
@@ -123,11 +123,12 @@ def _check_declared(declared: dict, cfg, dtype, path: Path) -> None:
     if not 0 < t <= cfg.block_size:
         raise ValueError(f"{path} holds {t} positions; the model's context is "
                          f"{cfg.block_size}; {FIX}")
-    for name in ("keys", "values"):
+    heads, key_dim, value_dim = cfg.kv_shape  # MLA: one latent, no values
+    for name, width in (("keys", key_dim), ("values", value_dim)):
         shape, kind = declared[name]
-        if (len(shape) != 4 or shape[:2] != (cfg.n_layer, cfg.kv_heads)
-                or shape[3] != cfg.head_dim or not shape[2] <= t
+        if (len(shape) != 4 or shape[:2] != (cfg.kv_layers, heads)
+                or shape[3] != width or not shape[2] <= t
                 or kind != _DTYPE_NAMES.get(dtype)):
-            raise ValueError(f"{path}: {name} is {shape} {kind}; this model's are (n_layer="
-                             f"{cfg.n_layer}, kv_heads={cfg.kv_heads}, <= {t}, head_dim="
-                             f"{cfg.head_dim}) {_DTYPE_NAMES.get(dtype)}; {FIX}")
+            raise ValueError(f"{path}: {name} is {shape} {kind}; this model's are (layers="
+                             f"{cfg.kv_layers}, heads={heads}, <= {t}, width={width}) "
+                             f"{_DTYPE_NAMES.get(dtype)}; {FIX}")

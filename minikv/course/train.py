@@ -21,6 +21,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -34,7 +35,7 @@ from .checkpoint import COURSE_MODELS, MODELS_DIR, load_checkpoint, read_metadat
 from .device import describe_device, resolve_device
 from .files import check_writable, claim_directory, write_atomically
 from .tokenizer import load_tokenizer
-from .variants import mean_pool_kv_heads
+from .variants import low_rank_kv, mean_pool_kv_heads, share_kv_layers
 
 
 @dataclass
@@ -141,7 +142,7 @@ FINISHING["target-rope"] = FINISHING["target"]
 # Stored as float16 (computed in float32 once loaded), to keep every shipped weight file within
 # 64 MB together: a float16 weight is within 1/2048 of the float32 one, and on the 8-person
 # question of chapter 07 it moves the variants' logits by under 0.01, no greedy token.
-STORED_FLOAT16 = ("target-gqa2", "target-mqa", "target-rope")
+STORED_FLOAT16 = ("target-gqa2", "target-mqa", "target-rope", "target-mla", "target-cla2")
 # what a model's metadata keeps of each phase
 PHASE_KEYS = ("train", "wall_time_s", "tokens_seen", "final_train_loss", "device", "cpu_threads",
               "date")
@@ -150,6 +151,16 @@ PHASE_KEYS = ("train", "wall_time_s", "tokens_seen", "final_train_loss", "device
 # target's K/V heads mean-pooled (minikv.course.variants), then "uptrained" at a lower learning
 # rate for 5% of the steps of the target's first phase (3% of all its steps).
 VARIANTS = {"target-gqa2": 2, "target-mqa": 1}  # name -> K/V heads, of the target's 8
+# Chapter 12's variants, made from the target by a conversion (minikv.course.variants) and
+# uptrained as the grouped-query ones are: a latent of 48 numbers per layer and position (MLA;
+# target-mqa's one K/V head holds 2 x 24, the same bytes), and pairs of layers that read one
+# K/V (cross-layer attention: half the target's bytes). name -> (how it was made, the maker)
+CACHE_VARIANTS = {
+    "target-mla": ("the target, [W_K; W_V] factored to rank 48 (truncated SVD)",
+                   partial(low_rank_kv, rank=48)),
+    "target-cla2": ("the target, each pair of layers reading the lower one's K/V",
+                    partial(share_kv_layers, layers=2)),
+}
 UPTRAINING = TrainConfig(steps=TRAINING["target"].steps // 20, batch_size=16, lr=5e-4,
                          min_lr=5e-5, warmup=10, init_std=0.1, mix=TRAINING["target"].mix,
                          answer_weight=TRAINING["target"].answer_weight,
@@ -425,10 +436,12 @@ def output_dirs(presets: list[str], out: str | None, ship: bool) -> dict[str, Pa
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minikv train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", required=True, choices=["all", *sorted(PRESETS), *VARIANTS],
-                        help="model shape from minikv.engine.PRESETS, or a grouped-query variant "
-                             "of the target (uptrained from it); 'all' = the course's draft, "
-                             "target and variants")
+    parser.add_argument("--preset", required=True,
+                        choices=["all", *sorted(PRESETS), *VARIANTS, *CACHE_VARIANTS],
+                        help="model shape from minikv.engine.PRESETS, or a variant of the target "
+                             "that caches less (fewer K/V heads, a latent, shared layers; "
+                             "uptrained from it); 'all' = the course's draft, target and "
+                             "variants")
     parser.add_argument("--steps", type=_positive, default=None,
                         help="override the preset's number of steps (at least 1)")
     parser.add_argument("--device", default=None,
@@ -452,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.init and args.phase != 2:
         parser.error("--init is the start of a second phase: give --phase 2 too")
     # the target first: the draft's second phase learns from it, the variants start from it
-    every = ["target", "draft", "target-rope", *VARIANTS]
+    every = ["target", "draft", "target-rope", *VARIANTS, *CACHE_VARIANTS]
     presets = every if args.preset == "all" else [args.preset]
     if args.out and len(presets) > 1:
         parser.error("--out needs a single --preset")
@@ -463,12 +476,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     trained: dict[str, GPT] = {}
     for preset in presets:
-        phases = [UPTRAINING] if preset in VARIANTS else [TRAINING.get(preset, TrainConfig())] + (
+        made = preset in VARIANTS or preset in CACHE_VARIANTS
+        phases = [UPTRAINING] if made else [TRAINING.get(preset, TrainConfig())] + (
             [FINISHING[preset]] if preset in FINISHING else [])
         model, history = None, []
-        if preset in VARIANTS:  # one phase, from the target trained just now or the shipped one
+        if made:  # one phase, from the target trained just now or the shipped one
             target = trained.get("target") or load_checkpoint(MODELS_DIR / "target", device)
-            model = mean_pool_kv_heads(target, VARIANTS[preset])
+            model = (mean_pool_kv_heads(target, VARIANTS[preset]) if preset in VARIANTS
+                     else CACHE_VARIANTS[preset][1](target))
         elif args.phase == 2:  # on from the shipped model; its metadata holds its first phase
             if preset not in FINISHING:
                 parser.error(f"{preset} has one phase of training: --phase 2 is for "
@@ -496,8 +511,9 @@ def main(argv: list[str] | None = None) -> int:
                 teacher = trained.get("target") or load_checkpoint(MODELS_DIR / "target", device)
             model, metadata = train(preset, tc, device, init=model, teacher=teacher, state=state)
             history.append({key: metadata[key] for key in PHASE_KEYS})
-        if preset in VARIANTS:
-            metadata["uptrained_from"] = "the target, K/V heads mean-pooled"
+        if made:
+            metadata["uptrained_from"] = (CACHE_VARIANTS[preset][0] if preset in CACHE_VARIANTS
+                                          else "the target, K/V heads mean-pooled")
         metadata.update(phases=history,
                         wall_time_s=round(sum(h["wall_time_s"] for h in history), 1),
                         tokens_seen=sum(h["tokens_seen"] for h in history))

@@ -81,7 +81,7 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     (rounded to the model's dtype), its max and its sum, merged as one softmax would be,
     up to rounding (so a row's result depends on the batch)."""
     B, nh, _, hs = q.shape
-    H, page = keys.size(1), keys.size(2)
+    H, page, hv = keys.size(1), keys.size(2), values.size(-1)  # hv: MLA's values are narrower
     group = nh // H                                                  # query heads per K/V head
     tile, per_split, S = splits_of(tables.size(1), page, n_splits)
     tiles_per_block = page // tile
@@ -106,14 +106,14 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     probs = torch.exp(scores - split_max)
     split_sum = probs.sum(dim=(2, 5), keepdim=True).squeeze(2)       # (B, S, H, g, 1)
     probs = probs.view(B, S * per_split, H, group, tile)[row[:, None], tile_idx]
-    pv = probs.permute(0, 2, 1, 3, 4) @ vb.view(-1, H, tiles_per_block, tile, hs).to(acc)
-    out = pv.new_zeros(B, S * per_split, H, group, hs)
+    pv = probs.permute(0, 2, 1, 3, 4) @ vb.view(-1, H, tiles_per_block, tile, hv).to(acc)
+    out = pv.new_zeros(B, S * per_split, H, group, hv)
     out[row[:, None], tile_idx] = pv.permute(0, 2, 1, 3, 4)          # (N, nt, H, g, hs) placed
-    out = (out.view(B, S, per_split, H, group, hs).sum(2) / split_sum.clamp(min=1e-30)).to(q.dtype)
+    out = (out.view(B, S, per_split, H, group, hv).sum(2) / split_sum.clamp(min=1e-30)).to(q.dtype)
     # 5. Merge the splits as one softmax would (flash.combine): each weighs exp(its max - max)
     #    x its sum.
     out = combine(out.to(acc), split_max.squeeze(2), split_sum, dim=1).out  # (B, H, g, hs)
-    return out.reshape(B, nh, 1, hs).to(q.dtype)
+    return out.reshape(B, nh, 1, hv).to(q.dtype)
 
 
 def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
@@ -121,12 +121,12 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length
     """Split-KV decode attention over right-padded dense keys (B, nh, L, hs), row b
     seeing its first lengths[b]: paged_attention with each split one block of
     ceil(L / n_splits) keys."""
-    B, nh, L, hs = k.shape
+    B, nh, L, _ = k.shape
     chunk = math.ceil(L / n_splits)
 
-    def as_blocks(t: torch.Tensor) -> torch.Tensor:  # (B, nh, L, hs) -> (B * splits, nh, chunk, hs)
-        t = F.pad(t, (0, 0, 0, chunk * n_splits - L)).view(B, nh, n_splits, chunk, hs)
-        return t.transpose(1, 2).reshape(B * n_splits, nh, chunk, hs)
+    def as_blocks(t: torch.Tensor) -> torch.Tensor:  # (B, nh, L, w) -> (B * splits, nh, chunk, w)
+        t = F.pad(t, (0, 0, 0, chunk * n_splits - L)).view(B, nh, n_splits, chunk, t.size(-1))
+        return t.transpose(1, 2).reshape(B * n_splits, nh, chunk, t.size(-1))
     tables = torch.arange(B * n_splits, device=q.device).view(B, n_splits)
     return paged_attention(q, as_blocks(k), as_blocks(v), tables, lengths, n_splits)
 

@@ -101,21 +101,24 @@ class KVCache(Cache):
     """
 
     def __init__(self, n_layer: int, batch_size: int, n_head: int, head_dim: int, max_len: int,
-                 *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+                 *, value_dim: int | None = None, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32):
         sizes = dict(n_layer=n_layer, batch_size=batch_size, n_head=n_head, head_dim=head_dim,
                      max_len=max_len)
         for name, value in sizes.items():
             int_at_least(f"KVCache {name}", value)
         self.head_dim = head_dim
+        # the values' width: head_dim, or 0 for MLA's latent (V is read from the key slot)
+        self.value_dim = head_dim if value_dim is None else int_at_least("value_dim", value_dim, 0)
         self.dtype = dtype
         self._length = 0
         self._allocate(n_layer, batch_size, n_head, max_len, device)
 
     def _allocate(self, n_layer: int, batch_size: int, n_head: int, max_len: int,
                   device) -> None:
-        shape = (batch_size, n_head, max_len, self.head_dim)
-        self.keys = zeros(n_layer, shape, device, self.dtype)
-        self.values = zeros(n_layer, shape, device, self.dtype)
+        shape = (batch_size, n_head, max_len)
+        self.keys = zeros(n_layer, (*shape, self.head_dim), device, self.dtype)
+        self.values = zeros(n_layer, (*shape, self.value_dim), device, self.dtype)
 
     # --- sizes, read off the buffers: what the slots can really hold -------------------
     @property
@@ -141,12 +144,14 @@ class KVCache(Cache):
     @classmethod
     def for_model(cls, model: torch.nn.Module, batch_size: int = 1, max_len: int | None = None,
                   **kwargs) -> KVCache:
-        """An empty cache shaped for `model`, on its device and in its dtype."""
+        """An empty cache shaped for `model` (GPTConfig.kv_shape), on its device and in its
+        dtype."""
         cfg: GPTConfig = model.config
         max_len = cfg.block_size if max_len is None else max_len
         int_at_least("max_len", max_len, 1, " (no position embeddings past block_size)",
                      cfg.block_size + 1)
-        return cls(cfg.n_layer, batch_size, cfg.kv_heads, cfg.head_dim, max_len,
+        heads, key_dim, value_dim = cfg.kv_shape
+        return cls(cfg.kv_layers, batch_size, heads, key_dim, max_len, value_dim=value_dim,
                    device=model.device, dtype=model.dtype, **kwargs)
 
     @property
@@ -264,33 +269,43 @@ def check_cache(cache) -> None:
 def check_matches(cache: Cache, cfg: GPTConfig, batch_size: int, device, dtype) -> None:
     """Raise unless `cache` is shaped for a model of `cfg` on (device, dtype) and this
     batch."""
-    have = (cache.n_layer, cache.n_head, cache.head_dim, cache.batch_size, cache.device,
-            cache.dtype)
-    want = (cfg.n_layer, cfg.kv_heads, cfg.head_dim, batch_size, device, dtype)
+    have = (cache.n_layer, cache.n_head, cache.head_dim, cache.value_dim, cache.batch_size,
+            cache.device, cache.dtype)
+    want = (cfg.kv_layers, *cfg.kv_shape, batch_size, device, dtype)
     if have != want:
-        raise ValueError(f"cache has (n_layer, n_head, head_dim, batch, device, dtype) {have}, "
-                         f"not {want}: use KVCache.for_model(model, batch_size={batch_size})")
+        raise ValueError(f"cache has (n_layer, n_head, head_dim, value_dim, batch, device, "
+                         f"dtype) {have}, not {want}: use KVCache.for_model(model, batch_size="
+                         f"{batch_size})")
 
 
 def check_kv(cache: Cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> None:
-    """Raise unless `key` and `value` are one pass's (B, n_head, T, head_dim) K/V."""
+    """Raise unless `key` and `value` are one pass's (B, n_head, T, head_dim) K/V (values
+    (..., value_dim))."""
     int_at_least("layer_idx", layer_idx, 0, below=cache.n_layer)
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (key, value)):
         raise TypeError("key and value must be (B, n_head, T, head_dim) tensors")
-    want = ((cache.batch_size, cache.n_head, key.shape[2], cache.head_dim), cache.dtype,
-            cache.device)
-    if {(tuple(t.shape), t.dtype, t.device) for t in (key, value)} != {want}:
-        raise ValueError(f"key and value must be {want}: (B, n_head, T, head_dim), dtype, device")
+    want = [((cache.batch_size, cache.n_head, key.shape[2], width), cache.dtype, cache.device)
+            for width in (cache.head_dim, cache.value_dim)]
+    if [(tuple(t.shape), t.dtype, t.device) for t in (key, value)] != want:
+        raise ValueError(f"key and value must be {want}: (B, n_head, T, width), dtype, device")
 
 
 def kv_cache_bytes(cfg: GPTConfig, seq_len: int, batch_size: int = 1,
                    dtype: torch.dtype = torch.float16, n_kv_head: int | None = None) -> int:
-    """The KV cache's size: layers x 2 (K and V) x batch x heads x seq_len x head_dim x
-    bytes, heads being the K/V heads (cfg.kv_heads, or `n_kv_head` to ask "what if":
-    grouped-query attention shares one K/V head among several query heads)."""
+    """The KV cache's size: cache layers x batch x heads x seq_len x (key width + value
+    width) x bytes. For GPT-2: n_layer x 2 (K and V) x batch x heads x seq_len x head_dim
+    x bytes, heads being the K/V heads (cfg.kv_heads, or `n_kv_head` to ask "what if":
+    grouped-query attention shares one K/V head among several query heads). Cross-layer
+    attention divides the layers (cfg.kv_layers); MLA caches one latent of kv_lora_rank +
+    qk_rope_head_dim per position and layer (cfg.kv_shape)."""
     if not isinstance(cfg, GPTConfig) or not isinstance(dtype, torch.dtype):
         raise TypeError("kv_cache_bytes takes a GPTConfig (model.config) and a torch.dtype")
     int_at_least("seq_len", seq_len, 0, " (positions cached)")
     int_at_least("batch_size", batch_size)
-    heads = cfg.kv_heads if n_kv_head is None else int_at_least("n_kv_head", n_kv_head)
-    return cfg.n_layer * 2 * batch_size * heads * seq_len * cfg.head_dim * dtype.itemsize
+    heads, key_dim, value_dim = cfg.kv_shape
+    if n_kv_head is not None:
+        if cfg.kv_lora_rank is not None:
+            raise ValueError("an MLA model caches one latent, not K/V heads: leave n_kv_head out")
+        heads = int_at_least("n_kv_head", n_kv_head)
+    return (cfg.kv_layers * batch_size * heads * seq_len * (key_dim + value_dim)
+            * dtype.itemsize)

@@ -22,13 +22,18 @@ class GPTConfig:
     mlp: str = "gelu"             # "swiglu": down(silu(gate(x)) * up(x)), a gated MLP
     n_inner: int | None = None    # the MLP's hidden width; None: 4 * n_embd, as in GPT-2
     bias: bool = True             # biases in the linear layers and norms (Llama has none)
+    # The cache shrunk in the architecture (chapter 12):
+    kv_lora_rank: int | None = None  # MLA: one latent of this width cached per token, not K, V
+    qk_rope_head_dim: int = 0     # MLA under RoPE: a small key, shared by the heads, that turns
+    layers_per_kv: int = 1        # cross-layer attention: adjacent layers that read one K/V
 
     def __post_init__(self) -> None:
-        sizes = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head",
-                 "n_inner")
+        sizes = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "layers_per_kv",
+                 "n_kv_head", "n_inner", "kv_lora_rank")
         for name in sizes:
             if getattr(self, name) is not None or name in sizes[:5]:
                 int_at_least(f"GPTConfig.{name}", getattr(self, name))
+        int_at_least("GPTConfig.qk_rope_head_dim", self.qk_rope_head_dim, 0)
         one_of("GPTConfig.positions", self.positions, ("learned", "rope"))
         one_of("GPTConfig.norm", self.norm, ("layernorm", "rmsnorm"))
         one_of("GPTConfig.mlp", self.mlp, ("gelu", "swiglu"))
@@ -40,6 +45,19 @@ class GPTConfig:
                              f"n_head by n_kv_head: pick an n_head that divides it")
         if self.positions == "rope" and self.head_dim % 2:  # RoPE turns pairs of numbers
             raise ValueError(f"RoPE needs an even head_dim, not {self.head_dim}: change n_head")
+        if self.kv_lora_rank is not None:
+            self._check_mla()
+
+    def _check_mla(self) -> None:
+        """MLA's RoPE key is its own: the latent cannot turn (the up-projection absorbed
+        into the query would have to turn with every position), so a rotary MLA needs an
+        even qk_rope_head_dim > 0 and a learned-position one has none."""
+        rotary, d_r = self.positions == "rope", self.qk_rope_head_dim
+        if (rotary and (d_r == 0 or d_r % 2)) or (not rotary and d_r):
+            raise ValueError(f"qk_rope_head_dim={d_r} with positions={self.positions!r}: a "
+                             f"rotary MLA needs an even one > 0, a learned-position MLA 0")
+        if self.n_kv_head is not None:
+            raise ValueError("MLA caches one latent for every head: leave n_kv_head None")
 
     @property
     def head_dim(self) -> int:
@@ -51,6 +69,21 @@ class GPTConfig:
         (each K/V head serves n_head / n_kv_head query heads), 1 with multi-query
         attention."""
         return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers of the cache: n_layer, or one per group of layers_per_kv (cross-layer
+        attention: the lowest layer of a group makes and caches K/V, the others read it)."""
+        return -(-self.n_layer // self.layers_per_kv)
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """What a cache layer holds per position: (heads, key width, value width). MLA
+        caches one "head", the latent and its RoPE key, and no values: V is read from the
+        latent itself."""
+        if self.kv_lora_rank is not None:
+            return 1, self.kv_lora_rank + self.qk_rope_head_dim, 0
+        return self.kv_heads, self.head_dim, self.head_dim
 
     @classmethod
     def preset(cls, name: str, **overrides) -> GPTConfig:

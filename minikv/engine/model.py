@@ -33,33 +33,121 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, makes_kv: bool = True):
         super().__init__()
         self.n_head = cfg.n_head
         self.n_kv_head = cfg.kv_heads
         self.head_dim = cfg.head_dim
-        kv = cfg.kv_heads * cfg.head_dim  # = n_embd in GPT-2; less with grouped-query attention
+        self.share, self.makes_kv = cfg.layers_per_kv, makes_kv
+        # = n_embd in GPT-2; less with grouped-query attention; none in the upper layers of a
+        # cross-layer group, which read the K/V of the group's lowest layer
+        kv = cfg.kv_heads * cfg.head_dim if makes_kv else 0
         # Q, K and V, every head at once
         self.c_attn = nn.Linear(cfg.n_embd, cfg.n_embd + 2 * kv, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor, cache: Cache | None, layer_idx: int,
-                attention: Attention, rope: tuple | None = None) -> torch.Tensor:
+                attention: Attention, rope: tuple | None = None,
+                shared: dict | None = None) -> torch.Tensor:
         B, T, C = x.shape
-        hs, kv = self.head_dim, self.n_kv_head * self.head_dim
+        hs, kv = self.head_dim, self.n_kv_head * self.head_dim * self.makes_kv
         q, k, v = self.c_attn(x).split([C, kv, kv], dim=2)  # (B, T, C), 2 x (B, T, kv)
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k, v = (t.view(B, T, self.n_kv_head, hs).transpose(1, 2) for t in (k, v))  # (B, nkv, T, hs)
-        if rope is not None:
-            # RoPE: turn q and k by their positions. K is cached turned: a key's turn depends
-            # on its own position only, so it is done once, when the key is made; cached
-            # unturned, every key would be turned again in every pass (window.py's "reindex").
-            q, k = rotate(q, *rope), rotate(k, *rope)
-        if cache is not None:
-            # KV-CACHE: (B, nkv, past + T, hs); the old K/V are read back, not recomputed
-            k, v = cache.update(k, v, layer_idx)
+        if rope is not None:  # RoPE: turn q by its positions (k in keys_values)
+            q = rotate(q, *rope)
+        k, v = self.keys_values(k, v, cache, layer_idx, rope, shared)
         y = attention(q, k, v)  # (B, nh, T, hs)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))  # heads side by side: (B, T, C)
+
+    def keys_values(self, k, v, cache, layer_idx, rope, shared) -> tuple:
+        """This pass's K/V, (B, nkv, T, hs), and every cached one's: (B, nkv, past + T, hs)."""
+        layer = layer_idx // self.share  # cross-layer attention: a group shares a cache layer
+        if not self.makes_kv:  # an upper layer of a group: the lowest one made and cached them
+            return read_shared(shared, layer)
+        B, T, _ = k.shape
+        k, v = (t.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2) for t in (k, v))
+        if rope is not None:
+            # K is cached turned: a key's turn depends on its own position only, so it is
+            # done once, when the key is made; cached unturned, every key would be turned
+            # again in every pass (window.py's "reindex").
+            k = rotate(k, *rope)
+        if cache is not None:
+            # KV-CACHE: (B, nkv, past + T, hs); the old K/V are read back, not recomputed
+            k, v = cache.update(k, v, layer)
+        if shared is not None:
+            shared[layer] = k, v  # for the layers above that read them
+        return k, v
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434): each position caches one
+    latent c (kv_lora_rank wide, shared by every head) instead of keys and values; head i's
+    key and value are c's up-projections W_UK[i] c and W_UV[i] c. Under RoPE a small key,
+    turned and shared by the heads, is cached beside c, and each query has a part that
+    turns against it. DeepSeek also compresses the queries and normalises c; not here.
+
+    Two forms, equal up to rounding. Naive (prefill): every cached c expanded to its
+    keys and values, then ordinary attention. Absorbed (decode, one new token): q[i] · W_UK[i]
+    c = (q[i] W_UK[i]) · c, so the query is moved into the latent's space instead and
+    attention runs over the cached latents as one K/V head (multi-query attention, V being c
+    itself); W_UV[i] is applied after, to one row per head. The cache is never expanded."""
+
+    def __init__(self, cfg: GPTConfig, makes_kv: bool = True):
+        super().__init__()
+        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
+        self.rank, self.rope_dim = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        self.share, self.makes_kv = cfg.layers_per_kv, makes_kv
+        width = self.rank + self.rope_dim
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * (cfg.head_dim + self.rope_dim),
+                                bias=cfg.bias)
+        if makes_kv:  # (DeepSeek's names) the latent, and the RoPE key beside it
+            self.kv_a_proj_with_mqa = nn.Linear(cfg.n_embd, width, bias=cfg.bias)
+        self.kv_b_proj = nn.Linear(self.rank, cfg.n_head * 2 * cfg.head_dim, bias=False)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor, cache: Cache | None, layer_idx: int,
+                attention: Attention, rope: tuple | None = None,
+                shared: dict | None = None) -> torch.Tensor:
+        B, T, C = x.shape
+        nh, hs, dc = self.n_head, self.head_dim, self.rank
+        q = self.q_proj(x).view(B, T, nh, hs + self.rope_dim).transpose(1, 2)  # (B, nh, T, ..)
+        latent = self.latent(x, cache, layer_idx, rope, shared)  # (B, 1, past + T, dc + dr)
+        if rope is not None:  # the query's RoPE part turns; the rest meets the latent
+            q = torch.cat([q[..., :hs], rotate(q[..., hs:], *rope)], dim=-1)
+        w_uk, w_uv = self.kv_b_proj.weight.view(nh, 2, hs, dc).unbind(1)  # (nh, hs, dc) each
+        if T == 1:  # absorbed: (B, nh, 1, dc + dr) queries against the latents themselves
+            q = torch.cat([q[..., :hs] @ w_uk, q[..., hs:]], dim=-1)
+            # the kernel divides by √(dc + dr); the naive form's scale is 1 / √(hs + dr)
+            q = q * math.sqrt((dc + self.rope_dim) / (hs + self.rope_dim))
+            y = attention(q, latent, latent[..., :dc]) @ w_uv.transpose(1, 2)  # (B, nh, 1, hs)
+        else:  # naive: each head's keys (B, nh, L, hs + dr) and values (B, nh, L, hs)
+            c, k_rope = latent[..., :dc], latent[..., dc:]
+            k = torch.cat([c @ w_uk.transpose(1, 2), k_rope.expand(-1, nh, -1, -1)], dim=-1)
+            y = attention(q, k, c @ w_uv.transpose(1, 2))
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+    def latent(self, x, cache, layer_idx, rope, shared) -> torch.Tensor:
+        """The latents this pass reads, cached ones first: (B, 1, past + T, dc + dr)."""
+        layer = layer_idx // self.share
+        if not self.makes_kv:  # cross-layer: the group's lowest layer made and cached them
+            return read_shared(shared, layer)
+        latent = self.kv_a_proj_with_mqa(x)[:, None]  # (B, 1, T, dc + dr)
+        if rope is not None:  # only the RoPE key turns; c must not (see _check_mla)
+            latent = torch.cat([latent[..., :self.rank],
+                                rotate(latent[..., self.rank:], *rope)], dim=-1)
+        if cache is not None:
+            # KV-CACHE: one latent per position, as one head; no values (V is read from c)
+            latent, _ = cache.update(latent, latent[..., :0], layer)
+        if shared is not None:
+            shared[layer] = latent
+        return latent
+
+
+def read_shared(shared: dict | None, layer: int):
+    if shared is None or layer not in shared:
+        raise ValueError("this layer reads the K/V of the layer below it (layers_per_kv > 1): "
+                         "run the whole model, or pass the blocks one shared dict")
+    return shared[layer]
 
 
 class MLP(nn.Module):
@@ -86,16 +174,18 @@ def norm(cfg: GPTConfig) -> nn.Module:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, makes_kv: bool = True):
         super().__init__()
         self.ln_1 = norm(cfg)
-        self.attn = CausalSelfAttention(cfg)
+        kind = LatentAttention if cfg.kv_lora_rank is not None else CausalSelfAttention
+        self.attn = kind(cfg, makes_kv)
         self.ln_2 = norm(cfg)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cache: Cache | None, layer_idx: int,
-                attention: Attention, rope: tuple | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer_idx, attention, rope)  # pre-norm residuals
+                attention: Attention, rope: tuple | None = None,
+                shared: dict | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer_idx, attention, rope, shared)  # pre-norm
         return x + self.mlp(self.ln_2(x))
 
 
@@ -109,7 +199,8 @@ class GPT(nn.Module):
         layers = dict(wte=nn.Embedding(config.vocab_size, config.n_embd))  # token embeddings
         if config.positions == "learned":  # one learned vector per position (RoPE has none)
             layers["wpe"] = nn.Embedding(config.block_size, config.n_embd)
-        layers["h"] = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        layers["h"] = nn.ModuleList(Block(config, makes_kv=i % config.layers_per_kv == 0)
+                                    for i in range(config.n_layer))
         layers["ln_f"] = norm(config)
         self.transformer = nn.ModuleDict(layers)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -168,9 +259,11 @@ class GPT(nn.Module):
             if self.config.positions == "learned":
                 x = x + self.transformer.wpe(positions)
             else:  # RoPE: the positions turn q and k inside attention instead
-                rope = rope_angles(positions, self.config.head_dim, self.config.rope_theta)
+                turned = self.config.qk_rope_head_dim or self.config.head_dim  # MLA: its key
+                rope = rope_angles(positions, turned, self.config.rope_theta)
+            shared = {}  # cross-layer attention: each group's K/V, for its upper layers
             for layer_idx, block in enumerate(self.transformer.h):
-                x = block(x, cache, layer_idx, attention, rope)
+                x = block(x, cache, layer_idx, attention, rope, shared)
             return self.transformer.ln_f(x)
 
     @classmethod

@@ -47,9 +47,9 @@ class BlockPool:
             raise TypeError(f"BlockPool takes a GPTConfig (model.config), not {cfg!r:.30}")
         int_at_least("num_blocks", num_blocks, hint=" (blocks in the pool)")
         int_at_least("page_size", page_size, hint=" (positions per block)")
-        shape = (num_blocks, cfg.kv_heads, page_size, cfg.head_dim)
-        self.keys = zeros(cfg.n_layer, shape, device, dtype)
-        self.values = zeros(cfg.n_layer, shape, device, dtype)
+        (heads, key_dim, value_dim), layers = cfg.kv_shape, cfg.kv_layers  # MLA: no values
+        self.keys = zeros(layers, (num_blocks, heads, page_size, key_dim), device, dtype)
+        self.values = zeros(layers, (num_blocks, heads, page_size, value_dim), device, dtype)
         self.page_size, self.num_blocks = page_size, num_blocks
         self.ref = [0] * num_blocks
         self.free: deque[int] = deque(range(num_blocks))
@@ -211,12 +211,12 @@ class PagedCache(Cache):
     def _store(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple:
         """Write (B, nh, T, hs) K/V into their slots; the pass's positions live once the
         last layer is written. The layer's pool, 2 x (num_blocks, nh, ps, hs)."""
-        B, nh, T, hs = key.shape
+        B, nh, T, _ = key.shape
         keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
         block, slot = self._write
         with torch.no_grad():  # (block, slot) of every new position gets its (nh, hs)
-            keys[block, :, slot] = key.transpose(1, 2).reshape(B * T, nh, hs)
-            values[block, :, slot] = value.transpose(1, 2).reshape(B * T, nh, hs)
+            keys[block, :, slot] = key.transpose(1, 2).reshape(B * T, nh, -1)
+            values[block, :, slot] = value.transpose(1, 2).reshape(B * T, nh, -1)
         if layer_idx == len(self.pool.keys) - 1:
             for t, n in zip(self.tables, self.counts or [T]):
                 t.length += n
@@ -231,9 +231,9 @@ class PagedCache(Cache):
 
     # --- checks: raise before anything is written -------------------------------------
     def check_fits(self, cfg, batch_size: int, n_new: int, device, dtype) -> None:
-        k = self.pool.keys[0]
-        have = (len(self.pool.keys), k.shape[1], k.shape[3], k.dtype, k.device)
-        want = (cfg.n_layer, cfg.kv_heads, cfg.head_dim, dtype, device)
+        k, v = self.pool.keys[0], self.pool.values[0]
+        have = (len(self.pool.keys), k.shape[1], k.shape[3], v.shape[3], k.dtype, k.device)
+        want = (cfg.kv_layers, *cfg.kv_shape, dtype, device)
         if have != want:
             raise ValueError(f"the pool is {have}, the model {want}: use BlockPool(model.config)")
         rows = (len(self.tables), 1) if isinstance(self, PagedBatch) else (1, sum(

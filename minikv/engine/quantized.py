@@ -22,6 +22,8 @@ def quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(..., hs) -> codes (..., hs) uint8 (4 bits: two codes a byte, (..., ceil(hs / 2)))
     and scales (..., 1) in x's dtype."""
     qmax = 2 ** (bits - 1) - 1
+    if x.shape[-1] == 0:  # MLA's values: none stored, so nothing to scale
+        return x.to(torch.uint8), x
     scale = x.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(x.dtype).tiny) / qmax
     codes = (torch.round(x / scale).clamp(-qmax, qmax) + qmax + 1).to(torch.uint8)  # 1..2qmax+1
     if bits == 4:  # pack pairs: the even element in the low nibble, the odd one in the high
@@ -43,21 +45,21 @@ class QuantizedKVCache(KVCache):
     returns the dequantized K/V, in `dtype`."""
 
     def __init__(self, n_layer: int, batch_size: int, n_head: int, head_dim: int, max_len: int,
-                 *, bits: int = 8, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32):
+                 *, bits: int = 8, value_dim: int | None = None,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         self.bits = one_of("bits", bits, (8, 4))  # int8 or int4 codes
-        super().__init__(n_layer, batch_size, n_head, head_dim, max_len, device=device,
-                         dtype=dtype)
+        super().__init__(n_layer, batch_size, n_head, head_dim, max_len, value_dim=value_dim,
+                         device=device, dtype=dtype)
 
     def _allocate(self, n_layer: int, batch_size: int, n_head: int, max_len: int,
                   device) -> None:
-        width = self.head_dim if self.bits == 8 else -(-self.head_dim // 2)  # 2 codes a byte
-        codes = (batch_size, n_head, max_len, width)
-        scales = (batch_size, n_head, max_len, 1)
-        self.keys = zeros(n_layer, codes, device, torch.uint8)
-        self.values = zeros(n_layer, codes, device, torch.uint8)
-        self.key_scales = zeros(n_layer, scales, device, self.dtype)
-        self.value_scales = zeros(n_layer, scales, device, self.dtype)
+        def codes(width):  # 2 codes a byte at 4 bits; no scale where there is nothing (MLA's V)
+            return (batch_size, n_head, max_len, width if self.bits == 8 else -(-width // 2))
+        scales = (batch_size, n_head, max_len)
+        self.keys = zeros(n_layer, codes(self.head_dim), device, torch.uint8)
+        self.values = zeros(n_layer, codes(self.value_dim), device, torch.uint8)
+        self.key_scales = zeros(n_layer, (*scales, 1), device, self.dtype)
+        self.value_scales = zeros(n_layer, (*scales, min(1, self.value_dim)), device, self.dtype)
 
     def _buffers(self) -> list[torch.Tensor]:
         return self.keys + self.values + self.key_scales + self.value_scales
@@ -79,5 +81,6 @@ class QuantizedKVCache(KVCache):
         if layer_idx == self.n_layer - 1:
             self._length = end
         return tuple(dequantize(codes[layer_idx][:, :, :end], scales[layer_idx][:, :, :end],
-                                self.bits, self.head_dim)
-                     for _, codes, scales in stores)
+                                self.bits, width)
+                     for (_, codes, scales), width in zip(stores, (self.head_dim,
+                                                                   self.value_dim)))

@@ -399,18 +399,19 @@ def common_length(a: list[int], b: list[int]) -> int:
 
 
 def block_bytes(pool: BlockPool) -> int:
-    """Bytes of one block, keys and values of every layer."""
-    return 2 * len(pool.keys) * pool.keys[0][0].numel() * pool.keys[0].element_size()
+    """Bytes of one block, keys and values of every layer (MLA's values: none)."""
+    per_layer = pool.keys[0][0].numel() + pool.values[0][0].numel()
+    return len(pool.keys) * per_layer * pool.keys[0].element_size()
 
 
 def tier_pool(cfg, num_blocks: int, pool: BlockPool, path: str | None = None) -> BlockPool:
     """The second tier: a pool like `pool` on the host (CPU) memory, or in a file mapped
     into memory (what a CPU has below RAM: the OS pages it to disk)."""
     tier = BlockPool(cfg, num_blocks, pool.page_size, device="cpu", dtype=pool.keys[0].dtype)
-    if path is not None:
-        shape = (2, len(pool.keys), *tier.keys[0].shape)
-        mapped = torch.from_file(path, shared=True, size=math.prod(shape),
+    if path is not None:  # every layer's keys, then every layer's values (MLA's: none)
+        shapes = [(len(pool.keys), *t[0].shape) for t in (tier.keys, tier.values)]
+        mapped = torch.from_file(path, shared=True, size=sum(map(math.prod, shapes)),
                                  dtype=tier.keys[0].dtype)
-        mapped = mapped.view(shape)
-        tier.keys, tier.values = list(mapped[0]), list(mapped[1])
+        keys, values = mapped.split([math.prod(shape) for shape in shapes])
+        tier.keys, tier.values = list(keys.view(shapes[0])), list(values.view(shapes[1]))
     return tier

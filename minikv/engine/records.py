@@ -118,7 +118,8 @@ class ServeStats(VerifyStats):
 # --- counting K/V work -----------------------------------------------------------------
 class KVCounter(ExitStack):
     """Counts the K/V vectors the model computes, per layer: every row out of a layer's
-    `c_attn` is one position's new query, key and value. Hooks count only the passes of
+    `c_attn` is one position's new query, key and value (MLA: `kv_a_proj_with_mqa`, its
+    latent). Hooks count only the passes of
     the thread that opened the counter, so threads sharing a model each get their own
     count. It is an ExitStack of its hooks: leaving it takes every hook off, even when
     taking one off is interrupted (a hook left on would count into every later pass)."""
@@ -137,8 +138,10 @@ class KVCounter(ExitStack):
 
     def __enter__(self) -> KVCounter:
         try:  # one at a time: a Ctrl-C halfway takes off those already on
-            for i, b in enumerate(self._blocks):
-                self.enter_context(b.attn.c_attn.register_forward_hook(self._hook(i)))
+            for i, b in enumerate(self._blocks):  # (a cross-layer group's upper ones make none)
+                if b.attn.makes_kv:  # MLA: its latent; otherwise Q, K and V together
+                    made = getattr(b.attn, "kv_a_proj_with_mqa", None) or b.attn.c_attn
+                    self.enter_context(made.register_forward_hook(self._hook(i)))
             return self
         except BaseException:
             self.close()

@@ -272,7 +272,7 @@ class Runner:
         cache, device = PagedBatch(self.pool, [s.table for s in batch]), self.model.device
         ends = [len(s.tokens) + len(s.proposals) for s in batch]  # each row's new length
         tables = cache.block_tables()  # whole tiles of keys per split, as a kernel reads
-        splits = num_kv_splits(len(batch), self.model.config.kv_heads, max(ends))
+        splits = num_kv_splits(len(batch), self.model.config.kv_shape[0], max(ends))
         splits = splits_of(tables.size(1), self.pool.page_size, splits)[2]
         lengths = torch.tensor(ends, device=device)
         attention = partial(paged_attention, tables=tables, lengths=lengths, n_splits=splits)

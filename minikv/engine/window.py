@@ -45,7 +45,7 @@ class SinkWindowCache(Cache):
     def __init__(self, n_layer: int, n_head: int, head_dim: int, sinks: int, window: int, *,
                  block_size: int, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, rope: str = "true",
-                 rope_theta: float | None = None):
+                 rope_theta: float | None = None, value_dim: int | None = None):
         for name, size in dict(n_layer=n_layer, n_head=n_head, head_dim=head_dim,
                                window=window, block_size=block_size).items():
             int_at_least(name, size)
@@ -54,9 +54,10 @@ class SinkWindowCache(Cache):
             number_in("rope_theta", rope_theta, 1, hint=f" for rope={rope!r}: a rotary model's "
                       f"(SinkWindowCache.for_model); a learned-position model has rope='true'")
         self.rope, self.rope_theta = rope, rope_theta
+        self.value_dim = head_dim if value_dim is None else int_at_least("value_dim", value_dim, 0)
         empty = zeros(1, (1, n_head, 0, head_dim), device, dtype)[0]
         self.keys = [empty] * n_layer
-        self.values = [empty] * n_layer
+        self.values = [empty[..., :self.value_dim]] * n_layer
         self.sinks = sinks
         self.window = window
         self.max_len = block_size  # GPT-2 has no position embedding past its block_size
@@ -73,7 +74,8 @@ class SinkWindowCache(Cache):
     def for_model(cls, model, sinks: int = 4, window: int = 64, rope: str = "true"
                   ) -> SinkWindowCache:
         cfg = model.config
-        return cls(cfg.n_layer, cfg.kv_heads, cfg.head_dim, sinks, window,
+        heads, key_dim, value_dim = cfg.kv_shape
+        return cls(cfg.kv_layers, heads, key_dim, sinks, window, value_dim=value_dim,
                    block_size=cfg.block_size, device=model.device, dtype=model.dtype,
                    rope=rope, rope_theta=cfg.rope_theta if cfg.positions == "rope" else None)
 
@@ -84,9 +86,11 @@ class SinkWindowCache(Cache):
         return self._seen if self.rope == "true" else len(self.positions)
 
     def check_fits(self, cfg, batch_size: int, n_new: int, device, dtype) -> None:
-        if self.rope != "true" and (cfg.positions, cfg.rope_theta) != ("rope", self.rope_theta):
+        if self.rope != "true" and ((cfg.positions, cfg.rope_theta) != ("rope", self.rope_theta)
+                                    or cfg.kv_lora_rank is not None):
             raise ValueError(f"this cache turns keys by rope_theta={self.rope_theta}: use it with "
-                             f"a rotary model of that theta (SinkWindowCache.for_model)")
+                             f"a rotary model of that theta (SinkWindowCache.for_model), not "
+                             f"MLA (its cached latent does not turn: rope='true')")
         if self.get_seq_length() + n_new > self.max_len:
             raise ValueError("no position embedding past block_size: start a new cache"
                              if cfg.positions == "learned" else "no position past the trained "
