@@ -14,6 +14,7 @@ from .engine import (
     PRESETS,
     GenerationOutput,
     GPTConfig,
+    H2OCache,
     KVCache,
     KVCounter,
     QuantizedKVCache,
@@ -22,6 +23,7 @@ from .engine import (
     RequestOutput,
     SamplingParams,
     SinkWindowCache,
+    SnapKVCache,
     Speculation,
     Stats,
     TraceEvent,
@@ -42,5 +44,5 @@ __all__ = [
     "resolve_device", "load_tokenizer", "EOT", "speculative_generate", "serve", "Request",
     "RequestOutput", "Verdict", "verify_and_commit", "load_course_model", "lookup_generate",
     "generate_batch", "QuantizedKVCache", "SinkWindowCache", "Speculation", "feature_generate",
-    "load_feature_head", "Radix",
+    "load_feature_head", "Radix", "H2OCache", "SnapKVCache",
 ]

@@ -360,6 +360,18 @@ ENTRIES = {
         lambda **kw: minikv.SinkWindowCache.for_model(MODEL, **kw),
         dict(sinks=count(0, 4), window=count(1, 8),
              rope=choice(["true"], ["reindex", "rerotate", "slots", None, True]))),
+    "H2OCache.for_model": Entry(
+        lambda **kw: minikv.H2OCache.for_model(MODEL, **kw),
+        dict(heavy=count(0, 4, says=("heavy", "budget")),
+             recent=count(0, 4, says=("recent", "budget")),
+             batch_size=count(1, 2)),  # nothing is allocated before a pass: no size too big
+        fix=lambda kw: kw.update(recent=max(kw["recent"], 1 - kw["heavy"]))),
+    "SnapKVCache.for_model": Entry(
+        lambda **kw: minikv.SnapKVCache.for_model(MODEL, **kw),
+        dict(top=count(0, 4), window=count(1, 4), kernel=Arg(st.sampled_from([1, 3, 5]),
+                                                             st.sampled_from([2, 0, 3.0, True])),
+             pool=choice(["avg", "max"], ["mean", None, "AVG", 1]),
+             batch_size=count(1, 2))),
     "KVCache.crop": Entry(
         crop, dict(cache=Arg(st.just(Make("filled()", filled)), None),
                    max_length=count(0, 3, too_big=[4, 10**6], says=("crop",)))),

@@ -37,7 +37,8 @@ ENGINE_STATEMENT_BUDGET = sum({
     "second tier; a session's K/V out and back), sessions (session.py: turns, fork, rewind)": 345,
     "issue 53: the cache shrunk in the architecture (MLA: a latent cached, its naive and absorbed "
     "forms; cross-layer groups reading one K/V; every cache kind built from kv_shape and "
-    "kv_layers, values narrower than keys)": 84,
+    "kv_layers, values narrower than keys; scored caches refuse them)": 87,
+    "issue 53: eviction by score (evict.py: H2O's heavy hitters, SnapKV's observation window)": 152,
 }.values())
 # The shape of readable code, measured as code-review-2026-11-25.md measured it (section 2).
 LONGEST_FUNCTION = 45       # lines, signature and docstring included (nano-vllm's engine: 49)
@@ -197,6 +198,7 @@ SEAMS = {  # file -> the names ARCHITECTURE.md tells a newcomer to use there
     "radix.py": ["PrefixCache", "prefix_cache", "lookup", "take", "publish", "leave", "evict",
                  "HashedBlocks", "RadixTree", "Radix", "Hit"],
     "session.py": ["Session", "say", "fork", "rewind"],
+    "evict.py": ["ScoredCache", "attention", "_record", "_keep", "H2OCache", "SnapKVCache"],
     "model.py": ["causal_attention"],
     "records.py": ["GenerationOutput", "TraceEvent"],
     "validate.py": ["int_at_least", "one_of", "check_flags", "check_model", "token_ids",

@@ -283,3 +283,15 @@ def test_sharing_layers_keeps_every_query_and_the_lower_layers_kv():
         assert torch.equal(mine[0], lower[0]) and torch.equal(mine[1], lower[1][:64])
         assert not torch.allclose(shared(ids), model(ids))  # the upper layers read other K/V
     assert shared.config.kv_layers == 2
+
+
+def test_a_scored_cache_refuses_a_model_whose_attention_reads_other_kv():
+    """H2O and SnapKV score the K/V heads each layer made; MLA's and CLA's layers read a
+    latent or the layer below's, so the scored caches refuse them before anything is held."""
+    for choice in (MLA, CLA):
+        model = minikv.GPT(minikv.GPTConfig.preset("tiny", **choice)).eval()
+        for cache in (minikv.H2OCache.for_model(model, heavy=2, recent=2),
+                      minikv.SnapKVCache.for_model(model, top=2, window=2)):
+            with pytest.raises(ValueError, match="not an MLA or cross-layer"):
+                model(torch.tensor([[1, 2, 3]]), cache=cache, attention=cache.attention)
+            assert cache.get_seq_length() == 0

@@ -1,11 +1,12 @@
 """The engine: a GPT-2 and the ways it decodes with a KV cache. Read config, model,
 rope, cache, sampling, generate, records, tree, verify, speculative, lookup, eagle, attention,
 flash, batch, paged, radix, scheduler, serving, session, then the caches that hold less
-(quantized, window), then validate; it imports no tooling."""
+(quantized, window, evict), then validate; it imports no tooling."""
 from .batch import generate_batch
 from .cache import Cache, KVCache, kv_cache_bytes
 from .config import PRESETS, GPTConfig
 from .eagle import FeatureHead, feature_generate
+from .evict import H2OCache, SnapKVCache
 from .generate import generate
 from .lookup import lookup_generate
 from .model import GPT, causal_attention
@@ -25,5 +26,5 @@ __all__ = ["Cache", "KVCache", "kv_cache_bytes", "PRESETS", "GPTConfig", "Genera
            "speculate", "Proposal", "lookup_generate", "generate_batch", "QuantizedKVCache",
            "SinkWindowCache", "Verdict", "verify_and_commit", "Scheduler",
            "FirstComeFirstServed", "Speculation", "FeatureHead", "feature_generate", "Engine",
-           "Proposer", "Radix", "RadixTree"]
+           "Proposer", "Radix", "RadixTree", "H2OCache", "SnapKVCache"]
 

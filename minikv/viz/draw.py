@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
 from .replay import Snapshot, caption  # noqa: E402
@@ -271,6 +272,50 @@ def draw_window(held: list[list[int]], tokens: list[int], decode=None, sinks: in
                              label="evicted")],
               loc="upper left", bbox_to_anchor=(0, 0), ncol=2, fontsize=8, frameon=False)
     ax.set_title(title, fontsize=10, loc="left")
+    return fig
+
+
+def draw_kept(kept: dict[str, list[list[int]]], tokens: list[int], decode=None,
+              marks=None, title: str = "") -> plt.Figure:
+    """What each eviction policy holds of one prompt: a panel per policy (`kept[policy]`, the
+    positions each layer holds, from minikv.course.eviction.kept_positions), a row per layer, a
+    box in the prompt colour where the layer holds that token's K/V; blank where it evicted it.
+    `marks` (eviction.flip_marks): a line under each flip clause, thick under its verb and under
+    the start state, in black, which is no token state's colour."""
+    T, layers = len(tokens), max(len(k) for k in kept.values())
+    panel = layers + 2.2  # rows of a panel, its marks and a gap
+    fig = NotebookFigure(figsize=(1.6 + 0.13 * T, 1.6 + 0.13 * panel * len(kept)))
+    ax = fig.add_subplot()
+    height = panel * len(kept)
+    ax.set(xlim=(-0.5, T + 0.5), ylim=(height + 0.5, -0.8))
+    ax.axis("off")
+    for i, (policy, held) in enumerate(kept.items()):
+        top = i * panel
+        ax.add_patch(Rectangle((0, top), T, layers, facecolor="white", edgecolor="#bbbbbb",
+                               linewidth=0.6, gid=f"panel:{policy}"))
+        for layer, positions in enumerate(held):
+            for p in positions:
+                ax.add_patch(Rectangle((p, top + layer), 0.9, 0.9, facecolor=COLORS["prompt"],
+                                       linewidth=0, gid=f"kept:{policy}:{layer}:{p}"))
+        ax.text(-0.8, top + layers / 2, f"{policy}\n{len(held[0])} of {T} per layer",
+                ha="right", va="center", fontsize=8)
+        if marks is not None:
+            y = top + layers + 0.5
+            for clause in marks.clauses:
+                ax.plot([min(clause), max(clause) + 0.9], [y, y], color="black", lw=0.8)
+            for word in [marks.start, *marks.verbs]:
+                ax.plot([min(word), max(word) + 0.9], [y, y], color="black", lw=3,
+                        solid_capstyle="butt")
+    for j, t in enumerate(tokens):
+        text = (decode([t]) if decode else str(t)).strip() or "␣"
+        ax.text(j + 0.45, height - 1.4, text, rotation=90, ha="center", va="top", fontsize=5,
+                fontweight="bold" if marks and any(j in v for v in marks.verbs) else "normal")
+    ax.legend(handles=[Patch(facecolor=COLORS["prompt"], label="kept (a prompt token's K/V)"),
+                       Patch(facecolor="white", edgecolor="#bbbbbb", label="evicted"),
+                       Line2D([], [], color="black", lw=3, label="start state, flip verbs"),
+                       Line2D([], [], color="black", lw=0.8, label="flip clauses")],
+              loc="lower left", bbox_to_anchor=(0, 1), ncol=4, fontsize=8, frameon=False)
+    ax.set_title(title, fontsize=10, loc="left", pad=18)
     return fig
 
 
