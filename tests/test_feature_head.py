@@ -32,7 +32,7 @@ def test_the_shipped_head_fits_the_target_and_the_weights_budget(target):
     assert head.config == replace(model.config, n_layer=1) and not head.training
     assert head.device == model.device and sum(p.numel() for p in head.parameters()) == 518_784
     shipped = [MODELS_DIR / n / WEIGHTS_FILE for n in (*checkpoint.COURSE_MODELS, FEATURE_HEAD)]
-    assert sum(p.stat().st_size for p in shipped) <= 64e6
+    assert sum(p.stat().st_size for p in shipped) <= 80e6  # issue 53's budget, its variants in
 
 
 def test_the_shipped_head_is_trained(target):

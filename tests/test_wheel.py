@@ -85,7 +85,8 @@ def test_the_wheel_carries_the_course(wheel):
         for name, committed in results.items():
             assert z.read(name) == (ROOT / committed).read_bytes(), name
     size = wheel.stat().st_size
-    assert 40 << 20 < size < 64 << 20, f"the wheel is {size / 2**20:.1f} MiB"
+    # the course models' 80 MB budget (tests/test_checkpoint.py) and at most 4 MB besides
+    assert 40 << 20 < size < 84e6, f"the wheel is {size / 2**20:.1f} MiB"
 
 
 def site_packages(python: Path) -> Path:
