@@ -266,7 +266,7 @@ class BuggyH2OCache(ScoredCache):
         (n_layer, n_head, head_dim), shapes = self._shapes(model, 1)
         super().__init__(n_layer, n_head, head_dim, heavy + recent, **shapes)
         self.heavy, self.recent = heavy, recent
-        self.scores = [torch.zeros(1, 0)] * n_layer  # per layer: attention each position got
+        self.scores = [torch.zeros(1, 0, device=self.device)] * n_layer  # attention received
 
     def _record(self, weights):
         """What a pass's attention gives each position; weights is (B, n_head, T, held + T)."""
@@ -283,7 +283,7 @@ class BuggyH2OCache(ScoredCache):
             return None
         older = held - self.recent
         heavy = scores[:, :older].topk(self.heavy, dim=1).indices.sort(dim=1).values
-        recent = torch.arange(older, held).expand(1, self.recent)
+        recent = torch.arange(older, held, device=self.device).expand(1, self.recent)
         keep = torch.cat([heavy, recent], dim=1)  # (1, heavy + recent) slots, increasing
         self.scores[layer] = scores.gather(1, keep)
         return keep
