@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -42,7 +41,7 @@ def _tree(engine: Engine) -> RadixTree:
 def _header(model, tensors: dict) -> dict:
     """The format, the model (its config, its weights' fingerprint) and a SHA-256 over
     them and every tensor."""
-    config = json.dumps(asdict(model.config), sort_keys=True)
+    config = json.dumps(model.config.to_dict(), sort_keys=True)  # a new default field: same
     weights = tensors_sha256(model.state_dict())
     h = hashlib.sha256(f"{FORMAT}|{config}|{weights}".encode())
     return {"minikv": FORMAT, "config": config, "model": weights,
@@ -86,7 +85,7 @@ def load_session(engine: Engine, path: str | Path) -> Session:
             header = f.metadata() or {}
             if header.get("minikv") != FORMAT:
                 raise ValueError(f"{path} is not a saved session ({FORMAT}); {FIX}")
-            if header.get("config") != json.dumps(asdict(cfg), sort_keys=True):
+            if header.get("config") != json.dumps(cfg.to_dict(), sort_keys=True):
                 raise ValueError(f"{path} was saved from another model's config: load it "
                                  "into an engine on the model that computed it")
             declared = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype())
