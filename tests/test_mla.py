@@ -192,6 +192,7 @@ def test_the_upper_layer_of_a_group_has_no_kv_projection():
     (dict(kv_lora_rank=8, n_kv_head=2), "leave n_kv_head None"),
     (dict(layers_per_kv=0), "layers_per_kv must be a positive int"),
     (dict(qk_rope_head_dim=-1), "qk_rope_head_dim must be an int >= 0"),
+    (dict(qk_rope_head_dim=8, **LLAMA), "set kv_lora_rank too"),
 ])
 def test_bad_choices_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -47,6 +47,8 @@ class GPTConfig:
             raise ValueError(f"RoPE needs an even head_dim, not {self.head_dim}: change n_head")
         if self.kv_lora_rank is not None:
             self._check_mla()
+        elif self.qk_rope_head_dim:
+            raise ValueError("qk_rope_head_dim is MLA's RoPE key: set kv_lora_rank too, or 0")
 
     def _check_mla(self) -> None:
         """MLA's RoPE key is its own: the latent cannot turn (the up-projection absorbed
