@@ -54,3 +54,39 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def assert_cached_equals_full(model: minikv.GPT) -> None:
+    """A batch of 2 read as a 7-token prefill and 13 decode steps through a KVCache gives the
+    logits of one full pass (float64 models: to 1e-10)."""
+    ids = torch.randint(0, model.config.vocab_size, (2, 20),
+                        generator=torch.Generator().manual_seed(1))
+    cache = minikv.KVCache.for_model(model, batch_size=2, max_len=20)
+    with torch.no_grad():
+        full = model(ids)
+        parts = [model(ids[:, :7], cache=cache)] + [model(ids[:, i:i + 1], cache=cache)
+                                                     for i in range(7, 20)]
+    torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-10, rtol=0)
+
+
+def assert_right_ways_pass(checker, right: list, stubs: list, capsys) -> None:
+    """A chapter checker's right answers pass (each printing its ✓), the first leaving the
+    random state as it found it; each stub goes through as NotImplementedError."""
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    checker(*right[0])
+    assert torch.equal(before, torch.random.get_rng_state())
+    for args in right[1:]:
+        checker(*args)
+    assert capsys.readouterr().out.count("✓ ") == len(right)
+    for args in stubs:
+        with pytest.raises(NotImplementedError):
+            checker(*args)
+
+
+def assert_mistake_named(checker, wrong, fragment: str) -> None:
+    """A wrong answer fails the checker with a message that names the mistake."""
+    from minikv.course.checks import CheckFailed
+    with pytest.raises(CheckFailed) as info:
+        checker(*wrong if isinstance(wrong, tuple) else (wrong,))
+    assert fragment in str(info.value), str(info.value)

@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 
 import minikv
-from minikv.course.checks import CheckFailed, ch07
+from minikv.course.checks import ch07
 from minikv.engine import Cache, causal_attention
 from minikv.engine.quantized import QuantizedKVCache, quantize
 
-from conftest import stub
+from conftest import assert_mistake_named, assert_right_ways_pass, stub
 
 GQA, QUANT, HELD, BYTES, CACHE, CHOOSE = (
     ch07.check_gqa_attention, ch07.check_quantize, ch07.check_held_positions,
@@ -223,24 +223,13 @@ STUBS = {QUANT: [(stub, stub), (Q, stub)],  # a stubbed dequantize_block after a
 
 @pytest.mark.parametrize("checker", RIGHT, ids=_id)
 def test_right_ways_pass_leaving_the_random_state_and_a_stub_goes_through(checker, capsys):
-    torch.manual_seed(123)
-    before = torch.random.get_rng_state()
-    checker(*RIGHT[checker][0])
-    assert torch.equal(before, torch.random.get_rng_state())
-    for args in RIGHT[checker][1:]:
-        checker(*args)
-    assert capsys.readouterr().out.count("✓ ") == len(RIGHT[checker])
-    for args in STUBS.get(checker, [(stub,)]):
-        with pytest.raises(NotImplementedError):
-            checker(*args)
+    assert_right_ways_pass(checker, RIGHT[checker], STUBS.get(checker, [(stub,)]), capsys)
 
 
 @pytest.mark.parametrize("checker, wrong, fragment",
                          [(c, w, f) for c, ws in WRONG.items() for w, f in ws], ids=_id)
 def test_every_mistake_is_named(checker, wrong, fragment):
-    with pytest.raises(CheckFailed) as info:
-        checker(*wrong if isinstance(wrong, tuple) else (wrong,))
-    assert fragment in str(info.value), str(info.value)
+    assert_mistake_named(checker, wrong, fragment)
 
 
 # --- the checkers' cases are sound ----------------------------------------------------------------

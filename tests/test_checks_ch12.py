@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minikv.course.checks import CheckFailed, ch12
+from minikv.course.checks import ch12
 from minikv.engine import H2OCache
 from minikv.engine.model import LatentAttention
 
-from conftest import stub
+from conftest import assert_mistake_named, assert_right_ways_pass, stub
 
 DECODE, BYTES, H2O, CHOOSE = (ch12.check_absorbed_decode, ch12.check_predict_bytes_per_token,
                               ch12.check_heavy_hitters, ch12.check_choose_cache)
@@ -191,24 +191,13 @@ def _id(value):
 
 @pytest.mark.parametrize("checker", RIGHT, ids=_id)
 def test_right_ways_pass_leaving_the_random_state_and_a_stub_goes_through(checker, capsys):
-    torch.manual_seed(123)
-    before = torch.random.get_rng_state()
-    checker(*RIGHT[checker][0])
-    assert torch.equal(before, torch.random.get_rng_state())
-    for args in RIGHT[checker][1:]:
-        checker(*args)
-    assert capsys.readouterr().out.count("✓ ") == len(RIGHT[checker])
-    for args in STUBS.get(checker, [(stub,)]):
-        with pytest.raises(NotImplementedError):
-            checker(*args)
+    assert_right_ways_pass(checker, RIGHT[checker], STUBS.get(checker, [(stub,)]), capsys)
 
 
 @pytest.mark.parametrize("checker, wrong, fragment",
                          [(c, w, f) for c, ws in WRONG.items() for w, f in ws], ids=_id)
 def test_every_mistake_is_named(checker, wrong, fragment):
-    with pytest.raises(CheckFailed) as info:
-        checker(*wrong if isinstance(wrong, tuple) else (wrong,))
-    assert fragment in str(info.value), str(info.value)
+    assert_mistake_named(checker, wrong, fragment)
 
 
 # --- the checkers' cases are sound ----------------------------------------------------------------

@@ -6,7 +6,7 @@ import torch
 import minikv
 from minikv.engine.attention import paged_attention
 
-from conftest import varied_model
+from conftest import assert_cached_equals_full, varied_model
 
 KV_HEADS = [2, 1]  # of 4 query heads: GQA-2 and MQA
 
@@ -36,13 +36,7 @@ def test_the_projections_and_the_cache_hold_n_kv_head_heads(n_kv_head):
 @pytest.mark.parametrize("n_kv_head", KV_HEADS)
 def test_cached_equals_the_full_forward_pass(n_kv_head):
     model = model_with(n_kv_head)
-    ids = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(1))
-    cache = minikv.KVCache.for_model(model, batch_size=2, max_len=20)
-    with torch.no_grad():
-        full = model(ids)
-        parts = [model(ids[:, :7], cache=cache)] + [model(ids[:, i:i + 1], cache=cache)
-                                                     for i in range(7, 20)]
-    torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-10, rtol=0)
+    assert_cached_equals_full(model)
 
 
 @pytest.mark.parametrize("n_kv_head", KV_HEADS)

@@ -14,7 +14,7 @@ from minikv.engine.config import LLAMA
 from minikv.engine.model import causal_attention
 from minikv.engine.scheduler import FirstComeFirstServed
 
-from conftest import varied_model
+from conftest import assert_cached_equals_full, varied_model
 
 MLA = dict(kv_lora_rank=12)                                   # the tiny preset: hs 16, 4 heads
 MLA_ROPE = dict(kv_lora_rank=12, qk_rope_head_dim=8, n_inner=176, **LLAMA)
@@ -78,13 +78,7 @@ def test_the_absorbed_form_never_expands_the_cache(monkeypatch):
 
 
 def test_cached_equals_the_full_forward_pass(model):
-    ids = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(1))
-    cache = minikv.KVCache.for_model(model, batch_size=2, max_len=20)
-    with torch.no_grad():
-        full = model(ids)
-        parts = [model(ids[:, :7], cache=cache)] + [model(ids[:, i:i + 1], cache=cache)
-                                                     for i in range(7, 20)]
-    torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-10, rtol=0)
+    assert_cached_equals_full(model)
 
 
 def test_every_decoder_equals_its_naive_reference(model):
