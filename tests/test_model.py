@@ -121,3 +121,20 @@ def test_config_validation():
     with pytest.raises(ValueError, match="preset must be one of.*gpt2.*got 'gpt5'"):
         minikv.GPTConfig.preset("gpt5")
     assert minikv.GPTConfig.preset("tiny", vocab_size=1000).vocab_size == 1000
+
+
+@pytest.mark.parametrize("block", [{}, minikv.engine.config.LLAMA])
+def test_a_head_width_of_its_own(block):
+    """head_size (Qwen3's head_dim): heads wider than n_embd / n_head, q and the output
+    projection n_head * head_size wide; the cache holds head_size per head, cached = full."""
+    from conftest import assert_cached_equals_full
+    cfg = minikv.GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=24,
+                           n_kv_head=2, head_size=10, **block)
+    torch.manual_seed(0)
+    model = minikv.GPT(cfg).double()
+    assert model.transformer.h[0].attn.c_attn.weight.shape == (4 * 10 + 2 * 2 * 10, 24)
+    assert model.transformer.h[0].attn.c_proj.weight.shape == (24, 40)
+    assert cfg.kv_shape == (2, 10, 10)
+    assert_cached_equals_full(model)
+    with pytest.raises(ValueError, match="head_size"):
+        minikv.GPTConfig(n_embd=30, n_head=4)

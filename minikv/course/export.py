@@ -42,7 +42,7 @@ def architecture(model: GPT) -> str:
     if cfg.kv_lora_rank is not None or cfg.layers_per_kv > 1:
         raise ValueError("an MLA or cross-layer model has no GPT-2 or Llama layout to export "
                          "to: export a model of the other choices")
-    if block == GPT2_BLOCK and cfg.kv_heads == cfg.n_head:
+    if block == GPT2_BLOCK and cfg.kv_heads == cfg.n_head and cfg.head_size is None:
         return "gpt2"
     if block == LLAMA:
         return "llama"
@@ -66,7 +66,7 @@ def llama_state_dict(model: GPT) -> dict[str, torch.Tensor]:
            "model.norm.weight": sd["transformer.ln_f.weight"]}
     for i in range(cfg.n_layer):
         ours, theirs = f"transformer.h.{i}.", f"model.layers.{i}."
-        q, k, v = sd[ours + "attn.c_attn.weight"].split([cfg.n_embd, kv, kv])
+        q, k, v = sd[ours + "attn.c_attn.weight"].split([cfg.n_head * cfg.head_dim, kv, kv])
         gate, up = sd[ours + "mlp.c_fc.weight"].chunk(2)
         out |= {theirs + "input_layernorm.weight": sd[ours + "ln_1.weight"],
                 theirs + "self_attn.q_proj.weight": q, theirs + "self_attn.k_proj.weight": k,

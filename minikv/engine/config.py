@@ -15,6 +15,7 @@ class GPTConfig:
     n_embd: int = 768
     layer_norm_eps: float = 1e-5
     n_kv_head: int | None = None  # K/V heads (grouped-query attention); None: one per head
+    head_size: int | None = None  # a head's width; None: n_embd / n_head (Qwen3 sets its own)
     # A Llama/Qwen-style block is the same model with these four choices changed:
     positions: str = "learned"    # "rope": rotate q and k by their position (no position table)
     rope_theta: float = 10000.0   # RoPE's base: pair i turns by position * theta^(-2i/head_dim)
@@ -29,7 +30,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         sizes = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "layers_per_kv",
-                 "n_kv_head", "n_inner", "kv_lora_rank")
+                 "n_kv_head", "n_inner", "kv_lora_rank", "head_size")
         for name in sizes:
             if getattr(self, name) is not None or name in sizes[:5]:
                 int_at_least(f"GPTConfig.{name}", getattr(self, name))
@@ -40,9 +41,10 @@ class GPTConfig:
         check_flags(**{"GPTConfig.bias": self.bias})
         number_in("GPTConfig.rope_theta", self.rope_theta, 1)
         number_in("GPTConfig.layer_norm_eps", self.layer_norm_eps, 0, 1)
-        if self.n_embd % self.n_head or self.n_head % self.kv_heads:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}), "
-                             f"n_head by n_kv_head: pick an n_head that divides it")
+        if (self.head_size is None and self.n_embd % self.n_head) or self.n_head % self.kv_heads:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}) "
+                             f"(or head_size set), n_head by n_kv_head: pick an n_head that "
+                             f"divides it")
         if self.positions == "rope" and self.head_dim % 2:  # RoPE turns pairs of numbers
             raise ValueError(f"RoPE needs an even head_dim, not {self.head_dim}: change n_head")
         if self.kv_lora_rank is not None:
@@ -63,7 +65,7 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.head_size or self.n_embd // self.n_head
 
     @property
     def kv_heads(self) -> int:

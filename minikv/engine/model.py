@@ -42,15 +42,16 @@ class CausalSelfAttention(nn.Module):
         # = n_embd in GPT-2; less with grouped-query attention; none in the upper layers of a
         # cross-layer group, which read the K/V of the group's lowest layer
         kv = cfg.kv_heads * cfg.head_dim if makes_kv else 0
-        # Q, K and V, every head at once
-        self.c_attn = nn.Linear(cfg.n_embd, cfg.n_embd + 2 * kv, bias=cfg.bias)
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        # Q, K and V, every head at once (q: n_embd wide, unless head_size says otherwise)
+        self.c_attn = nn.Linear(cfg.n_embd, cfg.n_head * cfg.head_dim + 2 * kv, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor, cache: Cache | None, layer_idx: int,
                 attention: Attention, rope: tuple | None = None,
                 shared: dict | None = None) -> torch.Tensor:
-        B, T, C = x.shape
+        B, T, _ = x.shape
         hs, kv = self.head_dim, self.n_kv_head * self.head_dim * self.makes_kv
+        C = self.n_head * hs  # = n_embd in GPT-2
         q, k, v = self.c_attn(x).split([C, kv, kv], dim=2)  # (B, T, C), 2 x (B, T, kv)
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         if rope is not None:  # RoPE: turn q by its positions (k in keys_values)
@@ -103,12 +104,12 @@ class LatentAttention(nn.Module):
         if makes_kv:  # (DeepSeek's names) the latent, and the RoPE key beside it
             self.kv_a_proj_with_mqa = nn.Linear(cfg.n_embd, width, bias=cfg.bias)
         self.kv_b_proj = nn.Linear(self.rank, cfg.n_head * 2 * cfg.head_dim, bias=False)
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor, cache: Cache | None, layer_idx: int,
                 attention: Attention, rope: tuple | None = None,
                 shared: dict | None = None) -> torch.Tensor:
-        B, T, C = x.shape
+        B, T, _ = x.shape
         nh, hs, dc = self.n_head, self.head_dim, self.rank
         q = self.q_proj(x).view(B, T, nh, hs + self.rope_dim).transpose(1, 2)  # (B, nh, T, ..)
         latent = self.latent(x, cache, layer_idx, rope, shared)  # (B, 1, past + T, dc + dr)
@@ -124,7 +125,7 @@ class LatentAttention(nn.Module):
             c, k_rope = latent[..., :dc], latent[..., dc:]
             k = torch.cat([c @ w_uk.transpose(1, 2), k_rope.expand(-1, nh, -1, -1)], dim=-1)
             y = attention(q, k, c @ w_uv.transpose(1, 2))
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, nh * hs))
 
     def latent(self, x, cache, layer_idx, rope, shared) -> torch.Tensor:
         """The latents this pass reads, cached ones first: (B, 1, past + T, dc + dr)."""
