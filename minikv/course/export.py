@@ -61,12 +61,12 @@ def gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
 def llama_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     """Our weights in LlamaForCausalLM's names; the inverse of GPT.from_llama_state_dict."""
     cfg, sd = model.config, model.state_dict()
-    kv = cfg.kv_heads * cfg.head_dim
+    width, kv = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     out = {"model.embed_tokens.weight": sd["transformer.wte.weight"],
            "model.norm.weight": sd["transformer.ln_f.weight"]}
     for i in range(cfg.n_layer):
         ours, theirs = f"transformer.h.{i}.", f"model.layers.{i}."
-        q, k, v = sd[ours + "attn.c_attn.weight"].split([cfg.n_head * cfg.head_dim, kv, kv])
+        q, k, v = sd[ours + "attn.c_attn.weight"].split([width, kv, kv])
         gate, up = sd[ours + "mlp.c_fc.weight"].chunk(2)
         out |= {theirs + "input_layernorm.weight": sd[ours + "ln_1.weight"],
                 theirs + "self_attn.q_proj.weight": q, theirs + "self_attn.k_proj.weight": k,

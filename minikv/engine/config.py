@@ -15,7 +15,7 @@ class GPTConfig:
     n_embd: int = 768
     layer_norm_eps: float = 1e-5
     n_kv_head: int | None = None  # K/V heads (grouped-query attention); None: one per head
-    head_size: int | None = None  # a head's width; None: n_embd / n_head (Qwen3 sets its own)
+    head_size: int | None = None  # a head's width; None: n_embd / n_head
     # A Llama/Qwen-style block is the same model with these four choices changed:
     positions: str = "learned"    # "rope": rotate q and k by their position (no position table)
     rope_theta: float = 10000.0   # RoPE's base: pair i turns by position * theta^(-2i/head_dim)
@@ -41,10 +41,11 @@ class GPTConfig:
         check_flags(**{"GPTConfig.bias": self.bias})
         number_in("GPTConfig.rope_theta", self.rope_theta, 1)
         number_in("GPTConfig.layer_norm_eps", self.layer_norm_eps, 0, 1)
-        if (self.head_size is None and self.n_embd % self.n_head) or self.n_head % self.kv_heads:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}) "
-                             f"(or head_size set), n_head by n_kv_head: pick an n_head that "
-                             f"divides it")
+        uneven = self.head_size is None and self.n_embd % self.n_head
+        if uneven or self.n_head % self.kv_heads:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head "
+                             f"({self.n_head}) (or head_size set), n_head by n_kv_head: "
+                             f"pick an n_head that divides it")
         if self.positions == "rope" and self.head_dim % 2:  # RoPE turns pairs of numbers
             raise ValueError(f"RoPE needs an even head_dim, not {self.head_dim}: change n_head")
         if self.kv_lora_rank is not None:

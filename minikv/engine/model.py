@@ -42,8 +42,9 @@ class CausalSelfAttention(nn.Module):
         # = n_embd in GPT-2; less with grouped-query attention; none in the upper layers of a
         # cross-layer group, which read the K/V of the group's lowest layer
         kv = cfg.kv_heads * cfg.head_dim if makes_kv else 0
-        # Q, K and V, every head at once (q: n_embd wide, unless head_size says otherwise)
-        self.c_attn = nn.Linear(cfg.n_embd, cfg.n_head * cfg.head_dim + 2 * kv, bias=cfg.bias)
+        # Q, K and V, every head at once (q: n_embd wide unless head_size is set)
+        q = cfg.n_head * cfg.head_dim
+        self.c_attn = nn.Linear(cfg.n_embd, q + 2 * kv, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor, cache: Cache | None, layer_idx: int,
