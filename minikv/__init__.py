@@ -35,6 +35,7 @@ from .engine import (
     lookup_generate,
     serve,
     speculative_generate,
+    tensor_parallel,
     verify_and_commit,
 )
 
@@ -44,5 +45,5 @@ __all__ = [
     "resolve_device", "load_tokenizer", "EOT", "speculative_generate", "serve", "Request",
     "RequestOutput", "Verdict", "verify_and_commit", "load_course_model", "lookup_generate",
     "generate_batch", "QuantizedKVCache", "SinkWindowCache", "Speculation", "feature_generate",
-    "load_feature_head", "Radix", "H2OCache", "SnapKVCache",
+    "load_feature_head", "Radix", "H2OCache", "SnapKVCache", "tensor_parallel",
 ]

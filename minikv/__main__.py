@@ -62,7 +62,7 @@ def generate(argv: list[str]) -> int:
     from .course.checkpoint import COURSE_MODELS, load_course_model
     from .course.device import describe_device, resolve_device
     from .course.tokenizer import load_tokenizer
-    from .engine import GPT, PRESETS, GPTConfig
+    from .engine import GPT, PRESETS, GPTConfig, kv_cache_bytes, tensor_parallel
     from .engine import generate as run
 
     parser = argparse.ArgumentParser(prog="python -m minikv generate",
@@ -86,6 +86,9 @@ def generate(argv: list[str]) -> int:
     parser.add_argument("--device", default=None,
                         help="cpu, cuda, cuda:N or mps (default: best available)")
     parser.add_argument("--trace", action="store_true", help="print one line per forward pass")
+    parser.add_argument("--tp", type=arguments.integer(1, 64, " (ranks)"), default=1,
+                        help="tensor parallelism: split the model's heads over this many CPU "
+                             "processes (chapter 13)")
     args = parser.parse_args(argv)
     try:
         device = resolve_device(args.device)
@@ -98,9 +101,16 @@ def generate(argv: list[str]) -> int:
             config = GPTConfig.preset(args.preset, vocab_size=tok.n_vocab)
             model, name = GPT(config).to(device).eval(), f"random {args.preset}"
         ids = tok.encode(args.prompt, allowed_special="all")
+        kwargs = dict(mode=args.mode, temperature=args.temperature, top_k=args.top_k,
+                      seed=args.seed, eos_id=tok.eot_token, trace=args.trace)
         start = time.perf_counter()
-        out = run(model, ids, args.max_new_tokens, mode=args.mode, temperature=args.temperature,
-                  top_k=args.top_k, seed=args.seed, eos_id=tok.eot_token, trace=args.trace)
+        if args.tp > 1:
+            if device.type != "cpu":
+                raise ValueError("--tp runs its ranks as CPU processes (gloo): add --device cpu")
+            ranks = tensor_parallel(model, args.tp, run, ids, args.max_new_tokens, **kwargs)
+            out = ranks[0]["output"]
+        else:
+            out = run(model, ids, args.max_new_tokens, **kwargs)
         seconds = time.perf_counter() - start
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -114,6 +124,14 @@ def generate(argv: list[str]) -> int:
     print(f"stats: mode={args.mode} forward_passes={s.forward_passes} "
           f"positions_processed={s.positions_processed} kv_computed_per_layer={s.kv_computed} "
           f"new_tokens={s.new_tokens} time={seconds:.3f}s")
+    if args.tp > 1:
+        length = len(out.prompt) + len(out.tokens)
+        for r in ranks:
+            s = r["shard"]
+            nbytes = kv_cache_bytes(r["config"], length, dtype=model.dtype)
+            print(f"rank {s.rank}: query heads {s.q_heads.start}..{s.q_heads.stop - 1}, "
+                  f"K/V heads {s.kv_heads.start}..{s.kv_heads.stop - 1}, cache {nbytes:,} "
+                  f"bytes at {length} positions, {r['all_reduces']} all-reduces")
     for e in out.trace or []:
         print(f"  step {e.step:>3} {e.kind:<9} inputs={len(e.input_ids):>4} "
               f"positions={e.positions[0]}..{e.positions[-1]} cache {e.cache_len_before}->"

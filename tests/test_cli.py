@@ -40,3 +40,19 @@ def test_generate_with_the_course_model(capsys):
     target, _ = minikv.load_course_model("target", device="cpu")
     assert f"model: course target ({target.num_params():,} parameters)" in out
     assert "text:          'The color of dog " in out
+
+
+def test_generate_with_tensor_parallelism_prints_each_ranks_heads(capsys):
+    """--tp 2: the same tokens as one process, each rank's half of the heads and its cache."""
+    argv = ["generate", "--prompt", "The color of dog", "--max-new-tokens", "6", "--device",
+            "cpu"]
+    assert cli.main(argv) == 0
+    alone = capsys.readouterr().out
+    assert cli.main(argv + ["--tp", "2"]) == 0
+    split = capsys.readouterr().out
+    line = next(x for x in alone.splitlines() if x.startswith("new tokens:"))
+    assert line in split
+    assert "rank 0: query heads 0..3, K/V heads 0..3, cache " in split
+    assert "rank 1: query heads 4..7, K/V heads 4..7, cache " in split
+    assert cli.main(argv + ["--tp", "3"]) == 2
+    assert "world=3 does not split 8 heads" in capsys.readouterr().err

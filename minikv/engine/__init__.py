@@ -10,6 +10,7 @@ from .evict import H2OCache, SnapKVCache
 from .generate import generate
 from .lookup import lookup_generate
 from .model import GPT, causal_attention
+from .parallel import tensor_parallel
 from .quantized import QuantizedKVCache
 from .radix import Radix, RadixTree
 from .records import GenerationOutput, KVCounter, RequestOutput, Stats, TraceEvent
@@ -26,5 +27,5 @@ __all__ = ["Cache", "KVCache", "kv_cache_bytes", "PRESETS", "GPTConfig", "Genera
            "speculate", "Proposal", "lookup_generate", "generate_batch", "QuantizedKVCache",
            "SinkWindowCache", "Verdict", "verify_and_commit", "Scheduler",
            "FirstComeFirstServed", "Speculation", "FeatureHead", "feature_generate", "Engine",
-           "Proposer", "Radix", "RadixTree", "H2OCache", "SnapKVCache"]
+           "Proposer", "Radix", "RadixTree", "H2OCache", "SnapKVCache", "tensor_parallel"]
 

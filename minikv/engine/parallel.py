@@ -79,14 +79,15 @@ def plan(cfg, rank: int, world: int) -> Shard:
 
 
 def shard(model: GPT, rank: int, world: int) -> GPT:
-    """Rank `rank`'s part of `model`: a GPT of its heads and MLP slice, the output
-    projections all-reducing. Run it inside a process group of `world` ranks."""
+    """Rank `rank`'s part of `model` (a GPT, or a FeatureHead: any model of blocks): one
+    of its kind with its heads and MLP slice, the output projections all-reducing. Run it
+    inside a process group of `world` ranks."""
     check_model("model", model)
     cfg, s = model.config, plan(model.config, rank, world)
-    kv = None if cfg.n_kv_head is None and cfg.kv_lora_rank is None else len(s.kv_heads)
+    kv = None if cfg.n_kv_head is None or cfg.kv_lora_rank is not None else len(s.kv_heads)
     local = replace(cfg, n_head=len(s.q_heads), n_kv_head=kv, head_size=cfg.head_dim,
                     n_inner=len(s.hidden))
-    part = GPT(local).to(device=model.device, dtype=model.dtype).eval()
+    part = type(model)(local).to(device=model.device, dtype=model.dtype).eval()
     own = part.state_dict()
     with torch.no_grad():
         for name, t in model.state_dict().items():
