@@ -47,6 +47,7 @@ WRITERS = {
     "bench-load": lambda out: ["bench-load", "--quick", "--out", out],
     "bench-spec": lambda out: ["bench-spec", "--quick", "--out", out],
     "bench-sessions": lambda out: ["bench-sessions", "--quick", "--out", out],
+    "bench-tp": lambda out: ["bench-tp", "--quick", "--out", out],
     "grade --cache": lambda out: ["grade", NOTEBOOK, "--cache", out],
 }
 
@@ -126,7 +127,8 @@ def test_the_committed_output_folders_are_marked_as_their_commands():
     for folder, command in (("figures", "figures"), ("benchmarks", "bench"),
                             ("benchmarks/load", "bench-load"),
                             ("benchmarks/speculation", "bench-spec"),
-                            ("benchmarks/sessions", "bench-sessions")):
+                            ("benchmarks/sessions", "bench-sessions"),
+                            ("benchmarks/tp", "bench-tp")):
         assert claim_directory(ROOT / folder, command) == ROOT / folder
 
 

@@ -152,3 +152,15 @@ def test_a_failing_rank_is_named_and_no_process_is_left():
 def test_run_sharded_reports_its_rank():
     out = launch(run_sharded, 2, model(), greedy)
     assert [o["shard"].rank for o in out] == [0, 1]
+
+
+def test_the_bench_times_both_ways_and_counts_what_a_rank_holds():
+    """bench-tp's machinery on a tiny model (its timings are not checked: a benchmark's)."""
+    from minikv.bench.tensor_parallel import bench
+    torch.manual_seed(0)
+    r = bench(minikv.GPT(minikv.GPTConfig.preset("tiny")).eval(), quick=True)
+    assert [row["name"] for row in r["rows"]] == [
+        "1 process, 1 thread", "1 process, 2 threads", "2 ranks, 1 thread each"]
+    assert r["same_tokens"] and r["all_reduces_per_token"] == 2 * 2
+    assert r["cache_bytes_per_rank"] * 2 == r["cache_bytes_one_process"]
+    assert all(row["decode_tokens_per_s"] > 0 for row in r["rows"])
