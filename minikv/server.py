@@ -495,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from .course import arguments
     from .course.checkpoint import COURSE_MODELS, load_course_model
+    from .course.device import free_memory
+    from .engine.cache import memory_plan
     from .engine.scheduler import FirstComeFirstServed
 
     parser = argparse.ArgumentParser(prog="python -m minikv serve-http", description=__doc__,
@@ -504,8 +506,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="address to listen on (default: this machine only; 0.0.0.0 "
                              "opens it to the network: there is no authentication)")
     parser.add_argument("--port", type=arguments.port, default=8000)
-    parser.add_argument("--num-blocks", type=arguments.positive, default=256,
-                        help="blocks in the KV pool")
+    pool = parser.add_mutually_exclusive_group()
+    pool.add_argument("--num-blocks", type=arguments.positive, default=None,
+                      help="blocks in the KV pool (default: 256)")
+    pool.add_argument("--memory-utilization", default=None,
+                      type=arguments.number(0.0, 1.0, " (a fraction of free memory)", above=True),
+                      help="size the pool from the device's free memory instead: this "
+                           "fraction of it, less the weights (vLLM's gpu_memory_utilization)")
     parser.add_argument("--page-size", type=arguments.positive, default=16,
                         help="positions per block")
     parser.add_argument("--max-running", type=arguments.positive, default=16,
@@ -517,9 +524,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model, tokenizer = load_course_model(args.model)
     try:
+        num_blocks = args.num_blocks or 256
+        if args.memory_utilization is not None:
+            plan = memory_plan(model, free_memory(model.device), args.memory_utilization,
+                               args.page_size)
+            num_blocks = plan.num_blocks
+            print(f"memory plan: {plan.budget:,} bytes = weights {plan.weights:,} + reserve "
+                  f"{plan.reserve:,} + a pool of {num_blocks:,} blocks of {plan.block:,} "
+                  f"(room for {plan.requests:,} requests of {model.config.block_size} "
+                  f"positions)")
         policy = (FirstComeFirstServed(args.chunk_budget, chunked_prefill=True)
                   if args.chunk_budget is not None else None)
-        app = create_app(model, tokenizer, args.model, num_blocks=args.num_blocks,
+        app = create_app(model, tokenizer, args.model, num_blocks=num_blocks,
                          page_size=args.page_size, max_running=args.max_running,
                          max_queue=args.max_queue, policy=policy)
     except (ValueError, TypeError) as e:

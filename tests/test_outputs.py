@@ -190,7 +190,15 @@ BAD = [  # (command and good arguments, option, wrong value, what the message sa
         ("--port", "65536", "from 1 to 65,535"), ("--port", "http", "an integer"),
         ("--num-blocks", "0", "at least 1"), ("--page-size", "0", "at least 1"),
         ("--max-running", "0", "at least 1"), ("--max-queue", "-1", "at least 0"),
-        ("--chunk-budget", "0", "at least 1"), ("--chunk-budget", "-4", "at least 1")]],
+        ("--chunk-budget", "0", "at least 1"), ("--chunk-budget", "-4", "at least 1"),
+        ("--memory-utilization", "0", "more than 0.0"),
+        ("--memory-utilization", "1.5", "at most 1.0"),
+        ("--memory-utilization", "nan", "more than 0.0")]],
+    (["serve-http", "--num-blocks", "8"], "--memory-utilization", "0.5", "not allowed with"),
+    *[(["bench-tp", "--quick"], opt, value, says) for opt, value, says in [
+        ("--out", "{file}", "not a directory")]],
+    *[(["generate", "--prompt", "x"], opt, value, says) for opt, value, says in [
+        ("--tp", "0", "from 1 to 64"), ("--tp", "-2", "from 1 to 64"), ("--tp", "x", "integer")]],
 ]
 
 

@@ -43,3 +43,16 @@ def describe_device(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
     return str(device)
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on `device` now: CUDA's own count, or on a CPU the memory the OS reports
+    available (Linux; elsewhere a ValueError naming --num-blocks)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "mps":
+        return torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory()
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        raise ValueError("this OS does not report its free memory: give --num-blocks") from None

@@ -7,6 +7,7 @@ import copy
 import threading
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -309,3 +310,48 @@ def kv_cache_bytes(cfg: GPTConfig, seq_len: int, batch_size: int = 1,
         heads = int_at_least("n_kv_head", n_kv_head)
     return (cfg.kv_layers * batch_size * heads * seq_len * (key_dim + value_dim)
             * dtype.itemsize)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How a device's memory is spent: a fraction of what is free (vLLM's
+    gpu_memory_utilization), less the weights and a reserve for one pass's activations,
+    is the KV pool; and how many requests of `request_len` positions it holds at once."""
+    budget: int          # utilization x free bytes
+    weights: int         # the parameters' bytes
+    reserve: int         # kept for a pass's activations (an estimate, not measured)
+    block: int           # bytes of one pool block: every cache layer's K/V for page_size
+    num_blocks: int      # blocks in the pool
+    request_blocks: int  # blocks one request of request_len positions fills
+    requests: int        # such requests the pool holds to their last position
+
+    @property
+    def pool(self) -> int:
+        return self.num_blocks * self.block
+
+
+def memory_plan(model, free_bytes: int, utilization: float = 0.9, page_size: int = 16,
+                request_len: int | None = None, reserve: int | None = None) -> MemoryPlan:
+    """The KV pool `free_bytes` of device memory holds after the model's weights and
+    `reserve` bytes (default: a whole-context pass's logits and MLP activations), of
+    `utilization` of it; requests of `request_len` positions (default: block_size)."""
+    cfg, size = model.config, model.dtype.itemsize
+    int_at_least("free_bytes", free_bytes, 0)
+    if not (isinstance(utilization, float) and 0 < utilization <= 1):
+        raise ValueError(f"utilization must be a fraction in (0, 1], not {utilization!r}")
+    int_at_least("page_size", page_size, hint=" (positions per block)")
+    request_len = cfg.block_size if request_len is None else request_len
+    int_at_least("request_len", request_len, hint=" (positions a request holds)")
+    if reserve is None:  # logits, and the MLP's hidden units, of block_size positions
+        hidden = cfg.n_inner or 4 * cfg.n_embd
+        reserve = cfg.block_size * (cfg.vocab_size + 3 * hidden) * size
+    budget = int(free_bytes * utilization)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    block = kv_cache_bytes(cfg, page_size, dtype=model.dtype)
+    num_blocks = (budget - weights - reserve) // block
+    if num_blocks < 1:
+        raise ValueError(f"{budget:,} bytes ({utilization} of {free_bytes:,} free) hold the "
+                         f"weights ({weights:,}) and the reserve ({reserve:,}) but no block "
+                         f"of {block:,} bytes: free memory, or raise utilization")
+    need = -(-request_len // page_size)
+    return MemoryPlan(budget, weights, reserve, block, num_blocks, need, num_blocks // need)
