@@ -43,6 +43,8 @@ ENGINE_STATEMENT_BUDGET = sum({
     "ranks as processes; a head's width of its own, head_size)": 157,
     "issue 56: a memory plan (cache.py: free memory x utilization, less weights and a "
     "reserve, is the pool; the requests it holds)": 32,
+    "issue 55: weight-only quantization (quantized.py: int8 a row, int4 a group, by the KV "
+    "cache's own quantize; torch's fused kernels or the dequantized reference)": 51,
 }.values())
 # The shape of readable code, measured as code-review-2026-11-25.md measured it (section 2).
 LONGEST_FUNCTION = 45       # lines, signature and docstring included (nano-vllm's engine: 49)

@@ -221,11 +221,11 @@ class GPT(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.transformer.wte.weight.device
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+    def dtype(self) -> torch.dtype:  # the embeddings' (a weight-quantized head has codes)
+        return self.transformer.wte.weight.dtype
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # the tied head is counted once

@@ -12,7 +12,11 @@ outlier channels and are quantized per token.
 """
 from __future__ import annotations
 
+from copy import deepcopy
+
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from .cache import KVCache, check_kv, zeros
 from .validate import one_of
@@ -84,3 +88,74 @@ class QuantizedKVCache(KVCache):
                                 self.bits, width)
                      for (_, codes, scales), width in zip(stores, (self.head_dim,
                                                                    self.value_dim)))
+
+
+# --- the weights too (chapter 01: a decode step reads every weight once) ----------------
+class WeightOnlyLinear(nn.Module):
+    """nn.Linear's y = x Wᵀ + b with W kept as the codes `quantize` makes: int8 with one
+    scale per output row, or int4 with one per `group` inputs of a row (a row's range is
+    set by its largest weight; a group's by the largest of its 32). Weight-only: the
+    activations stay in their dtype. `fused` runs torch's own kernels for this layout
+    (CPU: int8 and int4; elsewhere int8), which read the codes as they multiply and take
+    the activations in bfloat16; unfused, W is dequantized first (the reference: exact up
+    to the codes' rounding, but it reads more bytes than it saves)."""
+
+    def __init__(self, linear: nn.Linear, bits: int = 8, group: int = 32,
+                 fused: bool = False):
+        super().__init__()
+        self.bits, self.group, self.fused = one_of("bits", bits, (8, 4)), group, fused
+        w, (n, k) = linear.weight.detach(), linear.weight.shape
+        if bits == 4 and k % group:
+            raise ValueError(f"int4 groups of {group} must divide the {k} inputs")
+        codes, scale = quantize(w if bits == 8 else w.view(n, k // group, group), bits)
+        self.register_buffer("codes", codes)  # (n, k) bytes; int4: (n, k / group, group / 2)
+        self.register_buffer("scale", scale)  # (n, 1); int4: (n, k / group, 1)
+        self.bias, self.in_features = linear.bias, k
+        if fused:
+            self._pack()
+
+    def dequantized(self) -> torch.Tensor:
+        """W, dequantized: (out, in) in the scales' dtype."""
+        w = dequantize(self.codes, self.scale, self.bits, self.group if self.bits == 4 else
+                       self.in_features)
+        return w.reshape(-1, self.in_features)
+
+    def _pack(self) -> None:
+        """The layouts torch's kernels read: signed int8 and a scale a row; int4 packed for
+        the CPU kernel, each group's scale and zero (our codes are symmetric: zero 0)."""
+        if self.bits == 8:
+            self.packed = (self.codes.view(torch.int8) ^ -128, self.scale[:, 0].bfloat16())
+            return
+        if self.codes.device.type != "cpu":
+            raise ValueError("the fused int4 kernel here is the CPU's: fused=False elsewhere")
+        q = torch.stack((self.codes & 15, self.codes >> 4), -1).flatten(-2)  # 1..15, 8 = 0
+        pad = -q.shape[0] % 16  # the kernel takes rows 16 at a time: zero rows past the end
+        q = F.pad(q.reshape(-1, self.in_features).to(torch.int32), (0, 0, 0, pad), value=8)
+        scale = F.pad(self.scale[..., 0].T.bfloat16(), (0, pad))  # (k / group, n + pad)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        self.packed = (packed, torch.stack((scale, torch.zeros_like(scale)), -1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fused:
+            return F.linear(x, self.dequantized(), self.bias)
+        shape, x2 = x.shape, x.reshape(-1, self.in_features).bfloat16()
+        if self.bits == 8:
+            y = torch._weight_int8pack_mm(x2, *self.packed)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x2, self.packed[0], self.group,
+                                                  self.packed[1])[:, :self.codes.shape[0]]
+        y = y.to(x.dtype).view(*shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+
+def quantize_weights(model: nn.Module, bits: int = 8, group: int = 32,
+                     fused: bool = False) -> nn.Module:
+    """A copy of `model` with every linear layer's weight kept as int8 or int4 codes
+    (WeightOnlyLinear), the head's too (its tie to the embeddings cut: the embeddings stay
+    as they are, a step reads one row of them); `model` is left as it was."""
+    copy = deepcopy(model)
+    for module in list(copy.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, WeightOnlyLinear(child, bits, group, fused))
+    return copy
