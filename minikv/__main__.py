@@ -11,6 +11,7 @@
     bench-spec speculation beyond a draft: draft model, feature head, token trees, in a server
     bench-sessions  the cache across turns: dialogues and an agent loop under four prefix caches
     bench-tp   tensor parallelism: the course target on 2 ranks against one process
+    bench-weights  int8 and int4 weights: the decode step against its roofline, and quality
     exercises  regenerate exercises/ from solutions/ (--check: only report)
     grade      the grade report: ✓, ✗ with the checker's hint, or not started, per exercise
     run        execute notebooks in place, saving their outputs
@@ -45,6 +46,7 @@ COMMANDS = {
     "bench-spec": ("minikv.bench.speculation", False),
     "bench-sessions": ("minikv.bench.sessions", False),
     "bench-tp": ("minikv.bench.tensor_parallel", False),
+    "bench-weights": ("minikv.bench.weights", False),
 }
 
 

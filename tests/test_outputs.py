@@ -48,6 +48,7 @@ WRITERS = {
     "bench-spec": lambda out: ["bench-spec", "--quick", "--out", out],
     "bench-sessions": lambda out: ["bench-sessions", "--quick", "--out", out],
     "bench-tp": lambda out: ["bench-tp", "--quick", "--out", out],
+    "bench-weights": lambda out: ["bench-weights", "--quick", "--out", out],
     "grade --cache": lambda out: ["grade", NOTEBOOK, "--cache", out],
 }
 
@@ -128,7 +129,8 @@ def test_the_committed_output_folders_are_marked_as_their_commands():
                             ("benchmarks/load", "bench-load"),
                             ("benchmarks/speculation", "bench-spec"),
                             ("benchmarks/sessions", "bench-sessions"),
-                            ("benchmarks/tp", "bench-tp")):
+                            ("benchmarks/tp", "bench-tp"),
+                            ("benchmarks/weights", "bench-weights")):
         assert claim_directory(ROOT / folder, command) == ROOT / folder
 
 
@@ -197,6 +199,7 @@ BAD = [  # (command and good arguments, option, wrong value, what the message sa
     (["serve-http", "--num-blocks", "8"], "--memory-utilization", "0.5", "not allowed with"),
     *[(["bench-tp", "--quick"], opt, value, says) for opt, value, says in [
         ("--out", "{file}", "not a directory")]],
+    (["bench-weights", "--quick"], "--out", "{file}", "not a directory"),
     *[(["generate", "--prompt", "x"], opt, value, says) for opt, value, says in [
         ("--tp", "0", "from 1 to 64"), ("--tp", "-2", "from 1 to 64"), ("--tp", "x", "integer")]],
 ]

@@ -69,3 +69,19 @@ def test_the_codes_are_the_kv_caches_own():
 def test_a_layout_that_cannot_be_made_is_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         WeightOnlyLinear(torch.nn.Linear(64, 8), **kwargs)
+
+
+def test_the_bench_counts_the_bytes_a_step_reads():
+    """bench-weights' byte count: int8 codes are a quarter of fp32's bytes, int4's an
+    eighth, plus their scales; its machinery runs (timings are a benchmark's, not checked)."""
+    from minikv.bench.weights import bench, step_bytes, variants
+    model, _ = minikv.load_course_model("target", device="cpu")
+    b = {name: step_bytes(m) for name, m in variants(model).items()}
+    linear = sum(m.weight.nbytes for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert b["bf16"] * 2 == b["fp32"]
+    assert linear / 4 < b["int8"] - (b["fp32"] - linear) / 1 < linear / 4 * 1.1
+    assert b["int4"] < b["int8"] < b["fp32"]
+    r = bench(quick=True)
+    assert [row["name"] for row in r["models"]["course target"]] == ["fp32", "bf16", "int8",
+                                                                       "int4"]
+    assert r["quality"][0]["agreement"] == 1.0  # fp32 against itself
