@@ -12,6 +12,7 @@
     bench-sessions  the cache across turns: dialogues and an agent loop under four prefix caches
     bench-tp   tensor parallelism: the course target on 2 ranks against one process
     bench-weights  int8 and int4 weights: the decode step against its roofline, and quality
+    bench-batch  a decode step against its batch size, beside the roofline's prediction
     exercises  regenerate exercises/ from solutions/ (--check: only report)
     grade      the grade report: ✓, ✗ with the checker's hint, or not started, per exercise
     run        execute notebooks in place, saving their outputs
@@ -47,6 +48,7 @@ COMMANDS = {
     "bench-sessions": ("minikv.bench.sessions", False),
     "bench-tp": ("minikv.bench.tensor_parallel", False),
     "bench-weights": ("minikv.bench.weights", False),
+    "bench-batch": ("minikv.bench.batch", False),
 }
 
 

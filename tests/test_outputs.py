@@ -49,6 +49,7 @@ WRITERS = {
     "bench-sessions": lambda out: ["bench-sessions", "--quick", "--out", out],
     "bench-tp": lambda out: ["bench-tp", "--quick", "--out", out],
     "bench-weights": lambda out: ["bench-weights", "--quick", "--out", out],
+    "bench-batch": lambda out: ["bench-batch", "--quick", "--out", out],
     "grade --cache": lambda out: ["grade", NOTEBOOK, "--cache", out],
 }
 
@@ -130,7 +131,8 @@ def test_the_committed_output_folders_are_marked_as_their_commands():
                             ("benchmarks/speculation", "bench-spec"),
                             ("benchmarks/sessions", "bench-sessions"),
                             ("benchmarks/tp", "bench-tp"),
-                            ("benchmarks/weights", "bench-weights")):
+                            ("benchmarks/weights", "bench-weights"),
+                            ("benchmarks/batch-cpu", "bench-batch")):
         assert claim_directory(ROOT / folder, command) == ROOT / folder
 
 
@@ -200,6 +202,9 @@ BAD = [  # (command and good arguments, option, wrong value, what the message sa
     *[(["bench-tp", "--quick"], opt, value, says) for opt, value, says in [
         ("--out", "{file}", "not a directory")]],
     (["bench-weights", "--quick"], "--out", "{file}", "not a directory"),
+    *[(["bench-batch", "--quick"], opt, value, says) for opt, value, says in [
+        ("--out", "{file}", "not a directory"), ("--repeats", "0", "at least 1"),
+        ("--threads", "0", "at least 1"), ("--device", "tpu", "tpu")]],
     *[(["generate", "--prompt", "x"], opt, value, says) for opt, value, says in [
         ("--tp", "0", "from 1 to 64"), ("--tp", "-2", "from 1 to 64"), ("--tp", "x", "integer")]],
 ]
