@@ -40,6 +40,8 @@ ENGINE_STATEMENT_BUDGET = sum({
     "kv_layers, values narrower than keys; scored caches refuse them)": 89,
     "issue 53: eviction by score (evict.py: H2O's heavy hitters, SnapKV's observation window)": 152,
     "issue 54: tensor parallelism (a head's width of its own, head_size)": 4,
+    "issue 55: the block choices real small models need (an untied head, q/k/v biases, q/k "
+    "norms, Llama 3's RoPE scaling), loaded from Llama/Qwen2/Qwen3 layouts": 49,
 }.values())
 # The shape of readable code, measured as code-review-2026-11-25.md measured it (section 2).
 LONGEST_FUNCTION = 45       # lines, signature and docstring included (nano-vllm's engine: 49)
