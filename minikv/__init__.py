@@ -8,6 +8,7 @@
 """
 from .course.checkpoint import load_course_model, load_feature_head
 from .course.device import default_device, describe_device, resolve_device
+from .course.pretrained import from_pretrained
 from .course.tokenizer import EOT, load_tokenizer
 from .engine import (
     GPT,
@@ -44,5 +45,5 @@ __all__ = [
     "resolve_device", "load_tokenizer", "EOT", "speculative_generate", "serve", "Request",
     "RequestOutput", "Verdict", "verify_and_commit", "load_course_model", "lookup_generate",
     "generate_batch", "QuantizedKVCache", "SinkWindowCache", "Speculation", "feature_generate",
-    "load_feature_head", "Radix", "H2OCache", "SnapKVCache",
+    "load_feature_head", "Radix", "H2OCache", "SnapKVCache", "from_pretrained",
 ]
