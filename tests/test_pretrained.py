@@ -238,3 +238,9 @@ def test_a_broken_tokenizer_json_is_refused(tmp_path):
     (tmp_path / "tokenizer.json").write_text('{"model": 3}')
     with pytest.raises(ValueError, match="tokenizer.json cannot be read as a tokenizer"):
         minikv.from_pretrained(tmp_path, "cpu")
+
+
+def test_a_model_type_that_is_not_a_string_is_refused(folder):
+    edit_config(folder, model_type=["qwen2"])
+    with pytest.raises(ValueError, match=r"model_type \['qwen2'\] is not one minikv reads"):
+        minikv.from_pretrained(folder, "cpu")

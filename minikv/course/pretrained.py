@@ -104,11 +104,12 @@ def read_hf_config(folder: str | os.PathLike) -> GPTConfig:
     path = folder / CONFIG
     raw = _read_json(path, "download the model's folder again")
     if not isinstance(raw, dict):
-        raise ValueError(f"{path} must hold a JSON object, not {type(raw).__name__}")
+        raise ValueError(f"{path} must hold a JSON object, not {type(raw).__name__}; "
+                         f"download the model's folder again")
     kind = raw.get("model_type")
-    if kind not in FAMILIES or any(raw.get(k) for k in MOE_KEYS):
+    if not isinstance(kind, str) or kind not in FAMILIES or any(raw.get(k) for k in MOE_KEYS):
         moe = " (a mixture of experts)" if any(raw.get(k) for k in MOE_KEYS) else ""
-        raise ValueError(f"{path}: model_type {kind!r}{moe} is not one minikv reads (" +
+        raise ValueError(f"{path}: model_type {kind!r:.40}{moe} is not one minikv reads (" +
                          ", ".join(f"{k}: {v}" for k, v in FAMILIES.items()) + f"); {ELSEWHERE}")
     _refuse_unsupported(raw, path)
     try:
@@ -146,7 +147,8 @@ def _rope(raw: dict, path: Path) -> dict:
     and rope_scaling."""
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(rope, dict):
-        raise ValueError(f"{path}: rope_parameters must be a JSON object, not {rope!r:.60}")
+        raise ValueError(f"{path}: rope_parameters must be a JSON object, not {rope!r:.60}; "
+                         f"download the model's folder again")
     return rope
 
 
