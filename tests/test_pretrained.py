@@ -244,3 +244,63 @@ def test_a_model_type_that_is_not_a_string_is_refused(folder):
     edit_config(folder, model_type=["qwen2"])
     with pytest.raises(ValueError, match=r"model_type \['qwen2'\] is not one minikv reads"):
         minikv.from_pretrained(folder, "cpu")
+
+
+# config.json as the hub's folders hold them (written by transformers 4: rope_theta and
+# rope_scaling at the top), every size scaled down, every other key as the real model's
+REAL_CONFIGS = {
+    "Llama-3.2-1B": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False,
+        attention_dropout=0.0, bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
+        head_dim=16, hidden_act="silu", hidden_size=64, initializer_range=0.02,
+        intermediate_size=176, max_position_embeddings=256, mlp_bias=False,
+        num_attention_heads=4, num_hidden_layers=2, num_key_value_heads=2, pretraining_tp=1,
+        rms_norm_eps=1e-05, rope_scaling={"factor": 32.0, "high_freq_factor": 4.0,
+                                          "low_freq_factor": 1.0,
+                                          "original_max_position_embeddings": 64,
+                                          "rope_type": "llama3"},
+        rope_theta=500000.0, tie_word_embeddings=True, torch_dtype="bfloat16",
+        use_cache=True, vocab_size=512),
+    "SmolLM2-135M": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False,
+        attention_dropout=0.0, bos_token_id=0, eos_token_id=0, hidden_act="silu",
+        hidden_size=64, initializer_range=0.041666666666666664, intermediate_size=176,
+        is_llama_config=True, max_position_embeddings=256, mlp_bias=False,
+        num_attention_heads=4, num_hidden_layers=2, num_key_value_heads=2, pretraining_tp=1,
+        rms_norm_eps=1e-05, rope_interleaved=False, rope_scaling=None, rope_theta=100000,
+        tie_word_embeddings=True, torch_dtype="bfloat16", use_cache=True, vocab_size=512),
+    "Qwen2.5-0.5B": dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", attention_dropout=0.0,
+        bos_token_id=151643, eos_token_id=151643, hidden_act="silu", hidden_size=64,
+        initializer_range=0.02, intermediate_size=176, max_position_embeddings=256,
+        max_window_layers=24, num_attention_heads=4, num_hidden_layers=2,
+        num_key_value_heads=2, rms_norm_eps=1e-06, rope_theta=1000000.0, sliding_window=256,
+        tie_word_embeddings=True, torch_dtype="bfloat16", use_cache=True,
+        use_sliding_window=False, vocab_size=512),
+    "Qwen3-0.6B": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", attention_bias=False,
+        attention_dropout=0.0, bos_token_id=151643, eos_token_id=151645, head_dim=32,
+        hidden_act="silu", hidden_size=64, initializer_range=0.02, intermediate_size=176,
+        max_position_embeddings=256, max_window_layers=28, num_attention_heads=4,
+        num_hidden_layers=2, num_key_value_heads=2, rms_norm_eps=1e-06, rope_scaling=None,
+        rope_theta=1000000, sliding_window=None, tie_word_embeddings=True,
+        torch_dtype="bfloat16", use_cache=True, use_sliding_window=False, vocab_size=512),
+}
+
+
+@pytest.mark.parametrize("name", REAL_CONFIGS)
+def test_a_hub_style_config_reads_as_transformers_reads_it(tmp_path, name):
+    """The config.json of each family's real model (sizes cut down): transformers builds its
+    model from it, weights drawn wide; minikv reads the same folder and decodes the same."""
+    (tmp_path / "config.json").write_text(json.dumps(REAL_CONFIGS[name]))
+    hf_cfg = transformers.AutoConfig.from_pretrained(tmp_path)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg).float().eval()
+    with torch.no_grad():
+        for key, p in hf.named_parameters():  # norms' scales not ones, biases not zeros
+            p.uniform_(0.5, 1.5) if p.dim() == 1 and "norm" in key else p.normal_(0.0, 0.1)
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"},
+              str(tmp_path / "model.safetensors"))
+    model, _ = minikv.from_pretrained(tmp_path, "cpu")
+    theirs = hf_greedy(hf)
+    assert greedy(model) == theirs and len(set(theirs)) > 5
