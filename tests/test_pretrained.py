@@ -304,3 +304,23 @@ def test_a_hub_style_config_reads_as_transformers_reads_it(tmp_path, name):
     model, _ = minikv.from_pretrained(tmp_path, "cpu")
     theirs = hf_greedy(hf)
     assert greedy(model) == theirs and len(set(theirs)) > 5
+
+
+def test_hub_folder_finds_a_snapshot_in_the_cache_or_says_none(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    assert pretrained.hub_folder("HuggingFaceTB/SmolLM2-135M") is None  # not downloaded
+    repo = tmp_path / "models--HuggingFaceTB--SmolLM2-135M"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    assert pretrained.hub_folder("HuggingFaceTB/SmolLM2-135M") is None  # no snapshot yet
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "snapshots" / "abc123" / "config.json").write_text("{}")
+    assert pretrained.hub_folder("HuggingFaceTB/SmolLM2-135M") == repo / "snapshots" / "abc123"
+    (repo / "refs" / "main").write_text("../../elsewhere")
+    assert pretrained.hub_folder("HuggingFaceTB/SmolLM2-135M") is None
+    monkeypatch.delenv("HF_HUB_CACHE")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    assert pretrained.hub_folder("HuggingFaceTB/SmolLM2-135M") is None
+    for bad in ("SmolLM2-135M", "../x/y", 3):
+        with pytest.raises(ValueError, match="repo_id must be 'owner/name'"):
+            pretrained.hub_folder(bad)

@@ -70,6 +70,26 @@ def from_pretrained(folder: str | os.PathLike, device: str | torch.device | None
     return model.to(device, dtype).eval(), _tokenizer(folder)
 
 
+def hub_folder(repo_id: str) -> Path | None:
+    """The folder of `repo_id` ("HuggingFaceTB/SmolLM2-135M") in this machine's Hugging Face
+    cache, as huggingface_hub.snapshot_download left it (the revision refs/main names), or None
+    when it is not there. Only looks: never downloads. The cache is $HF_HUB_CACHE, else
+    $HF_HOME/hub, else ~/.cache/huggingface/hub ($XDG_CACHE_HOME for ~/.cache)."""
+    if not (isinstance(repo_id, str) and repo_id.count("/") == 1 and ".." not in repo_id):
+        raise ValueError(f"repo_id must be 'owner/name', as on the hub, not {repo_id!r:.60}")
+    env = os.environ
+    cache = env.get("HF_HUB_CACHE") or (Path(env["HF_HOME"]) / "hub" if env.get("HF_HOME") else
+                                         Path(env.get("XDG_CACHE_HOME") or "~/.cache")
+                                         / "huggingface" / "hub")
+    repo = Path(cache).expanduser() / ("models--" + repo_id.replace("/", "--"))
+    try:
+        ref = (repo / "refs" / "main").read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    folder = repo / "snapshots" / ref
+    return folder if ref and Path(ref).name == ref and (folder / CONFIG).is_file() else None
+
+
 def _folder(folder) -> Path:
     if not isinstance(folder, (str, os.PathLike)):
         raise TypeError(f"folder must be a path (str or Path), not {type(folder).__name__}")
