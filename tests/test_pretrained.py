@@ -324,3 +324,28 @@ def test_hub_folder_finds_a_snapshot_in_the_cache_or_says_none(tmp_path, monkeyp
     for bad in ("SmolLM2-135M", "../x/y", 3):
         with pytest.raises(ValueError, match="repo_id must be 'owner/name'"):
             pretrained.hub_folder(bad)
+
+
+def test_the_appendix_runs_on_a_downloaded_model(tmp_path, monkeypatch):
+    """notebooks/A_real_models.ipynb's model cells, which nbval sees skip (no model in a test
+    machine's cache), run on a small exported Llama put where snapshot_download would have
+    put SmolLM2-135M: the decoders agree there too."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    from minikv.course.notebooks import ROOT
+    repo = tmp_path / "models--HuggingFaceTB--SmolLM2-135M"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    model = varied_model("tiny", seed=4, std=0.2, vocab_size=1024, n_kv_head=2, n_inner=176,
+                         **LLAMA)
+    export.export_hf(model, repo / "snapshots" / "abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the kernel imports this checkout's minikv
+    nb = nbformat.read(ROOT / "notebooks" / "A_real_models.ipynb", as_version=4)
+    NotebookClient(nb, timeout=120, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                      for o in c.outputs)
+    assert "SmolLM2-135M on " in printed and "skipped" not in printed
+    assert printed.count("same tokens: True") == 2
