@@ -80,7 +80,9 @@ class GPTConfig:
             raise ValueError("MLA caches one latent for every head: leave n_kv_head None")
 
     def _check_rope_scaling(self) -> None:
-        """A JSON list read back is made the tuple a frozen config can hash."""
+        """("llama3", factor, low_freq_factor, high_freq_factor, original context), each
+        checked; a list (a config.json read back) becomes the tuple a frozen config
+        hashes."""
         scaling = self.rope_scaling
         if not isinstance(scaling, (tuple, list)) or len(scaling) != 5:
             raise ValueError(f"GPTConfig.rope_scaling must be ('llama3', factor, "
