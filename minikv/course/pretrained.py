@@ -285,7 +285,8 @@ def _check_declared(declared: dict, config: GPTConfig, folder: Path) -> None:
                              f"{shape}; {fix}")
         if dtype not in LOADABLE:
             raise ValueError(f"{folder}: tensor {name} is {dtype}; weights must be float32, "
-                             f"float16 or bfloat16 (a quantized model is not supported)")
+                             f"float16 or bfloat16; a quantized model is not supported: "
+                             f"download the unquantized one, or {ELSEWHERE}")
 
 
 def _read_tensors(files: dict, folder: Path) -> dict[str, torch.Tensor]:
