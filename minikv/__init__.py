@@ -8,6 +8,7 @@
 """
 from .course.checkpoint import load_course_model, load_feature_head
 from .course.device import default_device, describe_device, resolve_device
+from .course.pretrained import from_pretrained
 from .course.tokenizer import EOT, load_tokenizer
 from .engine import (
     GPT,
@@ -46,4 +47,5 @@ __all__ = [
     "RequestOutput", "Verdict", "verify_and_commit", "load_course_model", "lookup_generate",
     "generate_batch", "QuantizedKVCache", "SinkWindowCache", "Speculation", "feature_generate",
     "load_feature_head", "Radix", "H2OCache", "SnapKVCache", "tensor_parallel",
+    "from_pretrained",
 ]

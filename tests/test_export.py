@@ -89,3 +89,37 @@ def test_the_command_line_exports_a_checkpoint(tmp_path):
         "python -m minikv export\n")  # still marked: a later --force may replace it again
     code, err = cli_exit("export", "--checkpoint", str(tmp_path / "nothing"))
     assert code == 2 and "nothing is not there: give a directory" in err
+
+
+@pytest.mark.parametrize("choices, family", [
+    (dict(tied_head=False), "LlamaForCausalLM"),
+    (dict(rope_scaling=("llama3", 32.0, 1.0, 4.0, 64), rope_theta=500000.0), "LlamaForCausalLM"),
+    (dict(qkv_bias=True), "Qwen2ForCausalLM"),
+    (dict(qkv_bias=True, tied_head=False), "Qwen2ForCausalLM"),
+    (dict(qk_norm=True, head_size=32), "Qwen3ForCausalLM"),
+])
+def test_the_real_models_choices_export_to_their_family(tmp_path, choices, family):
+    """Issue 55's block choices: q/k/v biases make a Qwen2, q/k norms a Qwen3; an untied head
+    and Llama 3's RoPE scaling are written into the config; transformers computes the same."""
+    model = varied_model("tiny", seed=4, std=0.2, vocab_size=1024, n_kv_head=2, n_inner=176,
+                         **LLAMA, **choices)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:  # norms' scales and biases, not their defaults
+                p.uniform_(0.5, 1.5)
+    out = export.export_hf(model, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(hf).__name__ == family
+    assert hf.config.tie_word_embeddings == model.config.tied_head
+    idx = torch.randint(0, 1024, (2, 100), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (hf(idx).logits - model(idx)).abs().max() < 1e-4
+
+
+def test_choices_no_hugging_face_family_has_are_refused(tmp_path):
+    both = minikv.GPT(minikv.GPTConfig.preset("tiny", **LLAMA, qkv_bias=True, qk_norm=True))
+    untied_gpt2 = minikv.GPT(minikv.GPTConfig.preset("tiny", tied_head=False))
+    for model in (both, untied_gpt2):
+        with pytest.raises(ValueError, match="no Hugging Face architecture"):
+            export.export_hf(model, tmp_path / "out")
+        assert not (tmp_path / "out").exists()

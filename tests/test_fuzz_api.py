@@ -13,6 +13,7 @@ RuntimeError from torch) fails the test, and so does a wrong value taken silentl
 from __future__ import annotations
 
 import atexit
+import json
 import math
 import shutil
 import tempfile
@@ -22,12 +23,14 @@ from typing import Callable
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minikv
 from minikv.course.checkpoint import load_checkpoint, save_checkpoint
+from minikv.course.export import llama_state_dict
 from minikv.engine import FeatureHead
 from minikv.engine.config import LLAMA
 from minikv.engine.paged import BlockPool, BlockTable, PagedCache
@@ -212,6 +215,8 @@ def check_cache_shape(kw, cache):
 
 def fix_config(kw):
     kw["n_embd"] *= 2 * kw["n_head"]                        # an even head_dim (RoPE's pairs)
+    if kw["positions"] == "learned":
+        kw["rope_scaling"] = None                           # Llama 3's scaling turns RoPE
     if kw["n_kv_head"] is not None:
         kw["n_kv_head"] = math.gcd(kw["n_kv_head"], kw["n_head"])  # n_kv_head divides n_head
 
@@ -234,6 +239,31 @@ def paged():
 
 TINY_CHECKPOINT = save_checkpoint(MODEL, Path(tempfile.mkdtemp()) / "tiny")
 atexit.register(shutil.rmtree, TINY_CHECKPOINT.parent, True)
+QWEN = varied_model(seed=5, **LLAMA, qkv_bias=True, n_inner=96)  # a Hugging Face folder of it:
+
+
+def hf_folder() -> Path:
+    """QWEN as save_pretrained writes it: config.json (hand-written: no transformers needed) and
+    model.safetensors in Qwen2's names."""
+    folder = Path(tempfile.mkdtemp()) / "qwen"
+    folder.mkdir()
+    cfg = QWEN.config
+    (folder / "config.json").write_text(json.dumps(dict(
+        model_type="qwen2", vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd,
+        intermediate_size=cfg.n_inner, num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head, max_position_embeddings=cfg.block_size,
+        rms_norm_eps=cfg.layer_norm_eps, tie_word_embeddings=True, rope_theta=cfg.rope_theta)))
+    safetensors.torch.save_file({k: v.contiguous() for k, v in llama_state_dict(QWEN).items()},
+                                str(folder / "model.safetensors"))
+    atexit.register(shutil.rmtree, folder.parent, True)
+    return folder
+
+
+def check_pretrained(kw, out):
+    model, tok = out
+    assert tok is None and model.config == QWEN.config and model.dtype == kw["dtype"]
+    assert all(torch.equal(a.to(b.dtype), b) for a, b in zip(
+        QWEN.state_dict().values(), model.state_dict().values()))
 
 
 def check_same_weights(model):
@@ -266,7 +296,15 @@ CONFIG = dict(vocab_size=count(1, 64), block_size=count(1, 64), n_layer=count(1,
                   [1, 0.5, -1e4, math.nan, math.inf, "1e4", True, None])),
               norm=choice(["layernorm", "rmsnorm"], ["rms", None, True, 0]),
               mlp=choice(["gelu", "swiglu"], ["relu", None, 1]),
-              n_inner=count(1, 64, none=True), bias=flag())
+              n_inner=count(1, 64, none=True), bias=flag(), tied_head=flag(), qk_norm=flag(),
+              qkv_bias=Arg(st.sampled_from([None, False, True]),
+                           st.sampled_from(["no", 0, 1, np.bool_(True), torch.tensor(True)])),
+              rope_scaling=Arg(st.sampled_from([None, ("llama3", 8.0, 1.0, 4.0, 64)]),
+                               st.sampled_from(["llama3", ("yarn", 8.0, 1.0, 4.0, 64),
+                                                ("llama3", -1.0, 1.0, 4.0, 64),
+                                                ("llama3", 8.0, 4.0, 1.0, 64), [1, 2],
+                                                ("llama3", True, 1.0, 4.0, 64),
+                                                ("llama3", 8.0, 1.0, 4.0, 64.0), 3])))
 MAX_NEW = count(0, 6, too_big=[10**6])
 SAMPLING = dict(temperature=TEMPERATURE, top_k=count(1, V + 5, none=True),
                 seed=count(0, 2**63 - 1, too_big=[2**63]))
@@ -435,6 +473,15 @@ ENTRIES = {
         dict(name=choice(["draft"], ["targett", b"target", 3, None, ["target"], "TARGET", ""]),
              device=DEVICE),
         examples=25),
+    "from_pretrained": Entry(
+        minikv.from_pretrained,
+        dict(folder=Arg(st.sampled_from([hf_folder()]), st.sampled_from(
+                 [b"qwen", 3, None, ["qwen"], "/nonexistent/minikv-qwen", TINY_CHECKPOINT,
+                  TINY_CHECKPOINT / "config.json"]), ("folder", "model_type", "a file")),
+             device=DEVICE,
+             dtype=choice([torch.float32, torch.bfloat16], ["float32", float, None, 4,
+                                                           torch.int8])),
+        check_pretrained, examples=25),
     "load_tokenizer": Entry(
         minikv.load_tokenizer,
         dict(name=choice(["course"], ["gpt3", 3, None, b"course", ["course"], ""])),

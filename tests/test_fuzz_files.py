@@ -50,6 +50,7 @@ from minikv.course.checkpoint import (
     save_checkpoint,
 )
 from minikv.course.notebooks import MAX_NOTEBOOK_BYTES, exercise_names, read_notebook
+from minikv.engine.config import LLAMA
 
 pytestmark = pytest.mark.filterwarnings(  # a cell without an id: nbformat adds one, and warns
     "ignore::nbformat.warnings.MissingIDFieldWarning")
@@ -357,6 +358,88 @@ def test_save_refuses_metadata_that_loading_would_refuse(saved, tmp_path):
         with pytest.raises(ValueError, match=says):
             save_checkpoint(model, tmp_path / "ckpt", metadata)
         assert not (tmp_path / "ckpt").exists()
+
+
+# --- Hugging Face folders (minikv.from_pretrained) --------------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_saved(tmp_path_factory):
+    """A tiny Qwen2 as a sharded Hugging Face folder (config.json, an index, two shards), its
+    files' bytes and the names and shapes of its model's state dict."""
+    from safetensors.torch import save_file
+
+    from minikv.course.export import llama_state_dict
+    torch.manual_seed(0)
+    config = minikv.GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=8,
+                              n_inner=16, qkv_bias=True, **LLAMA)
+    model = minikv.GPT(config).eval()
+    folder = tmp_path_factory.mktemp("hf") / "qwen"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(dict(
+        model_type="qwen2", vocab_size=32, hidden_size=8, intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        max_position_embeddings=8, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), indent=1))
+    tensors = {k: v.contiguous() for k, v in llama_state_dict(model).items()}
+    shards = {f"model-0000{i}-of-00002.safetensors": {k: v for k, v in tensors.items()
+                                                      if ("layers.1." in k) == (i == 2)}
+              for i in (1, 2)}
+    for file, part in shards.items():
+        save_file(part, str(folder / file), metadata={"format": "pt"})
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f for f, part in shards.items() for k in part}}))
+    files = {p.name: p.read_bytes() for p in folder.iterdir()}
+    minikv.from_pretrained(folder, "cpu")  # first load: lazy imports happen outside the budget
+    return Saved((folder.parent, files, {k: v.shape for k, v in model.state_dict().items()}))
+
+
+def check_hf_load(base: Path, files: dict, shapes: dict, name: str, mutation) -> None:
+    """Load a copy of the folder with `name` mutated: a model of the original shapes (a Hugging
+    Face folder has no checksum: changed weights of the right shapes load) or a clear error,
+    within budget, nothing written."""
+    with scratch(base) as root:
+        folder = root / "qwen"
+        folder.mkdir()
+        for file, data in files.items():
+            (folder / file).write_bytes(data)
+        write_mutated(folder / name, mutation)
+        before = fingerprint(root)
+        out, error, peak, rss = measured(lambda: minikv.from_pretrained(folder, "cpu"))
+        assert fingerprint(root) == before, "loading wrote to the model's folder"
+    if error is None:
+        assert {k: v.shape for k, v in out[0].state_dict().items()} == shapes
+    else:
+        assert_clear(error, "download|AutoModelForCausalLM")
+    assert_within(peak, rss, sum(map(len, files.values())))
+
+
+@FUZZ
+@given(data=st.data())
+def test_a_damaged_hugging_face_folder_is_refused_clearly(hf_saved, data):
+    base, files, shapes = hf_saved
+    name = data.draw(st.sampled_from(sorted(files)), label="file")
+    limit = 1 << 30 if name.endswith(".safetensors") else 1 << 24
+    mutation = data.draw(byte_mutation(files[name], limit), label="mutation")
+    check_hf_load(base, files, shapes, name, mutation)
+
+
+@FUZZ
+@given(data=st.data())
+def test_wrong_json_types_in_a_hugging_face_folder_are_refused_clearly(hf_saved, data):
+    base, files, shapes = hf_saved
+    name = data.draw(st.sampled_from(["config.json", "model.safetensors.index.json"]),
+                     label="file")
+    mutated = data.draw(json_mutation(files[name]), label="json")
+    check_hf_load(base, files, shapes, name, ("json", mutated))
+
+
+@FUZZ
+@given(data=st.data())
+def test_broken_safetensors_header_claims_in_a_shard_are_refused(hf_saved, data):
+    base, files, shapes = hf_saved
+    name = data.draw(st.sampled_from(sorted(f for f in files if f.endswith(".safetensors"))))
+    mutated = data.draw(header_mutation(files[name]), label="weights")
+    check_hf_load(base, files, shapes, name, ("header", mutated))
 
 
 # --- the tokenizer's ranks ------------------------------------------------------------------------

@@ -45,6 +45,8 @@ ENGINE_STATEMENT_BUDGET = sum({
     "reserve, is the pool; the requests it holds)": 32,
     "issue 55: weight-only quantization (quantized.py: int8 a row, int4 a group, by the KV "
     "cache's own quantize; torch's fused kernels or the dequantized reference)": 51,
+    "issue 55: the block choices real small models need (an untied head, q/k/v biases, q/k "
+    "norms, Llama 3's RoPE scaling), loaded from Llama/Qwen2/Qwen3 layouts": 49,
 }.values())
 # The shape of readable code, measured as code-review-2026-11-25.md measured it (section 2).
 LONGEST_FUNCTION = 45       # lines, signature and docstring included (nano-vllm's engine: 49)

@@ -52,7 +52,14 @@ def greedy(m) -> list[int]:
 
 
 def model(**kw):
-    return varied_model("tiny", **kw).double()
+    """A wandering float64 model whose biases and norm scales are not 0 and 1 either (a bias
+    split by heads, or added on every rank before the sum, would show)."""
+    m = varied_model("tiny", **kw).double()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 1:
+                p.uniform_(-0.05, 0.05) if p.abs().sum() == 0 else p.uniform_(0.9, 1.1)
+    return m
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +94,8 @@ def test_each_rank_holds_its_heads_and_runs_two_all_reduces_a_layer_a_pass(gpt2_
     (dict(n_kv_head=2, **minikv.engine.config.LLAMA), 2, [range(0, 1), range(1, 2)]),
     (dict(n_kv_head=1, **minikv.engine.config.LLAMA), 2, [range(0, 1), range(0, 1)]),
     (dict(n_kv_head=2), 4, [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]),
+    (dict(n_kv_head=2, qk_norm=True, qkv_bias=True, tied_head=False,  # a Qwen3-style block
+          **minikv.engine.config.LLAMA), 2, [range(0, 1), range(1, 2)]),
 ])
 def test_grouped_heads_split_and_past_n_kv_head_replicate(kw, world, kv_heads):
     """GQA at world = n_kv_head: a K/V head each; MQA, or more ranks than K/V heads: the

@@ -3,7 +3,7 @@
 A checkpoint is a directory of three files:
 
     config.json        GPTConfig.to_dict(): the shapes
-    model.safetensors  every weight once (lm_head is tied to wte, so only wte is stored), all
+    model.safetensors  every weight once (a tied lm_head is wte, so only wte is stored), all
                        float32, or all float16 to halve the file (loaded as float32)
     training.json      how it was made: preset, seed, steps, tokens seen, losses, wall time, ...
 
@@ -54,8 +54,13 @@ FEATURE_HEAD = "feature-head"
 # config.json is ~150 bytes and training.json a few KB: a bigger one is not the package's, and is
 # refused before it is read (parsing a JSON file takes several times its size in memory)
 MAX_JSON_BYTES = 1 << 20
-TIED = "lm_head.weight"  # the same tensor as transformer.wte.weight
+TIED = "lm_head.weight"  # transformer.wte.weight's tensor, unless config.tied_head is False
 STORED_DTYPES = (torch.float32, torch.float16)  # a file holds one of them for every tensor
+
+
+def _tied(name: str, config: GPTConfig) -> bool:
+    """Whether `name` is the tied head: wte's tensor under a second name, never stored."""
+    return name == TIED and config.tied_head
 
 
 # --- saving --------------------------------------------------------------------------------------
@@ -73,7 +78,7 @@ def save_checkpoint(model: GPT, directory: str | Path, metadata: dict | None = N
     if dtype not in STORED_DTYPES:
         raise ValueError(f"dtype must be one of {STORED_DTYPES}, got {dtype!r}")
     tensors = {name: t.detach().to("cpu", dtype).contiguous()
-               for name, t in model.state_dict().items() if name != TIED}
+               for name, t in model.state_dict().items() if not _tied(name, model.config)}
     _check_tensors(tensors, model.config, directory / WEIGHTS_FILE,
                    "save the model it was made from: a column_parallel copy is for inference only",
                    type(model))
@@ -201,7 +206,8 @@ def expected_shapes(config: GPTConfig, layers: int | None = None,
     group = min(config.layers_per_kv, n)
     one = GPTConfig(**{**config.to_dict(), "n_layer": group})
     with torch.device("meta"):
-        shapes = {n: tuple(t.shape) for n, t in kind(one).state_dict().items() if n != TIED}
+        shapes = {n: tuple(t.shape) for n, t in kind(one).state_dict().items()
+                  if not _tied(n, config)}
     out = {}
     for name, shape in shapes.items():
         if name.startswith("transformer.h."):
@@ -330,8 +336,8 @@ def load_checkpoint(directory: str | Path, device: str | torch.device | None = N
         model = kind(config)
     with torch.no_grad():
         for name, target in model.state_dict().items():
-            if name != TIED:
-                target.copy_(tensors[name])  # lm_head.weight is wte's tensor, so it is filled too
+            if not _tied(name, config):
+                target.copy_(tensors[name])  # a tied lm_head.weight is wte's: filled too
     return model.to(device).eval()
 
 

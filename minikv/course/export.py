@@ -7,9 +7,10 @@ many GPUs (transformers, vLLM, SGLang read this layout).
 
 A GPT-2-block model becomes a `GPT2LMHeadModel` (GPT-2's linears are Conv1D, (in, out): ours are
 transposed back), a Llama-style one (config.LLAMA) a `LlamaForCausalLM` (c_attn split into q, k
-and v, c_fc into gate and up); the course tokenizer becomes a `tokenizer.json` (transformers'
-converter of tiktoken files) with <|endoftext|> as its end-of-text token. Other block mixes (a
-GPT-2 block with fewer K/V heads, say) have no Hugging Face architecture and are refused. The
+and v, c_fc into gate and up), or a `Qwen2ForCausalLM` with q/k/v biases, a `Qwen3ForCausalLM`
+with q/k norms; the course tokenizer becomes a `tokenizer.json` (transformers' converter of
+tiktoken files) with <|endoftext|> as its end-of-text token. Other block mixes (a GPT-2 block
+with fewer K/V heads, say) have no Hugging Face architecture and are refused. The
 directory is written whole, in a temporary directory renamed into place, and marked as an
 export's (a .minikv-output file); an existing one is replaced only with --force, and only if it
 is empty or an earlier export's: a folder of anyone's files (the repository, a folder holding
@@ -36,19 +37,23 @@ GPT2_BLOCK = dict(positions="learned", norm="layernorm", mlp="gelu", bias=True)
 
 
 def architecture(model: GPT) -> str:
-    """"gpt2" or "llama": the Hugging Face family whose layout this model's block is."""
+    """"gpt2", "llama", "qwen2" or "qwen3": the Hugging Face family whose layout this model's
+    block is (Qwen2: q/k/v biases; Qwen3: q/k norms; either may have Llama 3's RoPE scaling)."""
     cfg = model.config
     block = dict(positions=cfg.positions, norm=cfg.norm, mlp=cfg.mlp, bias=cfg.bias)
     if cfg.kv_lora_rank is not None or cfg.layers_per_kv > 1:
         raise ValueError("an MLA or cross-layer model has no GPT-2 or Llama layout to export "
                          "to: export a model of the other choices")
-    if block == GPT2_BLOCK and cfg.kv_heads == cfg.n_head and cfg.head_size is None:
+    plain = (cfg.tied_head, cfg.qkv_bias, cfg.qk_norm) == (True, None, False)
+    if block == GPT2_BLOCK and cfg.kv_heads == cfg.n_head and cfg.head_size is None and plain:
         return "gpt2"
-    if block == LLAMA:
-        return "llama"
+    if block == LLAMA and not (cfg.qkv_biased and cfg.qk_norm):
+        return "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_biased else "llama"
     raise ValueError(f"no Hugging Face architecture has this block ({block}, {cfg.kv_heads} K/V "
-                     f"heads of {cfg.n_head}): export a GPT-2 block with every K/V head, or a "
-                     f"Llama-style one (GPTConfig(**LLAMA))")
+                     f"heads of {cfg.n_head}, tied_head={cfg.tied_head}, qkv_bias="
+                     f"{cfg.qkv_bias}, qk_norm={cfg.qk_norm}): export a GPT-2 block with every "
+                     f"K/V head and a tied head, or a Llama-style one (GPTConfig(**LLAMA)) with "
+                     f"q/k/v biases (Qwen2) or q/k norms (Qwen3), not both")
 
 
 def gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
@@ -59,31 +64,47 @@ def gpt2_state_dict(model: GPT) -> dict[str, torch.Tensor]:
 
 
 def llama_state_dict(model: GPT) -> dict[str, torch.Tensor]:
-    """Our weights in LlamaForCausalLM's names; the inverse of GPT.from_llama_state_dict."""
+    """Our weights in LlamaForCausalLM's names (Qwen2's and Qwen3's are the same, with q/k/v
+    biases or q/k norms); the inverse of GPT.from_llama_state_dict."""
     cfg, sd = model.config, model.state_dict()
     width, kv = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     out = {"model.embed_tokens.weight": sd["transformer.wte.weight"],
            "model.norm.weight": sd["transformer.ln_f.weight"]}
+    if not cfg.tied_head:
+        out["lm_head.weight"] = sd["lm_head.weight"]
     for i in range(cfg.n_layer):
         ours, theirs = f"transformer.h.{i}.", f"model.layers.{i}."
-        q, k, v = sd[ours + "attn.c_attn.weight"].split([width, kv, kv])
+        attn = theirs + "self_attn."
+        for part in ("weight", "bias") if cfg.qkv_biased else ("weight",):
+            q, k, v = sd[ours + "attn.c_attn." + part].split([width, kv, kv])
+            out |= {f"{attn}{x}_proj.{part}": t for x, t in zip("qkv", (q, k, v))}
+        if cfg.qk_norm:
+            out |= {f"{attn}{x}_norm.weight": sd[f"{ours}attn.{x}_norm.weight"] for x in "qk"}
         gate, up = sd[ours + "mlp.c_fc.weight"].chunk(2)
         out |= {theirs + "input_layernorm.weight": sd[ours + "ln_1.weight"],
-                theirs + "self_attn.q_proj.weight": q, theirs + "self_attn.k_proj.weight": k,
-                theirs + "self_attn.v_proj.weight": v,
-                theirs + "self_attn.o_proj.weight": sd[ours + "attn.c_proj.weight"],
+                attn + "o_proj.weight": sd[ours + "attn.c_proj.weight"],
                 theirs + "post_attention_layernorm.weight": sd[ours + "ln_2.weight"],
                 theirs + "mlp.gate_proj.weight": gate, theirs + "mlp.up_proj.weight": up,
                 theirs + "mlp.down_proj.weight": sd[ours + "mlp.c_proj.weight"]}
     return out
 
 
+def rope_parameters(cfg) -> dict:
+    """The config's RoPE in transformers' rope_parameters form."""
+    if cfg.rope_scaling is None:
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    kind, factor, low, high, context = cfg.rope_scaling
+    return {"rope_type": kind, "rope_theta": cfg.rope_theta, "factor": factor,
+            "low_freq_factor": low, "high_freq_factor": high,
+            "original_max_position_embeddings": context}
+
+
 def hf_config(model: GPT, eot: int) -> dict:
     """config.json for the model's family, as transformers' own config class writes it."""
     import transformers
 
-    cfg = model.config
-    if architecture(model) == "gpt2":
+    cfg, family = model.config, architecture(model)
+    if family == "gpt2":
         hf = transformers.GPT2Config(
             vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd,
             n_layer=cfg.n_layer, n_head=cfg.n_head, n_inner=cfg.n_inner,
@@ -91,14 +112,16 @@ def hf_config(model: GPT, eot: int) -> dict:
             layer_norm_epsilon=cfg.layer_norm_eps, bos_token_id=eot, eos_token_id=eot,
             architectures=["GPT2LMHeadModel"])
     else:
-        hf = transformers.LlamaConfig(
+        kind, name = {"llama": (transformers.LlamaConfig, "LlamaForCausalLM"),
+                      "qwen2": (transformers.Qwen2Config, "Qwen2ForCausalLM"),
+                      "qwen3": (transformers.Qwen3Config, "Qwen3ForCausalLM")}[family]
+        hf = kind(
             vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.n_inner
             or 4 * cfg.n_embd, num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
             num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
             max_position_embeddings=cfg.block_size, rms_norm_eps=cfg.layer_norm_eps,
-            tie_word_embeddings=True, bos_token_id=eot, eos_token_id=eot,
-            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-            architectures=["LlamaForCausalLM"])
+            tie_word_embeddings=cfg.tied_head, bos_token_id=eot, eos_token_id=eot,
+            rope_parameters=rope_parameters(cfg), architectures=[name])
     return hf.to_dict()
 
 

@@ -23,6 +23,13 @@ class GPTConfig:
     mlp: str = "gelu"             # "swiglu": down(silu(gate(x)) * up(x)), a gated MLP
     n_inner: int | None = None    # the MLP's hidden width; None: 4 * n_embd, as in GPT-2
     bias: bool = True             # biases in the linear layers and norms (Llama has none)
+    # What the small open models add (Qwen2.5, Qwen3, Llama-3.2, SmolLM2):
+    tied_head: bool = True        # False: lm_head is a matrix of its own, not wte's
+    qkv_bias: bool | None = None  # q, k, v biases only (Qwen2.5); None: as `bias` says
+    qk_norm: bool = False         # Qwen3: RMSNorm over each head's q and k before RoPE
+    # Llama 3's long-context RoPE: ("llama3", factor, low_freq_factor, high_freq_factor,
+    # original context): slow pairs turn `factor` times slower (rope.py); None: plain
+    rope_scaling: tuple | None = None
     # The cache shrunk in the architecture (chapter 12):
     kv_lora_rank: int | None = None  # MLA: one latent of this width cached per token, not K, V
     qk_rope_head_dim: int = 0     # MLA under RoPE: a small key, shared by the heads, that turns
@@ -38,7 +45,12 @@ class GPTConfig:
         one_of("GPTConfig.positions", self.positions, ("learned", "rope"))
         one_of("GPTConfig.norm", self.norm, ("layernorm", "rmsnorm"))
         one_of("GPTConfig.mlp", self.mlp, ("gelu", "swiglu"))
-        check_flags(**{"GPTConfig.bias": self.bias})
+        check_flags(**{"GPTConfig.bias": self.bias, "GPTConfig.qk_norm": self.qk_norm,
+                       "GPTConfig.tied_head": self.tied_head})
+        if self.qkv_bias is not None:
+            check_flags(**{"GPTConfig.qkv_bias": self.qkv_bias})
+        if self.rope_scaling is not None:
+            self._check_rope_scaling()
         number_in("GPTConfig.rope_theta", self.rope_theta, 1)
         number_in("GPTConfig.layer_norm_eps", self.layer_norm_eps, 0, 1)
         uneven = self.head_size is None and self.n_embd % self.n_head
@@ -50,6 +62,9 @@ class GPTConfig:
             raise ValueError(f"RoPE needs an even head_dim, not {self.head_dim}: change n_head")
         if self.kv_lora_rank is not None:
             self._check_mla()
+            if self.qk_norm or self.qkv_bias is not None:
+                raise ValueError("qk_norm and qkv_bias shape q, k and v, and MLA has "
+                                 "no k or v: leave them at False and None")
         elif self.qk_rope_head_dim:
             raise ValueError("qk_rope_head_dim is MLA's RoPE key: set kv_lora_rank too, or 0")
 
@@ -63,6 +78,28 @@ class GPTConfig:
                              f"rotary MLA needs an even one > 0, a learned-position MLA 0")
         if self.n_kv_head is not None:
             raise ValueError("MLA caches one latent for every head: leave n_kv_head None")
+
+    def _check_rope_scaling(self) -> None:
+        """("llama3", factor, low_freq_factor, high_freq_factor, original context), each
+        checked; a list (a config.json read back) becomes the tuple a frozen config
+        hashes."""
+        scaling = self.rope_scaling
+        if not isinstance(scaling, (tuple, list)) or len(scaling) != 5:
+            raise ValueError(f"GPTConfig.rope_scaling must be ('llama3', factor, "
+                             f"low_freq_factor, high_freq_factor, original context) or "
+                             f"None, not {scaling!r:.60}")
+        object.__setattr__(self, "rope_scaling", tuple(scaling))
+        one_of("GPTConfig.rope_scaling[0]", scaling[0], ("llama3",))
+        for i, name in enumerate(("factor", "low_freq_factor", "high_freq_factor"), 1):
+            number_in(f"GPTConfig.rope_scaling {name}", scaling[i], 0)
+        int_at_least("GPTConfig.rope_scaling original context", scaling[4])
+        if self.positions != "rope" or scaling[3] <= scaling[2]:
+            raise ValueError("rope_scaling needs positions='rope' and high_freq_factor "
+                             "> low_freq_factor (Llama 3.2: 32.0, 1.0, 4.0, 8192)")
+
+    @property
+    def qkv_biased(self) -> bool:
+        return self.bias if self.qkv_bias is None else self.qkv_bias
 
     @property
     def head_dim(self) -> int:

@@ -44,8 +44,12 @@ class CausalSelfAttention(nn.Module):
         kv = cfg.kv_heads * cfg.head_dim if makes_kv else 0
         # Q, K and V, every head at once (q: n_embd wide unless head_size is set)
         q = cfg.n_head * cfg.head_dim
-        self.c_attn = nn.Linear(cfg.n_embd, q + 2 * kv, bias=cfg.bias)
+        self.c_attn = nn.Linear(cfg.n_embd, q + 2 * kv, bias=cfg.qkv_biased)
         self.c_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=cfg.bias)
+        if cfg.qk_norm:  # Qwen3: each head's q and k scaled to one size before they turn
+            self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.layer_norm_eps)
+            self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.layer_norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x: torch.Tensor, cache: Cache | None, layer_idx: int,
                 attention: Attention, rope: tuple | None = None,
@@ -55,6 +59,8 @@ class CausalSelfAttention(nn.Module):
         C = self.n_head * hs  # = n_embd in GPT-2
         q, k, v = self.c_attn(x).split([C, kv, kv], dim=2)  # (B, T, C), 2 x (B, T, kv)
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        if self.qk_norm:
+            q = self.q_norm(q)  # over hs, each head alone
         if rope is not None:  # RoPE: turn q by its positions (k in keys_values)
             q = rotate(q, *rope)
         k, v = self.keys_values(k, v, cache, layer_idx, rope, shared)
@@ -68,6 +74,8 @@ class CausalSelfAttention(nn.Module):
             return read_shared(shared, layer)
         B, T, _ = k.shape
         k, v = (t.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2) for t in (k, v))
+        if self.qk_norm:
+            k = self.k_norm(k)  # cached normed and turned, as it is used
         if rope is not None:
             # K is cached turned: a key's turn depends on its own position only, so it is
             # done once, when the key is made; cached unturned, every key would be turned
@@ -206,7 +214,8 @@ class GPT(nn.Module):
         layers["ln_f"] = norm(config)
         self.transformer = nn.ModuleDict(layers)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
+        if config.tied_head:  # tied, as in GPT-2 and the smallest Llamas and Qwens
+            self.lm_head.weight = self.transformer.wte.weight
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2 scales residual projections by depth
             if name.endswith("c_proj.weight"):
@@ -262,7 +271,8 @@ class GPT(nn.Module):
                 x = x + self.transformer.wpe(positions)
             else:  # RoPE: the positions turn q and k inside attention instead
                 turned = self.config.qk_rope_head_dim or self.config.head_dim  # MLA: its key
-                rope = rope_angles(positions, turned, self.config.rope_theta)
+                rope = rope_angles(positions, turned, self.config.rope_theta,
+                                   self.config.rope_scaling)
             shared = {}  # cross-layer attention: each group's K/V, for its upper layers
             for layer_idx, block in enumerate(self.transformer.h):
                 x = block(x, cache, layer_idx, attention, rope, shared)
@@ -294,29 +304,39 @@ class GPT(nn.Module):
     def from_llama_state_dict(cls, state_dict: Mapping[str, torch.Tensor],
                               config: GPTConfig) -> GPT:
         """Load weights in Hugging Face Llama layout (`model.layers.0.self_attn.q_proj.weight`,
-        ...) into a model of `config` (a Llama-style block: config.LLAMA's choices). q, k and
-        v are stacked into c_attn, gate and up into c_fc; the head must be tied to the
-        token embeddings, as in the small Llamas and Qwens."""
+        ...), Qwen2's and Qwen3's too, into a model of `config` (a Llama-style block:
+        config.LLAMA's choices; head, q/k/v biases and q/k norms as it says). q, k and
+        v are stacked into c_attn (their biases too), gate and up into c_fc."""
         if (config.positions, config.norm, config.mlp, config.bias) != tuple(LLAMA.values()):
             raise ValueError(f"a Llama needs GPTConfig(**LLAMA choices) {LLAMA}, not {config}")
         sd = {k.removeprefix("model."): v for k, v in state_dict.items()}
         wte = _take(sd, "embed_tokens.weight")
-        if not torch.equal(sd.pop("lm_head.weight", wte), wte):
-            raise ValueError("lm_head.weight is not tied to embed_tokens.weight: not supported")
         ours = {"wte.weight": wte, "ln_f.weight": _take(sd, "norm.weight")}
+        head = sd.pop("lm_head.weight", wte if config.tied_head else None)
+        if head is None or (config.tied_head and not torch.equal(head, wte)):
+            raise ValueError("lm_head.weight is missing, or it is not tied to "
+                             "embed_tokens.weight: set config.tied_head as the file is")
         for i in range(config.n_layer):
-            def take(*names: str) -> torch.Tensor:  # layer i's tensors, stacked by rows
-                return torch.cat([_take(sd, f"layers.{i}.{name}.weight") for name in names])
+            def take(*names: str, part: str = "weight") -> torch.Tensor:  # by rows
+                return torch.cat([_take(sd, f"layers.{i}.{n}.{part}") for n in names])
+            qkv = [f"self_attn.{x}_proj" for x in "qkv"]
             ours |= {f"h.{i}.ln_1.weight": take("input_layernorm"),
-                     f"h.{i}.attn.c_attn.weight": take(*(f"self_attn.{x}_proj" for x in "qkv")),
+                     f"h.{i}.attn.c_attn.weight": take(*qkv),
                      f"h.{i}.attn.c_proj.weight": take("self_attn.o_proj"),
                      f"h.{i}.ln_2.weight": take("post_attention_layernorm"),
                      f"h.{i}.mlp.c_fc.weight": take("mlp.gate_proj", "mlp.up_proj"),
                      f"h.{i}.mlp.c_proj.weight": take("mlp.down_proj")}
+            if config.qkv_biased:
+                ours[f"h.{i}.attn.c_attn.bias"] = take(*qkv, part="bias")
+            if config.qk_norm:
+                ours |= {f"h.{i}.attn.{x}_norm.weight": take(f"self_attn.{x}_norm")
+                         for x in "qk"}
         if sd:
             raise ValueError(f"tensors this model has no place for: {sorted(sd)[:4]}")
         model = cls(config)
         model.transformer.load_state_dict(ours)  # strict: names a misshapen tensor
+        if not config.tied_head:
+            model.lm_head.load_state_dict({"weight": head})
         return model
 
 

@@ -7,19 +7,36 @@ table of positions, and a key turned once, when it is made, never needs turning 
 while its position stays what it was (why the cache holds K turned: model.py)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 
-def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple:
+def rope_angles(positions: torch.Tensor, head_dim: int, theta: float,
+                scaling: tuple | None = None) -> tuple:
     """cos and sin of each position's turn, (T, hs) or (B, 1, T, hs) for (B, T) positions.
     Pair (i, i + hs/2) turns by position * theta^(-2i/hs) (Llama's layout, as in Hugging
     Face: the pair is a number of the first half and its twin in the second)."""
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=positions.device) / head_dim)
+    if scaling is not None:
+        inv_freq = llama3_frequencies(inv_freq, *scaling[1:])
     angles = positions[..., None].float() * inv_freq  # (..., T, hs/2)
     angles = torch.cat([angles, angles], dim=-1)  # (..., T, hs)
     if angles.dim() == 3:
         angles = angles[:, None]  # a row of positions per sequence: (B, 1, T, hs)
     return angles.cos(), angles.sin()
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, factor: float, low: float, high: float,
+                       context: int) -> torch.Tensor:
+    """Llama 3's stretch for long contexts: a pair whose wavelength (2π / its speed) is
+    short next to the trained context (under context / high turns) already told positions
+    apart in training and keeps its speed; one longer than context / low never finished a
+    turn in training, so it turns `factor` times slower, and the pairs between blend the
+    two by where their wavelength falls."""
+    wavelength = 2 * math.pi / inv_freq
+    blend = ((context / wavelength - low) / (high - low)).clamp(0, 1)  # 0: slow, 1: fast
+    return (1 - blend) * inv_freq / factor + blend * inv_freq
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -87,10 +87,11 @@ class SinkWindowCache(Cache):
 
     def check_fits(self, cfg, batch_size: int, n_new: int, device, dtype) -> None:
         if self.rope != "true" and ((cfg.positions, cfg.rope_theta) != ("rope", self.rope_theta)
-                                    or cfg.kv_lora_rank is not None):
+                                    or cfg.kv_lora_rank is not None or cfg.rope_scaling):
             raise ValueError(f"this cache turns keys by rope_theta={self.rope_theta}: use it with "
                              f"a rotary model of that theta (SinkWindowCache.for_model), not "
-                             f"MLA (its cached latent does not turn: rope='true')")
+                             f"MLA (its cached latent does not turn) nor a scaled RoPE "
+                             f"(rope_scaling): rope='true'")
         if self.get_seq_length() + n_new > self.max_len:
             raise ValueError("no position embedding past block_size: start a new cache"
                              if cfg.positions == "learned" else "no position past the trained "
