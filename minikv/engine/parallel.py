@@ -208,11 +208,12 @@ def _rank(fn, rank, world, store, threads, results, done, args, kwargs) -> None:
         dist.destroy_process_group()
 
 
-def run_sharded(rank: int, world: int, model: GPT, decoder, *args, **kwargs) -> dict:
+def run_sharded(rank: int, world: int, model: GPT, decoder, args: tuple = (),
+                kwargs: dict | None = None) -> dict:
     """One rank's run of `decoder(shard, *args, **kwargs)` (generate, speculate, serve,
-    ...): its output, its shard, the all-reduces it ran and the bytes of its cache."""
+    ...): its output, its shard, the all-reduces it ran and its config (its cache's shape)."""
     part = shard(model, rank, world)
-    output = decoder(part, *args, **kwargs)
+    output = decoder(part, *args, **(kwargs or {}))
     return dict(output=output, shard=part.shard, all_reduces=all_reduces(part),
                 config=part.config)
 
@@ -223,4 +224,4 @@ def tensor_parallel(model: GPT, world: int, decoder, *args, **kwargs) -> list[di
     same)."""
     check_model("model", model)
     plan(model.config, 0, world)  # refuse a bad world before starting any process
-    return launch(run_sharded, world, model, decoder, *args, **kwargs)
+    return launch(run_sharded, world, model, decoder, args, kwargs)  # kwargs: the decoder's
