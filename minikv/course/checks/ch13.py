@@ -192,7 +192,8 @@ def _llama_mistakes(tp: int) -> list[tuple[int, str]]:
     n, kv, hd, nh = (v["num_hidden_layers"], v["num_key_value_heads"], v["head_dim"],
                      v["num_attention_heads"])
     right = n * 2 * hd * 2 * max(kv // tp, 1)
-    return [(w, hint) for w, hint in [(n * 2 * hd * 2 * kv // tp, P["past_kv"]), (n * 2 * hd * 2 * nh // tp, P["query"]),
+    return [(w, hint) for w, hint in [
+            (n * 2 * hd * 2 * kv // tp, P["past_kv"]), (n * 2 * hd * 2 * nh // tp, P["query"]),
             (right * 2, P["fp32"]), (right // 2, P["k_only"]), (right // n, P["one_layer"]),
             (right * 8, P["bits"]), (right * tp, P["all_ranks"]),
             (n * 2 * hd * 2 * kv, P["whole"])] if w != right]
@@ -488,7 +489,8 @@ def _query_heads(m, w):
 
 
 CHOOSE_CASES = [("Llama-3-8B", 24 * GIB, 8192), ("Llama-3-8B", 24 * GIB, 65536),
-                ("Llama-3-8B", 16 * GIB, 32768), ("Llama-3-8B", 10_177_744_896, 32768), ("Llama-3-8B", 12 * GIB, 131072),
+                ("Llama-3-8B", 16 * GIB, 32768), ("Llama-3-8B", 10_177_744_896, 32768),
+                ("Llama-3-8B", 12 * GIB, 131072),
                 ("Llama-3-70B", 80 * GIB, 8192), ("Llama-3-70B", 80 * GIB, 131072),
                 ("Llama-3-70B", 40 * GIB, 131072), ("Llama-3-70B", 24 * GIB, 131072),
                 ("Llama-3-70B", 10 * GIB, 8192), ("Qwen2.5-14B", 24 * GIB, 32768),
@@ -504,7 +506,8 @@ def _describe_choice(model, memory, context) -> str:
     name = next(n for n, m in MODELS.items() if m == model)
     return (f"{name} ({model['params']:,} parameters, {model['layers']} layers, "
             f"{model['heads']} heads, {model['kv_heads']} K/V heads of {model['head_dim']}, "
-            f"bf16), {memory:,} bytes ({memory / GIB:.2f} GiB) a device, a context of {context:,} tokens")
+            f"bf16), {memory:,} bytes ({memory / GIB:.2f} GiB) a device, a context of "
+            f"{context:,} tokens")
 
 
 def _choice(got, *case):
