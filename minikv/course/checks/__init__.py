@@ -51,7 +51,7 @@ import minikv
 from ...engine import GPT, GPTConfig
 
 HERE = Path(__file__).resolve().parent
-CHAPTERS = tuple(f"ch{i:02}" for i in range(13))  # the chapters, 00 to 12
+CHAPTERS = tuple(f"ch{i:02}" for i in range(14))  # the chapters, 00 to 13
 
 
 class CheckFailed(AssertionError):

@@ -1,0 +1,215 @@
+"""Chapter 13's checkers accept the solutions (and other right ways), let a stub's
+NotImplementedError through, and reject every plausible wrong answer with a hint that names the
+mistake. shard_attention and choose_tp are checked from data (tests/test_checks_table.py feeds
+them their own mistakes); the code checkers' mistakes are fed here from their own data (the
+prediction's, ROW_MISTAKES), the rest are listed here."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import minikv
+from minikv.course.checks import ch13
+from minikv.course.parallel import Unmatched, in_threads
+from minikv.engine.parallel import RowParallel, shard
+
+from conftest import assert_mistake_named, assert_right_ways_pass, stub
+
+PREDICT, ROW = ch13.check_predict_cache_per_rank, ch13.check_row_parallel
+
+
+# --- right answers -------------------------------------------------------------------------------
+def predict_llama_per_rank():
+    return {tp: 32 * 2 * 128 * 2 * max(8 // tp, 1) for tp in (1, 2, 4, 8, 16)}
+
+
+def cache_per_rank(model, world):
+    return [minikv.kv_cache_bytes(shard(model, r, world).config, 1, dtype=model.dtype)
+            for r in range(world)]
+
+
+def cache_per_rank_by_heads(model, world):  # also right: counted from the config by hand
+    c = model.config
+    if c.kv_lora_rank is not None:
+        per_layer = c.kv_lora_rank + c.qk_rope_head_dim
+    else:
+        per_layer = 2 * c.head_dim * max(c.kv_heads // world, 1)
+    return [c.kv_layers * per_layer * 4] * world
+
+
+class RowFixed(ch13.BuggyRowParallel):
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        dist.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+
+class RowBiasOnRankZero(ch13.BuggyRowParallel):  # also right: the bias once, before the sum
+    def forward(self, x):
+        bias = self.bias if self.bias is not None and dist.get_rank() == 0 else None
+        y = F.linear(x, self.weight, bias)
+        dist.all_reduce(y)
+        return y
+
+
+class RowBiasShared(ch13.BuggyRowParallel):  # also right: a world-th of the bias on each rank
+    def forward(self, x):
+        bias = None if self.bias is None else self.bias / dist.get_world_size()
+        y = F.linear(x, self.weight, bias)
+        dist.all_reduce(y)
+        return y
+
+
+# --- wrong answers -------------------------------------------------------------------------------
+class RowOnlyRankZeroReduces(RowFixed):
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        if dist.get_rank() == 0:
+            dist.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+
+class RowEngine(ch13.BuggyRowParallel):  # the engine's layer, reached through a method
+    calls = 0
+
+    def forward(self, x):
+        return RowParallel.forward(self, x)
+
+
+class RowTwiceHalved(RowFixed):  # right outputs, but two all-reduces a pass
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        dist.all_reduce(y)
+        dist.all_reduce(y)
+        y = y / dist.get_world_size()
+        return y if self.bias is None else y + self.bias
+
+
+class RowFlat(RowFixed):
+    def forward(self, x):
+        return super().forward(x).flatten()
+
+
+def _llama(tp, value):
+    return lambda: {**predict_llama_per_rank(), tp: value}
+
+
+WRONG = {
+    PREDICT: [((lambda: None, cache_per_rank), "did you forget"),
+              ((lambda: {1: 131072}, cache_per_rank), "a dict"),
+              ((lambda: {**predict_llama_per_rank(), 2: 65536.0}, cache_per_rank), "an int"),
+              ((lambda: {tp: minikv.kv_cache_bytes(minikv.GPTConfig.preset("target"), 1)
+                         for tp in (1, 2, 4, 8, 16)}, cache_per_rank),
+               "a prediction is made before the measurement"),
+              ((predict_llama_per_rank, lambda m, w: sum(cache_per_rank(m, w))),
+               "one int per rank"),
+              ((predict_llama_per_rank, lambda m, w: cache_per_rank(m, w)[:1]),
+               "one int per rank"),
+              ((predict_llama_per_rank, lambda m, w: [x + 4 for x in cache_per_rank(m, w)]),
+               "each entry is kv_cache_bytes")] + [
+        ((_llama(tp, w), cache_per_rank), hint)
+        for tp in ch13.TPS for w, hint in ch13._llama_mistakes(tp)] + [
+        ((predict_llama_per_rank, lambda m, w, hint=hint: [
+            ch13._ours_mistakes(m, w)[hint][r] for r in range(w)]), hint)
+        for hint in (ch13.P["ours_whole"], ch13.P["ours_divided"], ch13.P["ours_query"],
+                     ch13.P["ours_total"])],
+    ROW: [(ch13.BuggyRowParallel, "BuggyRowParallel unchanged"),
+          (RowOnlyRankZeroReduces, "did not pair up"),
+          (RowEngine, "called minikv's own minikv.engine.parallel.RowParallel.forward"),
+          (RowTwiceHalved, "one all-reduce per forward pass"),
+          (RowFlat, "shaped like the whole layer's"),
+          (RowFixed(torch.nn.Linear(2, 2)), "pass the class itself")] + [
+         (wrong, hint) for hint, wrong in ch13.ROW_MISTAKES.items()],
+}
+RIGHT = {PREDICT: [(predict_llama_per_rank, cache_per_rank),
+                   (predict_llama_per_rank, cache_per_rank_by_heads)],
+         ROW: [(RowFixed,), (RowBiasOnRankZero,), (RowBiasShared,)]}
+STUBS = {PREDICT: [(stub, cache_per_rank), (predict_llama_per_rank, stub)],
+         ROW: [(type("Stub", (ch13.BuggyRowParallel,), {"forward": stub}),)]}
+
+
+def _id(value):
+    if isinstance(value, tuple):
+        return "+".join(getattr(f, "__name__", "?") for f in value)
+    return value[:40] if isinstance(value, str) else getattr(value, "__name__", None)
+
+
+@pytest.mark.parametrize("checker", RIGHT, ids=_id)
+def test_right_ways_pass_leaving_the_random_state_and_a_stub_goes_through(checker, capsys):
+    assert_right_ways_pass(checker, RIGHT[checker], STUBS[checker], capsys)
+
+
+@pytest.mark.parametrize("checker, wrong, fragment",
+                         [(c, w, f) for c, ws in WRONG.items() for w, f in ws], ids=_id)
+def test_every_mistake_is_named(checker, wrong, fragment):
+    assert_mistake_named(checker, wrong, fragment)
+
+
+# --- the checkers' cases are sound ----------------------------------------------------------------
+def test_the_build_reference_is_what_shard_holds():
+    """attention_slices (the checker's reference) and by_hand (the solution's way) equal the
+    layer `shard` builds, for every case's model, rank and world."""
+    for name in ("target", "target-gqa2", "target-mqa"):
+        model, _ = minikv.load_course_model(name, "cpu")
+        cfg = model.config
+        for world in (1, 2, 4, 8):
+            for rank in range(world):
+                part = shard(model, rank, world).transformer.h[2].attn
+                attn = model.transformer.h[2].attn
+                args = (attn.c_attn.weight, attn.c_proj.weight, cfg.n_head, cfg.kv_heads, rank,
+                        world)
+                for way in (ch13.attention_slices, ch13.by_hand):
+                    rows, cols = way(*args)
+                    assert torch.equal(rows, part.c_attn.weight), (name, world, rank)
+                    assert torch.equal(cols, part.c_proj.weight), (name, world, rank)
+
+
+def test_the_predictions_are_the_formulas():
+    assert ch13.llama_per_rank() == predict_llama_per_rank()
+    for tp in ch13.TPS:
+        assert all(w != ch13.llama_per_rank()[tp] for w, _ in ch13._llama_mistakes(tp))
+    for hint in (ch13.P["ours_whole"], ch13.P["ours_divided"], ch13.P["ours_query"],
+                 ch13.P["ours_total"]):  # every usual mistake is wrong in some case
+        assert any(ch13._ours_mistakes(m, w)[hint] != ch13._course_per_rank(name, w)
+                   for name in ch13.OURS for m in [minikv.load_course_model(name, "cpu")[0]]
+                   for w in ch13.WORLDS), hint
+
+
+def test_the_simulated_group_sums_and_reports_unpaired_all_reduces():
+    def rank_sum(rank, world):
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t)
+        return float(t), dist.get_rank(), dist.get_world_size()
+    results, calls = in_threads(rank_sum, 3)
+    assert results == [(6.0, r, 3) for r in range(3)] and calls == [1, 1, 1]
+
+    def unpaired(rank, world):
+        if rank == 1:
+            dist.all_reduce(torch.zeros(1))
+    with pytest.raises(Unmatched):
+        in_threads(unpaired, 2, timeout=5.0)
+
+    def fails(rank, world):
+        if rank == 0:
+            raise KeyError("rank 0")
+        dist.all_reduce(torch.zeros(1))
+    with pytest.raises(KeyError):
+        in_threads(fails, 2, timeout=5.0)
+    assert dist.all_reduce is torch.distributed.distributed_c10d.all_reduce  # put back
+
+
+def test_the_buggy_layer_is_off_by_the_bias_times_the_other_ranks():
+    """The bug's evidence, as the notebook shows it: right on one rank; on w ranks, the whole
+    layer's output plus (w - 1) times the bias."""
+    torch.manual_seed(0)
+    whole, x = torch.nn.Linear(8, 3), torch.randn(1, 2, 8)
+    for world in (1, 2, 4):
+        outs, _ = ch13.run_row_parallel(ch13.BuggyRowParallel, whole, x, world)
+        for out in outs:
+            torch.testing.assert_close(out, whole(x) + (world - 1) * whole.bias)
+
+
+def test_the_design_cases_tell_the_rules_apart():
+    for hint, wrong in ch13.CHOOSE.mistakes.items():
+        assert any(wrong(*case) != ch13.best_tp(*case) for case in ch13.CHOOSE.cases), hint
+    assert any(ch13.best_tp(*case) is None for case in ch13.CHOOSE.cases)
