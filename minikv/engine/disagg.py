@@ -25,6 +25,7 @@ not offered.
 """
 from __future__ import annotations
 
+import math
 import os
 import queue
 import tempfile
@@ -45,7 +46,18 @@ from .serving import Engine
 from .validate import int_at_least
 
 STOP = -1  # a prompt length that tells the prefill worker to finish
-HEADER = 12  # positions, keys' shape (4), values' shape (4), blocks, prefill µs, bytes
+
+
+def header_size(cfg, page_size: int) -> int:
+    """A transfer's header: positions, prefill µs, the worker's block count and ids
+    (room for the longest prompt's)."""
+    return 3 + -(-cfg.block_size // page_size) + 1
+
+
+def kv_shapes(pool, n: int) -> list[tuple]:
+    """The shapes of `n` positions' keys and values as export gives them: (layers,
+    kv_heads, n, head_dim); the same on both pools (the same model and page size)."""
+    return [(len(t), t[0].shape[1], n, t[0].shape[3]) for t in (pool.keys, pool.values)]
 
 
 def prefill_worker(rank: int, world: int, model, num_blocks: int,
@@ -53,7 +65,7 @@ def prefill_worker(rank: int, world: int, model, num_blocks: int,
     """The prefill worker: receive a prompt, compute it, send its K/V; until STOP. What
     its pool held at the end (`kept`: its tree's), and once the tree let go."""
     engine = Engine(model, num_blocks, page_size=page_size, prefix_caching=Radix())
-    tree = engine.scheduler.prefix  # where a computed prompt's K/V stays, to export
+    tree, size = engine.scheduler.prefix, header_size(model.config, page_size)
     while True:
         n = torch.zeros(1, dtype=torch.long)
         dist.recv(n, src=0)
@@ -66,41 +78,38 @@ def prefill_worker(rank: int, world: int, model, num_blocks: int,
         while engine.has_work():
             engine.step()
         engine.forget(index)
-        n, keys, values = tree.export(prompt)
+        n, keys, values = tree.export(prompt)  # the tree keeps them: a prefix cache
         there = dict.fromkeys(b for node, _ in tree.match(prompt) for b in node.blocks)
-        head = [n, *keys.shape, *values.shape, len(there),
-                round((time.perf_counter() - start) * 1e6),
-                (keys.numel() + values.numel()) * keys.element_size()]
-        for t in (torch.tensor(head), torch.tensor(list(there)), keys, values):
-            if t.numel():  # MLA caches no values
-                dist.send(t.contiguous(), 0)
-    dist.send(torch.full((HEADER,), STOP), 0)  # the decode side's receiver stops too
+        head = [n, round((time.perf_counter() - start) * 1e6), len(there), *there]
+        dist.send(torch.tensor(head + [0] * (size - len(head))), 0)
+        dist.send(torch.cat([keys.flatten(), values.flatten()]), 0)  # ONE message
+    dist.send(torch.full((size,), STOP), 0)  # the decode side's receiver stops too
     kept = engine.pool.num_blocks - engine.pool.n_free
     tree.evict(engine.pool.num_blocks)
     return dict(kept=kept, free=engine.pool.n_free, num_blocks=engine.pool.num_blocks,
                 refs=sum(engine.pool.ref))
 
 
-def receive(arrived: queue.Queue, dtype: torch.dtype) -> None:
-    """The decode side's receiving thread: each transfer (header, the worker's block ids,
-    keys, values) received whole, timed from its header on, and put on `arrived`; until
-    the worker's STOP or an error (put on `arrived` too). A thread, because gloo's
-    irecv cannot be polled: its work says done only once waited for."""
+def receive(arrived: queue.Queue, pool, size: int) -> None:
+    """The decode side's receiving thread: each transfer's header, then its keys and
+    values in one message, timed from the header on, put on `arrived`; until the
+    worker's STOP or an error (put on `arrived` too). A thread, because gloo's irecv
+    cannot be polled: its work says done only once waited for."""
     try:
         while True:
-            head = torch.zeros(HEADER, dtype=torch.long)
+            head = torch.zeros(size, dtype=torch.long)
             dist.recv(head, 1)
             if (head := head.tolist())[0] == STOP:
                 return
-            start, there = time.perf_counter(), torch.zeros(head[9], dtype=torch.long)
-            keys = torch.empty(head[1:5], dtype=dtype)
-            values = torch.empty(head[5:9], dtype=dtype)
-            for t in (there, keys, values):
-                if t.numel():
-                    dist.recv(t, 1)
-            arrived.put(dict(positions=head[0], bytes=head[11], prefill_s=head[10] / 1e6,
+            start, (k, v) = time.perf_counter(), kv_shapes(pool, head[0])
+            payload = torch.empty(math.prod(k) + math.prod(v), dtype=pool.keys[0].dtype)
+            dist.recv(payload, 1)
+            keys, values = payload.split([math.prod(k), math.prod(v)])
+            arrived.put(dict(positions=head[0], prefill_s=head[1] / 1e6,
+                             blocks_there=head[3:3 + head[2]],
+                             bytes=payload.numel() * payload.element_size(),
                              seconds=time.perf_counter() - start,
-                             blocks_there=there.tolist(), keys=keys, values=values))
+                             keys=keys.view(k), values=values.view(v)))
     except Exception as e:  # the link broke: the decode loop raises it
         arrived.put(e)
 
@@ -149,8 +158,9 @@ class DisaggregatedEngine:
             self._stop()
             raise RuntimeError(f"the prefill worker did not start ({e}): a script that "
                                "starts one needs `if __name__ == '__main__':`") from None
+        size = header_size(model.config, page_size)
         self.receiver = threading.Thread(target=receive, daemon=True,
-                                         args=(self.arrived, self.pool.keys[0].dtype))
+                                         args=(self.arrived, self.pool, size))
         self.receiver.start()
         self.heard = time.perf_counter()  # the worker's last sign of life
 
@@ -234,7 +244,10 @@ class DisaggregatedEngine:
             self.engine.add(replace(request, arrival=0), index)
             return
         message = [torch.tensor([len(prompt)]), torch.tensor(prompt)]
-        self.sends += [(m, dist.isend(m, 1)) for m in message]
+        try:
+            self.sends += [(m, dist.isend(m, 1)) for m in message]
+        except RuntimeError as e:  # gloo's: the link broke
+            self._check_worker(f"receiving a prompt ({e})", broken=True)
         self.sent.append((index, request))
 
     def _receive(self, wait: bool) -> None:
