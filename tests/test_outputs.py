@@ -47,6 +47,7 @@ WRITERS = {
     "bench-load": lambda out: ["bench-load", "--quick", "--out", out],
     "bench-spec": lambda out: ["bench-spec", "--quick", "--out", out],
     "bench-sessions": lambda out: ["bench-sessions", "--quick", "--out", out],
+    "bench-disagg": lambda out: ["bench-disagg", "--quick", "--out", out],
     "grade --cache": lambda out: ["grade", NOTEBOOK, "--cache", out],
 }
 
@@ -165,6 +166,9 @@ BAD = [  # (command and good arguments, option, wrong value, what the message sa
         ("--repeats", "0", "at least 1"), ("--repeats", "-2", "at least 1"),
         ("--repeats", "x", "an integer"), ("--threads", "0", "at least 1"),
         ("--device", "tpu", "tpu"), ("--out", "{file}", "not a directory")]],
+    *[(["bench-disagg", "--quick"], opt, value, says) for opt, value, says in [
+        ("--repeats", "0", "at least 1"), ("--device", "cuda", "invalid choice"),
+        ("--out", "{file}", "not a directory")]],
     (["figures"], "--out", "{file}", "not a directory"),
     *[(["grade", NOTEBOOK], opt, value, says) for opt, value, says in [
         ("--timeout", "0", "from 1 to"), ("--timeout", "-1", "from 1 to"),

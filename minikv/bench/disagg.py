@@ -57,6 +57,9 @@ def one_run(model, config: str, long: dict) -> dict:
     try:
         row = long_prompt_arrives(model, None, engine=engine, **long)
         row["bytes_moved"] = engine.stats().get("bytes_moved", 0)
+        moved = getattr(engine, "transfers", {}).get(long["n_running"], {})
+        row["long_prefill_there"] = moved.get("prefill_s", 0.0)  # in its TTFT: the worker's
+        row["long_transfer"] = moved.get("seconds", 0.0)  # prefill, then its K/V's trip
         row["tokens"] = [o.tokens for o in engine.outputs().values()]
     finally:
         if disaggregated:
@@ -136,7 +139,8 @@ def transfer_vs_recompute(model, lengths: list[int], repeats: int) -> dict:
         r["predicted_transfer_s"], r["predicted_recompute_s"] = a + ship * n, p0 + p1 * n
         r["predicted"] = "transfer" if a + ship * n < p0 + p1 * n else "recompute"
         r["measured"] = "transfer" if r["transfer_s"] < r["recompute_s"] else "recompute"
-    return {"latency_s": a, "bandwidth_bytes_per_s": 1 / per_byte if per_byte > 0 else None,
+    return {"latency_s": a, "seconds_per_byte": per_byte,  # 1 / W (a noisy fit: maybe <= 0)
+            "bandwidth_bytes_per_s": 1 / per_byte if per_byte > 0 else None,
             "bytes_per_position": per_position, "prefill_fixed_s": p0,
             "prefill_per_position_s": p1, "ship_per_position_s": ship, "break_even": cut,
             "transfer_wins_above": p1 > ship, "rows": rows,
@@ -147,7 +151,7 @@ def bench(model, quick: bool, repeats: int | None = None) -> dict:
     repeats = repeats or (1 if quick else 5)
     long = dict(n_running=4, n_new=12, long_len=40, after_steps=3) if quick else dict(
         n_running=8, n_new=64, long_len=224, after_steps=16)  # bench-load's full case
-    lengths = [8, 32, 64] if quick else [4, 16, 32, 64, 128, 192, 254]
+    lengths = [8, 32, 64] if quick else [4, 16, 32, 64, 128, 192, 248]
     return {"long": long, "repeats": repeats,
             "long_prompt": long_prompt(model, long, repeats),
             "break_even": transfer_vs_recompute(model, lengths, repeats)}
@@ -165,15 +169,21 @@ def readme(results: dict) -> str:
              f"requests ({lp['n_new']} tokens each)", "",
              f"Medians of {r['repeats']} runs, the configurations alternating; ratios to "
              "colocated with 1 thread (1t) and with 2 threads (2t).", "",
+             "Other work on the machine (the load average above) takes cores from all three; "
+             "two threads in one process lose the most, a step waiting for its slower thread. "
+             "In the disaggregated TTFT: the worker's prefill and the K/V's transfer (the "
+             "rest: the prompt's trip there, waits for a core and for a step boundary, and "
+             "the step that computes its last position).", "",
              "| configuration | running ITL p50 ms | p99 ms | p99 / 1t | p99 / 2t | "
-             "long prompt's TTFT ms | TTFT / 1t | TTFT / 2t | bytes moved | same tokens |",
-             "|" + "---|" * 10]
+             "long prompt's TTFT ms | TTFT / 1t | TTFT / 2t | of which prefill there ms | "
+             "transfer ms | bytes moved | same tokens |", "|" + "---|" * 12]
     for row in r["long_prompt"]:
         lines.append(
             f"| {row['config']} | {row['itl_p50'] * 1e3:.1f} | {row['itl_p99'] * 1e3:.1f} | "
             f"{row['itl_p99_vs_1t']:.2f} | {row['itl_p99_vs_2t']:.2f} | "
             f"{row['long_ttft'] * 1e3:.1f} | {row['long_ttft_vs_1t']:.2f} | "
-            f"{row['long_ttft_vs_2t']:.2f} | {row['bytes_moved']:,.0f} | "
+            f"{row['long_ttft_vs_2t']:.2f} | {row['long_prefill_there'] * 1e3:.1f} | "
+            f"{row['long_transfer'] * 1e3:.1f} | {row['bytes_moved']:,.0f} | "
             f"{row['same_tokens']} |")
     side = "above" if be["transfer_wins_above"] else "below"
     bw = be["bandwidth_bytes_per_s"]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import os
 import queue
+import sys
 import tempfile
 import threading
 import time
@@ -150,6 +151,7 @@ class DisaggregatedEngine:
             prefill_worker, 1, 2, store, 1, self.results, self.done,
             (model, self.prefill_blocks, page_size), {}))
         self.worker.start()
+        hook = sys.excepthook  # init_process_group prefixes this process's errors for good
         try:
             dist.init_process_group("gloo", init_method=f"file://{store}", rank=0,
                                     world_size=2,
@@ -158,6 +160,8 @@ class DisaggregatedEngine:
             self._stop()
             raise RuntimeError(f"the prefill worker did not start ({e}): a script that "
                                "starts one needs `if __name__ == '__main__':`") from None
+        finally:
+            sys.excepthook = hook
         size = header_size(model.config, page_size)
         self.receiver = threading.Thread(target=receive, daemon=True,
                                          args=(self.arrived, self.pool, size))
