@@ -138,8 +138,33 @@ def test_bad_requests_are_refused_and_leave_the_engine_as_it_was():
     engine.add(minikv.Request([1, 2, 3], 2), index=0)
     with pytest.raises(ValueError, match="already in this engine"):
         engine.add(minikv.Request([4, 5], 2), index=0)
+    with pytest.raises(ValueError, match="index must be"):
+        engine.add(minikv.Request([4, 5], 2), index=-1)
     engine.abort(0)
     assert engine.stats() == before and not engine.has_work()
+
+
+def test_a_request_aborted_anywhere_leaves_nothing_behind():
+    """Aborted before its arrival step, while its prompt is at the worker, while decoding: gone,
+    the others unaffected, every block back."""
+    engine = shared()
+    others = [minikv.Request([4, 5, 6], 12), minikv.Request(list(range(7, 30)), 6)]
+    for i, r in enumerate(others):
+        engine.add(r, index=i)
+    engine.add(minikv.Request(list(range(1, 50)), 5, arrival=50), index=2)  # not yet arrived
+    engine.add(minikv.Request(list(range(2, 60)), 5), index=3)
+    engine.step()  # 3's prompt is at the worker (or back already)
+    engine.abort(2)
+    engine.abort(3)
+    engine.step()
+    engine.abort(0)  # decoding
+    while engine.has_work():
+        engine.step()
+    outputs = engine.outputs()
+    assert set(outputs) <= {0, 1} and outputs[1].tokens == minikv.serve(MODEL, others)[1].tokens
+    for i in list(outputs):
+        engine.forget(i)
+    assert_every_block_free(engine)
 
 
 def test_a_prompt_longer_than_the_workers_pool_is_refused():

@@ -127,7 +127,8 @@ def test_the_committed_output_folders_are_marked_as_their_commands():
     for folder, command in (("figures", "figures"), ("benchmarks", "bench"),
                             ("benchmarks/load", "bench-load"),
                             ("benchmarks/speculation", "bench-spec"),
-                            ("benchmarks/sessions", "bench-sessions")):
+                            ("benchmarks/sessions", "bench-sessions"),
+                            ("benchmarks/disagg", "bench-disagg")):
         assert claim_directory(ROOT / folder, command) == ROOT / folder
 
 

@@ -147,18 +147,22 @@ def transfer_vs_recompute(model, lengths: list[int], repeats: int) -> dict:
             "agree": sum(r["predicted"] == r["measured"] for r in rows)}
 
 
-def bench(model, quick: bool, repeats: int | None = None) -> dict:
+def bench(model, quick: bool, repeats: int | None = None, others: dict | None = None) -> dict:
+    """The long-prompt case on `model`; the break-even on it and on `others` ({name: model}:
+    a cheaper model computes a position faster, so its break-even moves up)."""
     repeats = repeats or (1 if quick else 5)
     long = dict(n_running=4, n_new=12, long_len=40, after_steps=3) if quick else dict(
         n_running=8, n_new=64, long_len=224, after_steps=16)  # bench-load's full case
     lengths = [8, 32, 64] if quick else [4, 16, 32, 64, 128, 192, 248]
+    models = {"the model above": model} | (others or {})
     return {"long": long, "repeats": repeats,
             "long_prompt": long_prompt(model, long, repeats),
-            "break_even": transfer_vs_recompute(model, lengths, repeats)}
+            "break_even": [{"model": name} | transfer_vs_recompute(m, lengths, repeats)
+                           for name, m in models.items()]}
 
 
 def readme(results: dict) -> str:
-    m, r, be = results["machine"], results, results["break_even"]
+    m, r = results["machine"], results
     lp = r["long"]
     lines = [f"# Disaggregated serving (`{results['command']}`)", "",
              f"{m['model']}, {m['device']}, {m['cores']} cores, torch {m['torch']}, "
@@ -185,28 +189,36 @@ def readme(results: dict) -> str:
             f"{row['long_ttft_vs_2t']:.2f} | {row['long_prefill_there'] * 1e3:.1f} | "
             f"{row['long_transfer'] * 1e3:.1f} | {row['bytes_moved']:,.0f} | "
             f"{row['same_tokens']} |")
-    side = "above" if be["transfer_wins_above"] else "below"
-    bw = be["bandwidth_bytes_per_s"]
     lines += ["", "## Transfer against recompute", "",
               "t_transfer(L) = a + L·B/W, t_prefill(L) = p0 + p1·L; transfer wins when "
-              "L·(p1 − B/W) > a − p0 (module doc of minikv/bench/disagg.py). Fitted here: "
-              f"a = {be['latency_s'] * 1e6:.0f} µs, B = {be['bytes_per_position']:,.0f} bytes "
-              f"a position, W = {bw / 1e9 if bw else float('nan'):.2f} GB/s "
-              f"(B/W = {be['ship_per_position_s'] * 1e6:.2f} µs a position), "
-              f"p0 = {be['prefill_fixed_s'] * 1e6:.0f} µs, "
-              f"p1 = {be['prefill_per_position_s'] * 1e6:.1f} µs a position: "
-              f"L* = {be['break_even']:.1f}, transfer predicted to win {side} it. "
-              f"Predicted winner = measured winner at {be['agree']} of {len(be['rows'])} "
-              "lengths.", "",
-              "| positions L | bytes | transfer ms | predicted | recompute ms | predicted | "
-              "faster (measured) | faster (predicted) |", "|" + "---|" * 8]
+              "L·(p1 − B/W) > a − p0 (module doc of minikv/bench/disagg.py). Medians of "
+              f"{r['repeats']} runs at each length, transfer and recompute alternating."]
+    for be in r["break_even"]:
+        lines += ["", *break_even_text(be)]
+    return "\n".join(lines) + "\n"
+
+
+def break_even_text(be: dict) -> list[str]:
+    side = "above" if be["transfer_wins_above"] else "below"
+    bw = be["bandwidth_bytes_per_s"]
+    lines = [f"### {be['model']}", "",
+             f"Fitted: a = {be['latency_s'] * 1e6:.0f} µs, B = "
+             f"{be['bytes_per_position']:,.0f} bytes a position, W = "
+             f"{bw / 1e9 if bw else float('nan'):.2f} GB/s (B/W = "
+             f"{be['ship_per_position_s'] * 1e6:.2f} µs a position), p0 = "
+             f"{be['prefill_fixed_s'] * 1e6:.0f} µs, p1 = "
+             f"{be['prefill_per_position_s'] * 1e6:.1f} µs a position: L* = "
+             f"{be['break_even']:.1f}, transfer predicted to win {side} it. Predicted "
+             f"winner = measured winner at {be['agree']} of {len(be['rows'])} lengths.", "",
+             "| positions L | bytes | transfer ms | predicted | recompute ms | predicted | "
+             "faster (measured) | faster (predicted) |", "|" + "---|" * 8]
     for row in be["rows"]:
         lines.append(
             f"| {row['positions']} | {row['bytes']:,} | {row['transfer_s'] * 1e3:.3f} | "
             f"{row['predicted_transfer_s'] * 1e3:.3f} | {row['recompute_s'] * 1e3:.3f} | "
             f"{row['predicted_recompute_s'] * 1e3:.3f} | {row['measured']} | "
             f"{row['predicted']} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,16 +237,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         from . import random_model
         model, name = random_model("tiny", device), "tiny preset, random weights"
+        others = {}
     else:
         from ..course.checkpoint import load_course_model
         model, name = load_course_model("target", device)[0], "course target"
+        others = {"course draft": load_course_model("draft", device)[0]}
     machine = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "model": name, "device": "cpu", "cores": os.cpu_count(),
                "torch": torch.__version__, "platform": platform.platform(),
                "load_average_at_start": os.getloadavg()[0]}
     results = {"command": "python -m minikv bench-disagg " + " ".join(
                    sys.argv[2:] if argv is None else argv), "machine": machine}
-    results |= bench(model, args.quick, args.repeats)
+    results |= bench(model, args.quick, args.repeats, others)
+    results["break_even"][0]["model"] = name
     text = readme(results)
     print(text)
     if out is not None:

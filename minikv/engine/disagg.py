@@ -12,8 +12,10 @@ Here the decode worker is the caller's process, a `DisaggregatedEngine` with the
 process (parallel.py's rank, in one gloo group of two). A request's path:
 
 1. its prompt, all but the last token, goes to the prefill worker (dist.isend);
-2. there an ordinary Engine with a radix tree computes it, and the tree's `export` reads
-   its K/V out of that pool's blocks; they are sent back (a header of shapes first);
+2. there an ordinary Engine with a radix tree computes it (the tree, a prefix cache of
+   the worker's own), and the tree's `export` reads its K/V out of that pool's blocks;
+   they come back as a header (positions, the worker's block ids) and ONE message of
+   keys and values (each message costs a fixed latency: bench-disagg measures it);
 3. here the radix tree's `restore` writes them into FRESH blocks of this pool (the block
    ids change here: a block id means nothing outside its pool) and caches them;
 4. the request joins this Engine, whose admission finds its prompt in the tree: it
@@ -21,7 +23,8 @@ process (parallel.py's rank, in one gloo group of two). A request's path:
 
 The decode loop never waits for a prefill: a thread receives the K/V while it steps.
 Deterministic requests (replayed alone where they decode) are refused; speculation is
-not offered.
+not offered. Left to production systems: K/V streamed layer by layer while the prefill
+runs, the first token sent by the prefill side, many workers of each kind and a router.
 """
 from __future__ import annotations
 
@@ -151,7 +154,7 @@ class DisaggregatedEngine:
             prefill_worker, 1, 2, store, 1, self.results, self.done,
             (model, self.prefill_blocks, page_size), {}))
         self.worker.start()
-        hook = sys.excepthook  # init_process_group prefixes this process's errors for good
+        hook = sys.excepthook  # init_process_group would prefix our errors for good
         try:
             dist.init_process_group("gloo", init_method=f"file://{store}", rank=0,
                                     world_size=2,
@@ -192,6 +195,7 @@ class DisaggregatedEngine:
         taken = {i for i, _ in self.arriving + self.sent} | set(self.engine.outputs())
         if index is None:
             index = next(i for i in range(len(taken) + 1) if i not in taken)
+        int_at_least("index", index, 0, " (the caller's number for the request)")
         if index in taken:
             raise ValueError(f"request {index} is already in this engine: give another")
         self.arriving.append((index, request))
