@@ -10,8 +10,7 @@
     bench-load the server under load: latency percentiles, goodput, chunked prefill
     bench-spec speculation beyond a draft: draft model, feature head, token trees, in a server
     bench-sessions  the cache across turns: dialogues and an agent loop under four prefix caches
-    bench-disagg  disaggregated serving: a long prompt colocated vs on a prefill worker; transfer
-               against recompute
+    bench-disagg  prefill on another process: a long prompt beside decodes; transfer vs recompute
     exercises  regenerate exercises/ from solutions/ (--check: only report)
     grade      the grade report: ✓, ✗ with the checker's hint, or not started, per exercise
     run        execute notebooks in place, saving their outputs

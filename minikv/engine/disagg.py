@@ -84,9 +84,10 @@ def prefill_worker(rank: int, world: int, model, num_blocks: int,
         engine.forget(index)
         n, keys, values = tree.export(prompt)  # the tree keeps them: a prefix cache
         there = dict.fromkeys(b for node, _ in tree.match(prompt) for b in node.blocks)
+        payload = torch.cat([keys.flatten(), values.flatten()])  # ONE message
         head = [n, round((time.perf_counter() - start) * 1e6), len(there), *there]
         dist.send(torch.tensor(head + [0] * (size - len(head))), 0)
-        dist.send(torch.cat([keys.flatten(), values.flatten()]), 0)  # ONE message
+        dist.send(payload, 0)
     dist.send(torch.full((size,), STOP), 0)  # the decode side's receiver stops too
     kept = engine.pool.num_blocks - engine.pool.n_free
     tree.evict(engine.pool.num_blocks)
