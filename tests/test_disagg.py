@@ -167,6 +167,30 @@ def test_a_request_aborted_anywhere_leaves_nothing_behind():
     assert_every_block_free(engine)
 
 
+def test_kv_that_finds_no_room_here_is_computed_here_instead(monkeypatch):
+    """K/V that comes back to a pool too full to hold it (the tree's restore: MemoryError; made
+    to happen here, its timing depends on the machine) is dropped; the request computes its
+    prompt here once admitted: the same tokens, every block back."""
+    engine = shared()
+
+    def full(tokens, keys, values):
+        raise MemoryError("the pool cannot hold them")
+    monkeypatch.setattr(engine.tree, "restore", full)
+    requests = [minikv.Request([4, 5, 6], 20), minikv.Request(list(range(2, 42)), 3, arrival=4)]
+    for i, r in enumerate(requests):
+        engine.add(r, index=i)
+    while engine.has_work():
+        engine.step()
+    outputs = engine.outputs()
+    assert [outputs[i].tokens for i in (0, 1)] == [
+        o.tokens for o in minikv.serve(MODEL, requests, page_size=PAGE)]
+    assert engine.transfers[1]["recomputed"] and outputs[1].stats.reused == 0
+    engine.forget(0)
+    engine.forget(1)
+    monkeypatch.undo()
+    assert_every_block_free(engine)
+
+
 def test_a_prompt_longer_than_the_workers_pool_is_refused():
     with fresh(prefill_blocks=2) as engine:
         with pytest.raises(ValueError, match="prefill worker's pool.*prefill_blocks"):
