@@ -182,8 +182,10 @@ class DisaggregatedEngine:
                              "serving.Engine")
         checked = self.engine.check(request, index)
         try:
+            # what the worker's Engine asks of its prompt but the last, one new token and
+            # a replay window of 4 ahead: the prompt, 1 new, 3 ahead
             fit(replace(request, max_new_tokens=1), self.engine.model.config,
-                self.pool.page_size, 0, self.prefill_blocks)
+                self.pool.page_size, 3, self.prefill_blocks)
         except ValueError as e:
             raise ValueError(f"its prompt does not fit the prefill worker's pool ({e}): "
                              "give it more prefill_blocks") from None
@@ -316,14 +318,24 @@ class DisaggregatedEngine:
         self.closed, self.report = True, None
         if self.worker.is_alive():
             stop = torch.tensor([STOP])
-            work = dist.isend(stop, 1)  # noqa: F841 (alive until the worker reads it)
             try:
-                _, ok, value = self.results.get(timeout=self.timeout)
-                self.report = value if ok else None
-            except queue.Empty:
+                work = dist.isend(stop, 1)  # noqa: F841 (kept until it is read)
+                self.report = self._last_word()
+            except RuntimeError:  # gloo's: the link broke, the worker is gone
                 pass
         self._stop()
         return self.report
+
+    def _last_word(self) -> dict | None:
+        """The worker's result once it stops; None if it failed or died first."""
+        deadline = time.perf_counter() + self.timeout
+        while time.perf_counter() < deadline and self.worker.is_alive():
+            try:
+                _, ok, value = self.results.get(timeout=0.1)
+                return value if ok else None
+            except queue.Empty:
+                pass
+        return None
 
     def _stop(self) -> None:
         """The worker joined (killed if it will not end), the thread and group gone."""
