@@ -74,6 +74,7 @@ figures: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m minikv bench --out benchmarks
 	$(PY) -m minikv bench-load --out benchmarks/load
+	$(PY) -m minikv bench-disagg --out benchmarks/disagg
 
 # The course as a static site (Jupyter Book): the chapters as committed, with their outputs and each
 # stepper's first step as a picture; nothing is executed or written beside the notebooks.

@@ -13,6 +13,7 @@
     bench-tp   tensor parallelism: the course target on 2 ranks against one process
     bench-weights  int8 and int4 weights: the decode step against its roofline, and quality
     bench-batch  a decode step against its batch size, beside the roofline's prediction
+    bench-disagg  prefill on another process: a long prompt beside decodes; transfer vs recompute
     exercises  regenerate exercises/ from solutions/ (--check: only report)
     grade      the grade report: ✓, ✗ with the checker's hint, or not started, per exercise
     run        execute notebooks in place, saving their outputs
@@ -49,6 +50,7 @@ COMMANDS = {
     "bench-tp": ("minikv.bench.tensor_parallel", False),
     "bench-weights": ("minikv.bench.weights", False),
     "bench-batch": ("minikv.bench.batch", False),
+    "bench-disagg": ("minikv.bench.disagg", False),
 }
 
 

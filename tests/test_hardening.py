@@ -664,17 +664,18 @@ def test_no_command_overwrites_a_shipped_file_by_default(monkeypatch, tmp_path):
     monkeypatch.setattr(figures, "claim_directory", stop)
     monkeypatch.setattr("minikv.bench.claim_directory", stop)
     monkeypatch.setattr("minikv.bench.load.claim_directory", stop)
-    # bench-spec and bench-sessions claim theirs through bench.device_and_out, patched above
+    # bench-spec, bench-sessions and bench-disagg claim theirs through bench.device_and_out,
+    # patched above
     monkeypatch.setattr(train, "claim_directory", stop)
-    from minikv.bench import load, sessions, speculation
+    from minikv.bench import disagg, load, sessions, speculation
     for main, args in ((figures.main, []), (bench_main, ["--quick"]), (bench_main, []),
                        (load.main, []), (speculation.main, []), (sessions.main, []),
-                       (train.main, ["--preset", "draft"])):
+                       (disagg.main, []), (train.main, ["--preset", "draft"])):
         with pytest.raises(SystemExit):
             main(args)
     shipped = [ROOT / "figures", ROOT / "benchmarks", ROOT / "docs", checkpoint.MODELS_DIR,
                tokenizer.RANKS_PATH.parent]
-    assert len(seen) == 7  # each command got as far as choosing its folder
+    assert len(seen) == 8  # each command got as far as choosing its folder
     for path in seen.values():
         assert not any(path == s or s in path.parents for s in shipped), path
     doc = ROOT / "docs" / "course-models.md"

@@ -47,6 +47,8 @@ ENGINE_STATEMENT_BUDGET = sum({
     "cache's own quantize; torch's fused kernels or the dequantized reference)": 51,
     "issue 55: the block choices real small models need (an untied head, q/k/v biases, q/k "
     "norms, Llama 3's RoPE scaling), loaded from Llama/Qwen2/Qwen3 layouts": 49,
+    "issue 54: disaggregated serving (disagg.py: a prefill worker process, its K/V sent over "
+    "gloo and restored into the decode worker's pool, the Engine interface on top)": 238,
 }.values())
 # The shape of readable code, measured as code-review-2026-11-25.md measured it (section 2).
 LONGEST_FUNCTION = 45       # lines, signature and docstring included (nano-vllm's engine: 49)

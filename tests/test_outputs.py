@@ -50,6 +50,7 @@ WRITERS = {
     "bench-tp": lambda out: ["bench-tp", "--quick", "--out", out],
     "bench-weights": lambda out: ["bench-weights", "--quick", "--out", out],
     "bench-batch": lambda out: ["bench-batch", "--quick", "--out", out],
+    "bench-disagg": lambda out: ["bench-disagg", "--quick", "--out", out],
     "grade --cache": lambda out: ["grade", NOTEBOOK, "--cache", out],
 }
 
@@ -132,7 +133,8 @@ def test_the_committed_output_folders_are_marked_as_their_commands():
                             ("benchmarks/sessions", "bench-sessions"),
                             ("benchmarks/tp", "bench-tp"),
                             ("benchmarks/weights", "bench-weights"),
-                            ("benchmarks/batch-cpu", "bench-batch")):
+                            ("benchmarks/batch-cpu", "bench-batch"),
+                            ("benchmarks/disagg", "bench-disagg")):
         assert claim_directory(ROOT / folder, command) == ROOT / folder
 
 
@@ -171,6 +173,9 @@ BAD = [  # (command and good arguments, option, wrong value, what the message sa
         ("--repeats", "0", "at least 1"), ("--repeats", "-2", "at least 1"),
         ("--repeats", "x", "an integer"), ("--threads", "0", "at least 1"),
         ("--device", "tpu", "tpu"), ("--out", "{file}", "not a directory")]],
+    *[(["bench-disagg", "--quick"], opt, value, says) for opt, value, says in [
+        ("--repeats", "0", "at least 1"), ("--device", "cuda", "invalid choice"),
+        ("--out", "{file}", "not a directory")]],
     (["figures"], "--out", "{file}", "not a directory"),
     *[(["grade", NOTEBOOK], opt, value, says) for opt, value, says in [
         ("--timeout", "0", "from 1 to"), ("--timeout", "-1", "from 1 to"),

@@ -157,11 +157,12 @@ def policies(budgets) -> dict:
 
 
 def long_prompt_arrives(model, policy, n_running: int, n_new: int, long_len: int,
-                        after_steps: int) -> dict:
+                        after_steps: int, engine=None) -> dict:
     """n_running short requests decoding, a long_len-token prompt arriving after_steps steps
     in: the ITL of the running requests (p50, p99, max) while it is computed, and the long
-    request's TTFT; seconds."""
-    engine = Engine(model, 256, policy=policy)
+    request's TTFT; seconds. `engine`: an Engine-like one to drive (bench-disagg's), fresh;
+    default a new Engine."""
+    engine = engine or Engine(model, 256, policy=policy)
     rng = random.Random(0)
     for i in range(n_running):
         engine.add(Request([rng.randrange(1, 500) for _ in range(8)], n_new), index=i)
