@@ -90,3 +90,10 @@ def assert_mistake_named(checker, wrong, fragment: str) -> None:
     with pytest.raises(CheckFailed) as info:
         checker(*wrong if isinstance(wrong, tuple) else (wrong,))
     assert fragment in str(info.value), str(info.value)
+
+
+def checker_id(value):
+    """A test id for a parametrized checker or its (functions...) case: their names."""
+    if isinstance(value, tuple):
+        return "+".join(getattr(f, "__name__", "?") for f in value)
+    return value[:40] if isinstance(value, str) else getattr(value, "__name__", None)

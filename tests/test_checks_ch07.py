@@ -13,7 +13,7 @@ from minikv.course.checks import ch07
 from minikv.engine import Cache, causal_attention
 from minikv.engine.quantized import QuantizedKVCache, quantize
 
-from conftest import assert_mistake_named, assert_right_ways_pass, stub
+from conftest import assert_mistake_named, assert_right_ways_pass, checker_id, stub
 
 GQA, QUANT, HELD, BYTES, CACHE, CHOOSE = (
     ch07.check_gqa_attention, ch07.check_quantize, ch07.check_held_positions,
@@ -211,23 +211,17 @@ RIGHT = {GQA: [(gqa_attention,), (gqa_grouped_view,)],
          CHOOSE: [(choose_window,)]}
 
 
-def _id(value):
-    if isinstance(value, tuple):
-        return "+".join(getattr(f, "__name__", "?") for f in value)
-    return value[:40] if isinstance(value, str) else getattr(value, "__name__", None)
-
-
 STUBS = {QUANT: [(stub, stub), (Q, stub)],  # a stubbed dequantize_block after a written quantize
          CACHE: [(type("Stub", (BuggyWindowCache,), {"get_seq_length": stub}),)]}
 
 
-@pytest.mark.parametrize("checker", RIGHT, ids=_id)
+@pytest.mark.parametrize("checker", RIGHT, ids=checker_id)
 def test_right_ways_pass_leaving_the_random_state_and_a_stub_goes_through(checker, capsys):
     assert_right_ways_pass(checker, RIGHT[checker], STUBS.get(checker, [(stub,)]), capsys)
 
 
 @pytest.mark.parametrize("checker, wrong, fragment",
-                         [(c, w, f) for c, ws in WRONG.items() for w, f in ws], ids=_id)
+                         [(c, w, f) for c, ws in WRONG.items() for w, f in ws], ids=checker_id)
 def test_every_mistake_is_named(checker, wrong, fragment):
     assert_mistake_named(checker, wrong, fragment)
 

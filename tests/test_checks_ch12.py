@@ -12,7 +12,7 @@ from minikv.course.checks import ch12
 from minikv.engine import H2OCache
 from minikv.engine.model import LatentAttention
 
-from conftest import assert_mistake_named, assert_right_ways_pass, stub
+from conftest import assert_mistake_named, assert_right_ways_pass, checker_id, stub
 
 DECODE, BYTES, H2O, CHOOSE = (ch12.check_absorbed_decode, ch12.check_predict_bytes_per_token,
                               ch12.check_heavy_hitters, ch12.check_choose_cache)
@@ -183,19 +183,13 @@ STUBS = {H2O: [(type("Stub", (ch12.BuggyH2OCache,), {"_record": stub}),)],
          CHOOSE: [(stub, choose_cache), (cache_table, stub)]}
 
 
-def _id(value):
-    if isinstance(value, tuple):
-        return "+".join(getattr(f, "__name__", "?") for f in value)
-    return value[:40] if isinstance(value, str) else getattr(value, "__name__", None)
-
-
-@pytest.mark.parametrize("checker", RIGHT, ids=_id)
+@pytest.mark.parametrize("checker", RIGHT, ids=checker_id)
 def test_right_ways_pass_leaving_the_random_state_and_a_stub_goes_through(checker, capsys):
     assert_right_ways_pass(checker, RIGHT[checker], STUBS.get(checker, [(stub,)]), capsys)
 
 
 @pytest.mark.parametrize("checker, wrong, fragment",
-                         [(c, w, f) for c, ws in WRONG.items() for w, f in ws], ids=_id)
+                         [(c, w, f) for c, ws in WRONG.items() for w, f in ws], ids=checker_id)
 def test_every_mistake_is_named(checker, wrong, fragment):
     assert_mistake_named(checker, wrong, fragment)
 

@@ -13,7 +13,7 @@ from minikv.course.checks import ch13
 from minikv.course.parallel import Unmatched, in_threads
 from minikv.engine.parallel import RowParallel, shard
 
-from conftest import assert_mistake_named, assert_right_ways_pass, stub
+from conftest import assert_mistake_named, assert_right_ways_pass, checker_id, stub
 
 PREDICT, ROW = ch13.check_predict_cache_per_rank, ch13.check_row_parallel
 
@@ -128,19 +128,13 @@ STUBS = {PREDICT: [(stub, cache_per_rank), (predict_llama_per_rank, stub)],
          ROW: [(type("Stub", (ch13.BuggyRowParallel,), {"forward": stub}),)]}
 
 
-def _id(value):
-    if isinstance(value, tuple):
-        return "+".join(getattr(f, "__name__", "?") for f in value)
-    return value[:40] if isinstance(value, str) else getattr(value, "__name__", None)
-
-
-@pytest.mark.parametrize("checker", RIGHT, ids=_id)
+@pytest.mark.parametrize("checker", RIGHT, ids=checker_id)
 def test_right_ways_pass_leaving_the_random_state_and_a_stub_goes_through(checker, capsys):
     assert_right_ways_pass(checker, RIGHT[checker], STUBS[checker], capsys)
 
 
 @pytest.mark.parametrize("checker, wrong, fragment",
-                         [(c, w, f) for c, ws in WRONG.items() for w, f in ws], ids=_id)
+                         [(c, w, f) for c, ws in WRONG.items() for w, f in ws], ids=checker_id)
 def test_every_mistake_is_named(checker, wrong, fragment):
     assert_mistake_named(checker, wrong, fragment)
 
