@@ -329,7 +329,7 @@ def test_hub_folder_finds_a_snapshot_in_the_cache_or_says_none(tmp_path, monkeyp
 def test_the_appendix_runs_on_a_downloaded_model(tmp_path, monkeypatch):
     """notebooks/A_real_models.ipynb's model cells, which nbval sees skip (no model in a test
     machine's cache), run on a small exported Llama put where snapshot_download would have
-    put SmolLM2-135M: the decoders agree there too."""
+    put SmolLM2-135M: the decoders agree there too, and its weights quantize."""
     import nbformat
     from nbclient import NotebookClient
 
@@ -349,3 +349,4 @@ def test_the_appendix_runs_on_a_downloaded_model(tmp_path, monkeypatch):
                       for o in c.outputs)
     assert "SmolLM2-135M on " in printed and "skipped" not in printed
     assert printed.count("same tokens: True") == 2
+    assert "int8: " in printed and "int4: " in printed and "greedy tokens as " in printed
