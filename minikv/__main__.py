@@ -14,6 +14,7 @@
     bench-weights  int8 and int4 weights: the decode step against its roofline, and quality
     bench-batch  a decode step against its batch size, beside the roofline's prediction
     bench-disagg  prefill on another process: a long prompt beside decodes; transfer vs recompute
+    bench-peers  next to llama.cpp and transformers (optional: needs llama-cpp-python)
     exercises  regenerate exercises/ from solutions/ (--check: only report)
     grade      the grade report: ✓, ✗ with the checker's hint, or not started, per exercise
     run        execute notebooks in place, saving their outputs
@@ -51,6 +52,7 @@ COMMANDS = {
     "bench-weights": ("minikv.bench.weights", False),
     "bench-batch": ("minikv.bench.batch", False),
     "bench-disagg": ("minikv.bench.disagg", False),
+    "bench-peers": ("minikv.bench.peers", False),
 }
 
 

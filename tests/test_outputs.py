@@ -51,6 +51,7 @@ WRITERS = {
     "bench-weights": lambda out: ["bench-weights", "--quick", "--out", out],
     "bench-batch": lambda out: ["bench-batch", "--quick", "--out", out],
     "bench-disagg": lambda out: ["bench-disagg", "--quick", "--out", out],
+    "bench-peers": lambda out: ["bench-peers", "--quick", "--without-llama-cpp", "--out", out],
     "grade --cache": lambda out: ["grade", NOTEBOOK, "--cache", out],
 }
 
@@ -207,6 +208,11 @@ BAD = [  # (command and good arguments, option, wrong value, what the message sa
     *[(["bench-tp", "--quick"], opt, value, says) for opt, value, says in [
         ("--out", "{file}", "not a directory")]],
     (["bench-weights", "--quick"], "--out", "{file}", "not a directory"),
+    *[(["bench-peers", "--quick", "--without-llama-cpp"], opt, value, says)
+      for opt, value, says in [
+          ("--out", "{file}", "not a directory"), ("--threads", "0", "at least 1"),
+          ("--repeats", "0", "at least 1"), ("--prompt", "1", "from 2 to 200"),
+          ("--new", "57", "from 2 to 56"), ("--new", "x", "integer")]],
     *[(["bench-batch", "--quick"], opt, value, says) for opt, value, says in [
         ("--out", "{file}", "not a directory"), ("--repeats", "0", "at least 1"),
         ("--threads", "0", "at least 1"), ("--device", "tpu", "tpu")]],

@@ -107,6 +107,7 @@ def hf_config(model: GPT, eot: int) -> dict:
     if family == "gpt2":
         hf = transformers.GPT2Config(
             vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd,
+            n_ctx=cfg.block_size,  # as GPT-2's own config.json has it (llama.cpp's reads it)
             n_layer=cfg.n_layer, n_head=cfg.n_head, n_inner=cfg.n_inner,
             activation_function="gelu_new",  # GPT-2's tanh GELU, as model.MLP computes it
             layer_norm_epsilon=cfg.layer_norm_eps, bos_token_id=eot, eos_token_id=eot,
