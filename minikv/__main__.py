@@ -15,6 +15,7 @@
     bench-batch  a decode step against its batch size, beside the roofline's prediction
     bench-disagg  prefill on another process: a long prompt beside decodes; transfer vs recompute
     bench-peers  next to llama.cpp and transformers (optional: needs llama-cpp-python)
+    bench-compile  what torch.compile removes from a decode step (engine/static.py)
     exercises  regenerate exercises/ from solutions/ (--check: only report)
     grade      the grade report: ✓, ✗ with the checker's hint, or not started, per exercise
     run        execute notebooks in place, saving their outputs
@@ -53,6 +54,7 @@ COMMANDS = {
     "bench-batch": ("minikv.bench.batch", False),
     "bench-disagg": ("minikv.bench.disagg", False),
     "bench-peers": ("minikv.bench.peers", False),
+    "bench-compile": ("minikv.bench.compile", False),
 }
 
 

@@ -52,6 +52,7 @@ WRITERS = {
     "bench-batch": lambda out: ["bench-batch", "--quick", "--out", out],
     "bench-disagg": lambda out: ["bench-disagg", "--quick", "--out", out],
     "bench-peers": lambda out: ["bench-peers", "--quick", "--without-llama-cpp", "--out", out],
+    "bench-compile": lambda out: ["bench-compile", "--quick", "--out", out],
     "grade --cache": lambda out: ["grade", NOTEBOOK, "--cache", out],
 }
 
@@ -213,6 +214,9 @@ BAD = [  # (command and good arguments, option, wrong value, what the message sa
           ("--out", "{file}", "not a directory"), ("--threads", "0", "at least 1"),
           ("--repeats", "0", "at least 1"), ("--prompt", "1", "from 2 to 200"),
           ("--new", "57", "from 2 to 56"), ("--new", "x", "integer")]],
+    *[(["bench-compile", "--quick"], opt, value, says) for opt, value, says in [
+        ("--out", "{file}", "not a directory"), ("--threads", "0", "at least 1"),
+        ("--repeats", "0", "at least 1")]],
     *[(["bench-batch", "--quick"], opt, value, says) for opt, value, says in [
         ("--out", "{file}", "not a directory"), ("--repeats", "0", "at least 1"),
         ("--threads", "0", "at least 1"), ("--device", "tpu", "tpu")]],

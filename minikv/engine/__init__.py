@@ -1,6 +1,6 @@
 """The engine: a GPT-2 and the ways it decodes with a KV cache. Read config, model,
 rope, cache, sampling, generate, records, tree, verify, speculative, lookup, eagle, attention,
-flash, batch, paged, radix, scheduler, serving, session, parallel, disagg, then the caches
+flash, batch, paged, radix, scheduler, serving, session, parallel, disagg, static, then the caches
 that hold less (quantized, window, evict), then validate; it imports no tooling."""
 from .batch import generate_batch
 from .cache import Cache, KVCache, kv_cache_bytes

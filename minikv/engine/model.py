@@ -262,21 +262,27 @@ class GPT(nn.Module):
         # One thread at a time in a cache: another's pass would interleave its positions.
         with cache.in_use() if cache is not None else nullcontext():
             _check_inputs(self, idx, cache, positions)  # once, for every layer of the pass
-            T = idx.shape[1]
             if positions is None:
                 past = 0 if cache is None else cache.get_seq_length()
-                positions = past + torch.arange(T, device=idx.device)  # KV-CACHE: go on from past
-            x, rope = self.transformer.wte(idx), None  # (B, T, C)
-            if self.config.positions == "learned":
-                x = x + self.transformer.wpe(positions)
-            else:  # RoPE: the positions turn q and k inside attention instead
-                turned = self.config.qk_rope_head_dim or self.config.head_dim  # MLA: its key
-                rope = rope_angles(positions, turned, self.config.rope_theta,
-                                   self.config.rope_scaling)
-            shared = {}  # cross-layer attention: each group's K/V, for its upper layers
-            for layer_idx, block in enumerate(self.transformer.h):
-                x = block(x, cache, layer_idx, attention, rope, shared)
-            return self.transformer.ln_f(x)
+                # KV-CACHE: go on from past
+                positions = past + torch.arange(idx.shape[1], device=idx.device)
+            return self.blocks(idx, cache, positions, attention)
+
+    def blocks(self, idx: torch.Tensor, cache: Cache | None, positions: torch.Tensor,
+               attention: Attention) -> torch.Tensor:
+        """The pass itself, its inputs checked (by features): the embeddings, every block,
+        the final norm. What static.py's compiled step traces."""
+        x, rope = self.transformer.wte(idx), None  # (B, T, C)
+        if self.config.positions == "learned":
+            x = x + self.transformer.wpe(positions)
+        else:  # RoPE: the positions turn q and k inside attention instead
+            turned = self.config.qk_rope_head_dim or self.config.head_dim  # MLA: its key
+            rope = rope_angles(positions, turned, self.config.rope_theta,
+                               self.config.rope_scaling)
+        shared = {}  # cross-layer attention: each group's K/V, for its upper layers
+        for layer_idx, block in enumerate(self.transformer.h):
+            x = block(x, cache, layer_idx, attention, rope, shared)
+        return self.transformer.ln_f(x)
 
     @classmethod
     def from_gpt2_state_dict(cls, state_dict: Mapping[str, torch.Tensor],
