@@ -206,11 +206,16 @@ WRONG = {
     "table": [("stride_tb + b)", "stride_tb + tl.cdiv(length, PAGE) - 1 - b)")],
     "out_of_bounds": [("block.to(tl.int64) * stride_kb", "block.to(tl.int64) * PAGE * stride_kb")],
     "raised": [("tl.sum(k * q[None, :], axis=1)", "tl.sum(k * q[:, None], axis=1)")],
+    # triton imported before TRITON_INTERPRET=1: its helpers made for a GPU, as tl.zeros is here
+    "imported_first": [("import triton.language as tl\n", "import triton.language as tl\n"
+                        "from triton.runtime.jit import JITFunction\n\n"
+                        "zeros_for_a_gpu = JITFunction(tl.zeros.fn)\n"),
+                       ("acc = tl.zeros([HS]", "acc = zeros_for_a_gpu([HS]")],
 }
 W = ch09.H["walk_kernel"]
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# seen in the loads, under the interpreter only (on a GPU, a read out of bounds is a crash)
-LOADS_SEEN = ("stale", "table", "out_of_bounds")
+# seen under the interpreter only (on a GPU: a read out of bounds is a crash, tl.zeros compiled)
+LOADS_SEEN = ("stale", "table", "out_of_bounds", "imported_first")
 interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="the loads are seen under Triton's "
                                       "interpreter only")
 

@@ -4,7 +4,9 @@ step by hand: one tile into the running max and sum; the step never sees the row
 online solution can pass), merge_partials (the split-KV merge), predict_tiles (predict, then
 measure: the tiles a causal FlashAttention computes, masks and skips) and tile_step_fixed (debug:
 a step that forgets to rescale its output) are tables; choose_tiles (design: tile shapes for an
-on-chip memory budget, the bytes measured by IO) is code. The hints are in hints/ch09.toml."""
+on-chip memory budget, the bytes measured by IO) is code, and so is walk_kernel (the paged decode
+walk as a Triton kernel, run on a CPU by Triton's interpreter, which lets the check see its loads).
+The hints are in hints/ch09.toml."""
 from __future__ import annotations
 
 import contextlib
