@@ -1,7 +1,16 @@
+import os
+
 import pytest
 import torch
 
 import minikv
+
+# Chapter 09's Triton exercise is graded on a CPU by Triton's interpreter. TRITON_INTERPRET is read
+# when a kernel is decorated, and triton.language decorates its own helpers (tl.zeros, tl.sum, ...)
+# as it is imported: so it is set here, before any test imports triton. Where a CUDA GPU is, the
+# kernels compile for it instead.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def varied_model(preset: str = "tiny", seed: int = 0, std: float = 0.1,

@@ -1,8 +1,8 @@
 """Chapter 09's kernels in Triton (minikv/bench/triton_attention.py) on a CUDA GPU, against
-PyTorch's attention and the engine's paged_attention. Skipped without CUDA (tests/conftest.py)
-or without Triton (not in requirements.txt: CI has neither). Tolerances: fp32 1e-4 (the kernel
-multiplies in full IEEE precision), fp16/bf16 2e-2 (one rounding of the probabilities before
-P·V, as FlashAttention does)."""
+PyTorch's attention and the engine's paged_attention. Skipped without CUDA (tests/conftest.py) or
+without Triton (requirements.txt brings it on Linux x86-64; CI has no GPU). Tolerances: fp32 1e-4
+(the kernel multiplies in full IEEE precision), fp16/bf16 2e-2 (one rounding of the probabilities
+before P·V, as FlashAttention does)."""
 import pytest
 import torch
 import torch.nn.functional as F

@@ -5,8 +5,9 @@ The algorithm is `engine/flash.py`'s, line for line: here each program runs on o
 streaming multiprocessors, its tile of scores in registers and on-chip memory, the T x L scores
 never written to the GPU's main memory.
 
-Optional: Triton and a CUDA GPU are needed (neither is in requirements.txt, and CI has neither);
-`tests/test_triton_attention.py` checks both kernels where they exist, and
+Triton and a CUDA GPU are needed: requirements.txt brings Triton on Linux x86-64 (chapter 09's
+exercise runs a kernel on a CPU through its interpreter), CI has no GPU;
+`tests/test_triton_attention.py` checks both kernels where a GPU is, and
 `benchmarks/attention/bench_gpu.py` times them against PyTorch's attention.
 """
 from __future__ import annotations

@@ -14,7 +14,10 @@ raises NotImplementedError. The exercise's name is the checker the check cell ca
 chapter and number, its name, then ✓, "not started" (its stub still raises) or ✗ with what the
 checker said (the input, expected and got, and the hint that names the mistake); a cell outside the
 exercises that raised gets a line too; then the total. --verbose adds each failing cell's
-traceback. The exit status is 0 only when every exercise graded passes and no other cell raised.
+traceback. The exit status is 0 only when every exercise graded passes (or was skipped) and no
+other cell raised. A check cell that cannot grade on this machine (chapter 09's Triton kernel where
+Triton does not install) prints a line starting "⊘" and raises nothing: its exercise is "skipped",
+worth no point and failing nothing.
 
 --cache DIR keeps each notebook's cell results in DIR, keyed by the notebook's bytes, so that
 grading its exercises one at a time (the classroom workflow: one step, one point, per exercise)
@@ -34,9 +37,11 @@ from . import arguments
 from .files import claim_directory, mark_directory, read_at_most, write_atomically
 from .notebooks import MAX_NOTEBOOK_BYTES, ROOT, STUB_MESSAGE, exercise_names, read_notebook
 
-CACHE_FORMAT = 2  # bump when the cached cell results change meaning (2: with their sha256)
+CACHE_FORMAT = 3  # bump when the cached cell results change meaning (2: with their sha256, 3:
+#                  skipped check cells)
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 NOT_STARTED = f"NotImplementedError: {STUB_MESSAGE}"  # what a stub raises
+SKIPPED = "Skipped: "  # a check cell that printed "⊘ ...": its exercise cannot be graded here
 DETAIL = re.compile(r"^\s*(expected|got|hint):\s*(.*)$")
 
 
@@ -53,12 +58,17 @@ class Result:
     def status(self) -> str:
         if self.passed:
             return "✓"
+        if self.message.startswith(SKIPPED):
+            return "skipped"
         return "not started" if self.message == NOT_STARTED else "✗"
 
     def line(self) -> str:
         """One line of the report: `02·3 cached_attention  ✗ <what the checker said>`."""
         where = self.notebook.name[:2] + (f"·{self.number}" if self.number else "")
         head = f"  {where:<5} {self.exercise:<26} {self.status}"
+        if self.status == "skipped":  # the check's "⊘ name: skipped, not graded: why" → why
+            why = self.message.removeprefix(SKIPPED).removeprefix(f"{self.exercise}: ")
+            return f"{head} ({why.removeprefix('skipped, not graded: ')})"
         return head if self.status != "✗" else f"{head} {summary(self.message, self.exercise)}"
 
 
@@ -81,6 +91,16 @@ def _error_of(cell) -> str | None:
     for out in cell.get("outputs", []):
         if out.get("output_type") == "error":
             return ANSI.sub("", f"{out.get('ename', 'Error')}: {out.get('evalue', '')}").strip()
+    return None
+
+
+def _skipped_of(cell) -> str | None:
+    """SKIPPED + why, for a cell that printed a line starting "⊘ " (a check that cannot run
+    here, and says so), else None."""
+    for out in cell.get("outputs", []):
+        for line in out.get("text", "").splitlines() if out.get("output_type") == "stream" else ():
+            if line.startswith("⊘ "):
+                return SKIPPED + line.removeprefix("⊘ ").strip()
     return None
 
 
@@ -112,7 +132,7 @@ def run_cells(path: Path, timeout: int = 300,
                 continue
             try:
                 client.execute_cell(cell, index)
-                errors.append(_error_of(cell))
+                errors.append(_error_of(cell) or _skipped_of(cell))
                 if tracebacks is not None and errors[-1] is not None:
                     tracebacks[len(errors) - 1] = _traceback_of(cell)
             except Exception as e:  # noqa: BLE001 - the kernel died or stopped answering
@@ -175,7 +195,8 @@ def grade(path: Path, exercise: str | None = None, timeout: int = 300,
                for number, (i, name) in enumerate(names.items(), 1) if exercise in (None, name)]
     if exercise is None:
         results += [Result(path, f"cell {i}", False, error, 0, tracebacks.get(i, ""))
-                    for i, error in enumerate(errors) if error is not None and i not in names]
+                    for i, error in enumerate(errors) if error is not None and i not in names
+                    and not error.startswith(SKIPPED)]
     return results
 
 
@@ -233,10 +254,12 @@ def _print_tracebacks(results: list[Result]) -> None:
 
 def _total(results: list[Result]) -> str:
     graded = [r for r in results if r.number or r.passed]
-    counts = {s: sum(r.status == s for r in graded) for s in ("✓", "✗", "not started")}
+    counts = {s: sum(r.status == s for r in graded) for s in ("✓", "✗", "not started", "skipped")}
     other = len(results) - len(graded)
-    return (f"total: {counts['✓']} / {len(graded)} exercises passed · {counts['✗']} wrong · "
-            f"{counts['not started']} not started"
+    return (f"total: {counts['✓']} / {len(graded) - counts['skipped']} exercises passed · "
+            f"{counts['✗']} wrong · {counts['not started']} not started"
+            + (f" · {counts['skipped']} skipped (cannot be graded here)" if counts["skipped"]
+               else "")
             + (f" · {other} other cell{'s' * (other != 1)} raised" if other else ""))
 
 
@@ -264,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.verbose:
             _print_tracebacks([r for r in results if r.notebook == path])
     print("\n".join(["", "grade report", *(r.line() for r in results), _total(results)]))
-    return 0 if results and all(r.passed for r in results) else 1
+    return 0 if results and all(r.passed or r.status == "skipped" for r in results) else 1
 
 
 if __name__ == "__main__":

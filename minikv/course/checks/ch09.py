@@ -4,16 +4,19 @@ step by hand: one tile into the running max and sum; the step never sees the row
 online solution can pass), merge_partials (the split-KV merge), predict_tiles (predict, then
 measure: the tiles a causal FlashAttention computes, masks and skips) and tile_step_fixed (debug:
 a step that forgets to rescale its output) are tables; choose_tiles (design: tile shapes for an
-on-chip memory budget, the bytes measured by IO) is code. The hints are in hints/ch09.toml."""
+on-chip memory budget, the bytes measured by IO) is code, and so is walk_kernel (the paged decode
+walk as a Triton kernel, run on a CPU by Triton's interpreter, which lets the check see its loads).
+The hints are in hints/ch09.toml."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
 import torch
 
 from ...engine import flash
-from ...engine.flash import IO, Partial, absorb, merge, tile_kind, tiled_attention
+from ...engine.flash import IO, Partial, absorb, merge, tile_kind, tiled_attention, walk
 from . import Exercise, Refused, call, fail, forbid, guarded, hints, ints, named, parts, passed
 
 H = hints("ch09")
@@ -421,3 +424,285 @@ def check_choose_tiles(choose_tiles) -> None:
 
 
 EXERCISES = (ONLINE_STEP, MERGE, PREDICT, TILE_STEP)
+
+
+# --- exercise 6: the paged decode walk as a Triton kernel -------------------------------------
+# The learner writes the loop body of a Triton kernel, one program per (sequence, query head):
+# the sequence's b-th block found through its block table, ONE block of keys and values loaded,
+# the online softmax's running max, sum and output moved on. The check launches the kernel on
+# three paged layouts (tables out of order, a last partial block whose stale slots hold NaN,
+# grouped heads, lengths of 1 and of exactly one block) and compares with the engine's `walk`.
+# Without a CUDA GPU it runs under Triton's interpreter (TRITON_INTERPRET=1), which lets the
+# check see every load the kernel makes: one that covers more than one block's keys (the whole
+# row at once) is refused, and a read outside the given tensors is stopped before it happens. A
+# kernel compiled for a GPU runs there and is graded by its output alone.
+W = H["walk_kernel"]
+# (lengths, page, K/V heads H, query heads nh, hs, seed): each a launch of rows x query heads
+WALK_LAYOUTS = [([7, 1, 4, 13, 16], 4, 2, 4, 8, 1), ([20, 8, 3], 8, 1, 2, 16, 2),
+                ([9, 2], 2, 2, 2, 4, 3)]
+WALK_TOL = 1e-4  # float32 on any CPU, and a GPU's exp: the mistakes are off by 1e-2 and more
+
+
+def _triton():
+    """Triton's package, or None where it is not installed (macOS, Windows, ARM Linux)."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton
+
+
+def walk_layout(lengths: list[int], page: int, H: int, nh: int, hs: int, seed: int) -> tuple:
+    """(q (B, nh, hs), keys, values (num_blocks, H, page, hs), tables (a list per row), lengths):
+    each row's blocks drawn at random from a pool with blocks to spare; the last live key of each
+    row points along its queries (the max rises in the row's last block); the slots of a last
+    block past its row's length hold NaN, as stale K/V an earlier request left there would."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // page) for n in lengths]
+    order = torch.randperm(sum(need) + 3, generator=g).tolist()
+    tables = [order[sum(need[:r]):sum(need[:r + 1])] for r in range(len(lengths))]
+    keys, values = (torch.randn(len(order), H, page, hs, generator=g) for _ in range(2))
+    q = torch.randn(len(lengths), nh, hs, generator=g)
+    for r, n in enumerate(lengths):
+        block, slot = tables[r][(n - 1) // page], (n - 1) % page
+        toward = q[r].view(H, nh // H, hs).mean(1)                               # (H, hs)
+        keys[block, :, slot] = 2.5 * toward / toward.norm(dim=-1, keepdim=True) * math.sqrt(hs)
+        keys[block, :, slot + 1:] = values[block, :, slot + 1:] = float("nan")
+    return q, keys, values, tables, lengths
+
+
+def walk_reference(q, keys, values, tables, lengths) -> torch.Tensor:
+    """Every row's output (B, nh, hs), by the engine's walk (flash.walk), in float64."""
+    return torch.stack([walk(q[r].double(), keys.double(), values.double(), tables[r], 0, n,
+                             keys.size(2)).out for r, n in enumerate(lengths)]).float()
+
+
+def walk_by_hand(q, keys, values, tables, lengths, rescale: bool = True, rescale_acc: bool = True,
+                 scale: bool = True, by_table: bool = True, mask_scores: bool = True):
+    """The kernel's walk in PyTorch, block by block: the solution, and with a knob turned the
+    usual mistakes (nothing rescaled when the max rises, or the output alone not; scores not
+    divided by √hs; blocks read in storage order, 0, 1, 2, ..., not through the table; the
+    loads masked but not the scores, so a stale slot scores 0)."""
+    B, nh, hs = q.shape
+    H, page = keys.size(1), keys.size(2)
+    out = torch.empty(B, nh, hs, dtype=torch.float64)
+    for r, n in enumerate(lengths):
+        qg = q[r].double().view(H, nh // H, hs)
+        m = torch.full((H, nh // H, 1), -math.inf, dtype=torch.float64)
+        d, acc = torch.zeros_like(m), torch.zeros_like(qg)
+        for b in range(-(-n // page)):
+            block = tables[r][b] if by_table else b
+            live = b * page + torch.arange(page) < n
+            k = torch.where(live[:, None], keys[block].double(), 0.0)         # (H, page, hs)
+            v = torch.where(live[:, None], values[block].double(), 0.0)
+            s = qg @ k.transpose(-1, -2) / (math.sqrt(hs) if scale else 1.0)   # (H, group, page)
+            s = s.masked_fill(~live, -math.inf) if mask_scores else s
+            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+            factor = torch.exp(m - m_new) if rescale else torch.ones_like(m)
+            p = torch.exp(s - m_new)
+            d = d * factor + p.sum(-1, keepdim=True)
+            acc = acc * (factor if rescale_acc else 1.0) + p @ v
+            m = m_new
+        out[r] = (acc / d).view(nh, hs)
+    return out.float()
+
+
+WALK_MISTAKES = named(W, no_rescale=lambda *c: walk_by_hand(*c, rescale=False),
+                      acc_not_rescaled=lambda *c: walk_by_hand(*c, rescale_acc=False),
+                      unscaled=lambda *c: walk_by_hand(*c, scale=False),
+                      storage_order=lambda *c: walk_by_hand(*c, by_table=False),
+                      scores_unmasked=lambda *c: walk_by_hand(*c, mask_scores=False))
+
+
+def walk_tensors(q: torch.Tensor, tables: list[list[int]], lengths: list[int]) -> tuple:
+    """What the launcher hands the kernel besides q and the pool: the block tables as one int32
+    tensor (B, width), -1 past a row's last block; the lengths (B,) int32; the output (B, nh,
+    hs), NaN until the kernel writes it."""
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32,
+                         device=q.device)
+    return table, torch.tensor(lengths, dtype=torch.int32, device=q.device), \
+        torch.full_like(q, float("nan"))
+
+
+def run_walk(kernel, q, keys, values, table, lengths, out) -> torch.Tensor:
+    """The notebook's launcher: one program per (row, query head)."""
+    B, nh, hs = q.shape
+    H, page = keys.size(1), keys.size(2)
+    kernel[(B, nh)](q, keys, values, table, lengths, out, 1.0 / math.sqrt(hs), q.stride(0),
+                    keys.stride(0), keys.stride(1), keys.stride(2), table.stride(0),
+                    out.stride(0), GROUP=nh // H, HS=hs, PAGE=page)
+    return out
+
+
+class OutOfBounds(Exception):
+    """A load or store the interpreter was about to make outside every tensor the kernel got."""
+
+
+class Loads:
+    """Every load a kernel makes under Triton's interpreter: (program (x, y, z), the unmasked
+    byte addresses). Checked as it happens: an address outside the tensors given (`spans`,
+    (name, first byte, end)) raises OutOfBounds before the interpreter reads it (on a CPU, a
+    read there could crash the Python process; on a GPU it is an illegal memory access)."""
+
+    def __init__(self, spans: list[tuple[str, int, int]]):
+        self.spans, self.seen = spans, []
+
+    def _inside(self, addresses, what: str) -> None:
+        a = torch.from_numpy(addresses.astype("int64").reshape(-1))
+        inside = torch.zeros(a.shape, dtype=torch.bool)
+        for _, first, end in self.spans:
+            inside |= (a >= first) & (a < end)
+        if not bool(inside.all()):
+            raise OutOfBounds(f"the kernel {what} an address outside every tensor it was given")
+
+    def __enter__(self):
+        from triton.runtime import interpreter
+        self.builder = interpreter.interpreter_builder
+        load, store = self.builder.create_masked_load, self.builder.create_masked_store
+
+        def watched_load(ptrs, mask, *rest):
+            live = ptrs.data[mask.data.astype(bool)] if mask.data.size else ptrs.data
+            self._inside(live, "loaded from")
+            self.seen.append((tuple(self.builder.grid_idx), live))
+            return load(ptrs, mask, *rest)
+
+        def watched_store(ptrs, value, mask, *rest):
+            self._inside(ptrs.data[mask.data.astype(bool)], "stored to")
+            return store(ptrs, value, mask, *rest)
+        self.builder.create_masked_load, self.builder.create_masked_store = \
+            watched_load, watched_store
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.builder.create_masked_load, self.builder.create_masked_store  # the class's again
+
+    def of(self, t: torch.Tensor, row: int) -> list[tuple[tuple, torch.Tensor]]:
+        """The loads from tensor `t` (a pool of (num_blocks, H, page, hs)), each as the program
+        that made it and the (block, head, slot) it read, one row per distinct one."""
+        first, size = t.data_ptr(), t.element_size()
+        found = []
+        for program, addresses in self.seen:
+            a = torch.tensor(addresses.astype("int64"))
+            inside = a[(a >= first) & (a < first + t.numel() * size)]
+            if len(inside):
+                index = torch.unique((inside - first) // (size * row))        # (block, h, slot)
+                found.append((program, torch.stack([index // (t.size(1) * t.size(2)),
+                                                    index // t.size(2) % t.size(1),
+                                                    index % t.size(2)], 1)))
+        return found
+
+
+def _not_a_stub(kernel) -> None:
+    """The exercise's stub raises NotImplementedError in the loop; a GPU would refuse to compile
+    it (no `raise` in a kernel), so it is found in the source first."""
+    import inspect
+
+    from ..notebooks import STUB_MESSAGE
+    try:
+        source = inspect.getsource(getattr(kernel, "fn", kernel))
+    except (OSError, TypeError):
+        return
+    if STUB_MESSAGE in source:
+        raise NotImplementedError(STUB_MESSAGE)
+
+
+def _launch(name: str, case: str, kernel, *args) -> torch.Tensor:
+    try:
+        return run_walk(kernel, *args)
+    except NotImplementedError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any crash, or the interpreter's wrapping of one
+        cause = e.__cause__ if e.__cause__ is not None else e
+        if isinstance(cause, NotImplementedError):
+            raise cause from None
+        if isinstance(cause, OutOfBounds):
+            fail(name, case, "loads and stores inside the tensors given", str(cause),
+                 W["out_of_bounds"])
+        said = str(cause).strip().splitlines()
+        fail(name, case, "a kernel that runs", f"{type(cause).__name__}: "
+             f"{said[0][:300] if said else ''}",
+             W["imported_first"] if "outside of the scope of a kernel" in str(cause) else
+             W["raised"])
+
+
+def _one_block_per_load(name: str, case: str, loads: Loads, pools, page: int) -> None:
+    """Refused: a load of keys or values that covers more than one block (the whole row)."""
+    for pool in pools:
+        for _, read in loads.of(pool, pool.size(3)):
+            blocks = len(torch.unique(read[:, 0]))
+            if blocks > 1 or len(torch.unique(read[:, 0] * page + read[:, 2])) > page:
+                fail(name, case, f"one block ({page} keys) per load", f"one load of "
+                     f"{len(read)} keys from {blocks} blocks", W["whole_row"])
+
+
+def _walk_facts(loads: Loads, keys: torch.Tensor, tables, lengths, group: int) -> str:
+    """What the loads show went wrong, under the interpreter: a program that read blocks other
+    than its table's, in another order, or the slots past its row's length."""
+    page, reads = keys.size(2), {}
+    for (row, head, _), read in loads.of(keys, keys.size(3)):
+        reads.setdefault((row, head), []).append(read)
+    for (row, head), blocks in sorted(reads.items()):
+        n, table = lengths[row], tables[row]
+        read = [int(p[0, 0]) for p in blocks]
+        if read != table:
+            return W["table"].format(row=row, head=head, read=read, table=table)
+        for p in blocks:
+            b = table.index(int(p[0, 0]))
+            past = [int(slot) for slot in p[:, 2] if b * page + int(slot) >= n]
+            if past:
+                return W["stale"].format(row=row, slot=past[0], length=n)
+            if bool((p[:, 1] != head // group).any()):
+                return W["kv_head"].format(head=head, kv=head // group, read=int(p[0, 1]))
+    return ""
+
+
+@guarded
+def check_walk_kernel(kernel) -> None:
+    """walk_kernel, a Triton kernel, launched one program per (row, query head) on three paged
+    layouts: the engine's walk within 1e-4, and under the interpreter one block per load."""
+    name = "walk_kernel"
+    if _triton() is None:
+        print(W["skipped"])
+        return
+    _not_a_stub(kernel)
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+    interpreted = isinstance(kernel, InterpretedFunction)
+    if not interpreted and not isinstance(kernel, JITFunction):
+        fail(name, "the kernel", "a function decorated with @triton.jit",
+             f"a {type(kernel).__module__}.{type(kernel).__name__}", W["not_jit"])
+    if not interpreted and not torch.cuda.is_available():
+        fail(name, "the kernel", "a kernel the interpreter runs (no CUDA device here)",
+             "a kernel compiled for a GPU", W["no_gpu"])
+    device = "cpu" if interpreted else "cuda"
+    for layout in WALK_LAYOUTS:
+        lengths, page, heads, nh, hs, _ = layout
+        case = (f"{len(lengths)} rows of lengths {lengths}, blocks of {page}, {nh} query heads "
+                f"on {heads} K/V heads of {hs}")
+        q, keys, values, tables, _ = walk_layout(*layout)
+        args = [t.to(device) for t in (q, keys, values)]
+        args += walk_tensors(args[0], tables, lengths)
+        spans = [(str(i), t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                 for i, t in enumerate(args)]
+        with Loads(spans) if interpreted else contextlib.nullcontext() as loads:
+            out = _launch(name, case, kernel, *args).cpu()
+        if interpreted:
+            _one_block_per_load(name, case, loads, args[1:3], page)
+        want = walk_reference(q, keys, values, tables, lengths)
+        if torch.allclose(out, want, atol=WALK_TOL, rtol=WALK_TOL):
+            continue
+        found = [hint for hint, wrong in WALK_MISTAKES.items()
+                 if torch.allclose(out.double(), wrong(q, keys, values, tables, lengths).double(),
+                                   atol=WALK_TOL, rtol=WALK_TOL, equal_nan=True)]
+        nan = bool(out.isnan().any())
+        facts = _walk_facts(loads, args[1], tables, lengths, nh // heads) if interpreted else ""
+        hint = found[0] if found else facts or (W["nan"] if nan else W["otherwise"])
+        rows = sorted({int(r) for r in torch.nonzero(
+            ~torch.isclose(out, want, WALK_TOL, WALK_TOL))[:, 0]})
+        fail(name, case, f"the engine's walk (flash.walk) within {WALK_TOL:g}",
+             f"NaN in rows {rows}" if nan else
+             f"values off by up to {float((out - want).abs().max()):.4g} in rows {rows}", hint)
+    passed(name, len(WALK_LAYOUTS))
+    if not interpreted:
+        print(W["compiled"])
