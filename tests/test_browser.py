@@ -543,6 +543,48 @@ def test_cache_across_turns_chapter_tree_stepper_in_jupyterlab(session):
                   {0: "tree_split", back - split: "tree_copied_back"}, first=split)
 
 
+def chapter_13_stages():
+    """The run chapter 13's transfer stepper steps through (notebooks/13, section 6): four short
+    prompts and one of 225 tokens at step 4 on a DisaggregatedEngine in lockstep, recorded; the
+    long prompt's six stages."""
+    from minikv.engine.disagg import DisaggregatedEngine
+    from minikv.viz.transfer import TransferRecorder, transfer_stages
+    target, tok = minikv.load_course_model("target", "cpu")
+    starts = ("The color of dog", "Once upon a time", "Alice flips a coin.", "My cat is")
+    crowd = [minikv.Request(tok.encode(text), 20) for text in starts]
+    story = "Bob " + "A coin's state is heads. Alice flips, then Bob flips. " * 30
+    work = crowd + [minikv.Request(tok.encode(story)[:225], 6, arrival=4)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the chapter: the same bits, the same tokens
+    try:
+        with DisaggregatedEngine(target, 48, lockstep=True, trace=True) as split:
+            recorder = TransferRecorder(split)
+            for r in work:
+                split.add(r)
+            while split.has_work():
+                split.step()
+            recorder.close()
+            return transfer_stages(recorder, len(crowd))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_more_than_one_device_chapter_13_transfer_stepper_in_jupyterlab(session):
+    """Chapter 13's stepper over a request's K/V moving from the prefill worker's pool to the
+    decode worker's: Next walks sent → computed there → one message → restored into fresh
+    blocks (the remap) → admitted → decoding, each caption and numbers line as a run of the
+    engine in this process says, each picture drawn anew."""
+    from minikv.viz.transfer import transfer_caption, transfer_info
+    start_lab, browser = session
+    lab = start_lab(["13_more_than_one_device.ipynb"])
+    stepper = run_notebook(lab, browser, "13_more_than_one_device.ipynb")
+    stages = chapter_13_stages()
+    expected = [(text(f"step {i + 1}/{len(stages)} {transfer_caption(s)}"),
+                 int(transfer_info(s).split()[2])) for i, s in enumerate(stages)]
+    assert "→" in expected[3][0] and stages[3].blocks_here != stages[3].blocks_there
+    click_through(browser, stepper, expected, "13", {0: "transfer_sent", 3: "transfer_restored"})
+
+
 def course_files() -> dict[str, bytes]:
     return {str(p.relative_to(ROOT)): p.read_bytes() if p.is_file() else b"<dir>"
             for folder in ("notebooks", "exercises", "solutions")

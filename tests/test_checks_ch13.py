@@ -16,6 +16,7 @@ from minikv.engine.parallel import RowParallel, shard
 from conftest import assert_mistake_named, assert_right_ways_pass, checker_id, stub
 
 PREDICT, ROW = ch13.check_predict_cache_per_rank, ch13.check_row_parallel
+RESTORE = ch13.check_restore_blocks
 
 
 # --- right answers -------------------------------------------------------------------------------
@@ -90,6 +91,48 @@ class RowFlat(RowFixed):
         return super().forward(x).flatten()
 
 
+def restore_from_the_back(keys, values, there, pool_keys, pool_values, free, ps):
+    """Also right: other fresh blocks (the newest free), one position at a time."""
+    n = keys.shape[2]
+    table = [free.pop() for _ in range(-(-n // ps))]
+    for pool, src in ((pool_keys, keys), (pool_values, values)):
+        for layer, x in zip(pool, src):
+            for p in range(n):
+                layer[table[p // ps], :, p % ps] = x[:, p]
+    return table
+
+
+def restore_whole_last_block(keys, values, there, pool_keys, pool_values, free, ps):
+    """Wrong: the last chunk written as if it filled its block (a shape error when partial)."""
+    table = [free.pop(0) for _ in range(-(-keys.shape[2] // ps))]
+    for pool, src in ((pool_keys, keys), (pool_values, values)):
+        for layer, x in zip(pool, src):
+            for i, block in enumerate(table):
+                layer[block] = x[:, i * ps:(i + 1) * ps]
+    return table
+
+
+def restore_and_clear(keys, values, there, pool_keys, pool_values, free, ps):
+    for layer in pool_keys + pool_values:  # "a clean pool first": other requests' K/V gone
+        layer.zero_()
+    return ch13.restore_by_hand(keys, values, there, pool_keys, pool_values, free, ps)
+
+
+def restore_in_the_tree(keys, values, there, pool_keys, pool_values, free, ps):
+    """Wrong: the engine's RadixTree.restore does it (on a pool around these tensors)."""
+    table, k, v, left = ch13.engine_restore(keys, values, pool_keys, pool_values, free, ps)
+    for mine, theirs in zip(pool_keys + pool_values, k + v):
+        mine.copy_(theirs)
+    free[:] = left
+    return table
+
+
+def restore_used_blocks(keys, values, there, pool_keys, pool_values, free, ps):
+    taken = [b for b in range(pool_keys[0].shape[0]) if b not in free]
+    table = taken[-(-(-keys.shape[2] // ps)):]
+    return ch13.restore_by_hand(keys, values, there, pool_keys, pool_values, list(table), ps)
+
+
 def _llama(tp, value):
     return lambda: {**predict_llama_per_rank(), tp: value}
 
@@ -120,12 +163,22 @@ WRONG = {
           (RowFlat, "shaped like the whole layer's"),
           (RowFixed(torch.nn.Linear(2, 2)), "pass the class itself")] + [
          (wrong, hint) for hint, wrong in ch13.ROW_MISTAKES.items()],
+    RESTORE: [(lambda *a: None, "did you forget to return it"),
+              (lambda k, v, t, pk, pv, f, ps: torch.tensor(ch13.restore_by_hand(
+                  k, v, t, pk, pv, f, ps)).float(), "a list of the block ids"),
+              (restore_whole_last_block, "a partial last block holds fewer"),
+              (restore_and_clear, "write only into the blocks you took"),
+              (restore_in_the_tree, "minikv's own minikv.engine.radix.RadixTree.restore"),
+              (restore_used_blocks, "take fresh blocks from `free`")] + [
+        (wrong, hint) for hint, wrong in ch13.RESTORE_MISTAKES.items()],
 }
 RIGHT = {PREDICT: [(predict_llama_per_rank, cache_per_rank),
                    (predict_llama_per_rank, cache_per_rank_by_heads)],
-         ROW: [(RowFixed,), (RowBiasOnRankZero,), (RowBiasShared,)]}
+         ROW: [(RowFixed,), (RowBiasOnRankZero,), (RowBiasShared,)],
+         RESTORE: [(ch13.restore_by_hand,), (restore_from_the_back,)]}
 STUBS = {PREDICT: [(stub, cache_per_rank), (predict_llama_per_rank, stub)],
-         ROW: [(type("Stub", (ch13.BuggyRowParallel,), {"forward": stub}),)]}
+         ROW: [(type("Stub", (ch13.BuggyRowParallel,), {"forward": stub}),)],
+         RESTORE: [(stub,)]}
 
 
 @pytest.mark.parametrize("checker", RIGHT, ids=checker_id)
@@ -207,3 +260,29 @@ def test_the_design_cases_tell_the_rules_apart():
     for hint, wrong in ch13.CHOOSE.mistakes.items():
         assert any(wrong(*case) != ch13.best_tp(*case) for case in ch13.CHOOSE.cases), hint
     assert any(ch13.best_tp(*case) is None for case in ch13.CHOOSE.cases)
+
+
+def test_the_restore_reference_is_the_engines_and_the_cases_tell_the_mistakes_apart():
+    """restore_by_hand (the solution's way) puts what RadixTree.restore puts, through its
+    table; every case has a block that restore writes and others it must not."""
+    for case in ch13.RESTORE_CASES:
+        keys, values, there, pk, pv, free, ps = ch13._restore_case(case)
+        n = keys.shape[2]
+        want, wk, wv, wfree = ch13.engine_restore(keys, values, pk, pv, free, ps)
+        got, gk, gv, gfree = ch13._restore_outcome(ch13.restore_by_hand, case)
+        assert got == want and gfree == wfree, case[0]
+        assert torch.equal(ch13._through(gk, got, n, ps), keys)
+        assert torch.equal(ch13._through(gv, got, n, ps), values)
+        assert set(there) - set(free), case[0]  # the worker's ids name blocks in use here
+    for hint, wrong in ch13.RESTORE_MISTAKES.items():
+        assert any(not ch13._same_outcome(ch13._restore_outcome(wrong, c),
+                                          ch13._restore_outcome(ch13.restore_by_hand, c))
+                   for c in ch13.RESTORE_CASES), hint
+
+
+def test_the_break_even_cases_tell_the_rules_apart():
+    for hint, wrong in ch13.PLAN.mistakes.items():
+        assert any(not ch13._same_plan(wrong(*c), ch13.transfer_or_recompute(*c))
+                   for c in ch13.PLAN.cases), hint
+    choices = {ch13.transfer_or_recompute(*c)[1] for c in ch13.PLAN.cases}
+    assert choices == {"transfer", "recompute"}

@@ -218,3 +218,33 @@ def test_a_dead_worker_is_a_clear_error_not_a_hang():
         for _ in range(100):
             engine.step()
     assert engine.closed and not torch.distributed.is_initialized()
+
+
+def test_in_lockstep_a_request_joins_at_its_arrival_step_as_on_one_engine():
+    """lockstep=True: every step waits for the K/V it sent, so the decode side computes, step
+    by step, what one Engine computes less each prompt but its last position; traced, its
+    steps are the same on every run."""
+    from minikv.viz.pool import step_composition
+    requests = [minikv.Request([4, 5, 6], 12), minikv.Request([7, 8], 12),
+                minikv.Request(list(range(10, 43)), 4, arrival=3)]
+    one = Engine(MODEL, BLOCKS, page_size=PAGE, trace=True)
+    for r in requests:
+        one.add(r)
+    while one.has_work():
+        one.step()
+    with fresh(lockstep=True, trace=True) as engine:
+        for i, r in enumerate(requests):
+            engine.add(r, index=i)
+        while engine.has_work():
+            engine.step()
+        outs = list(engine.outputs().values())
+        run_traced = step_composition(outs)
+        tokens = [o.tokens for o in outs]
+    assert tokens == [o.tokens for o in one.outputs().values()]
+    alone = step_composition(list(one.outputs().values()))
+    assert sorted(run_traced) == sorted(alone)  # the same steps
+    for step, rows in alone.items():
+        want = [(r, kind, 1 if kind == "prompt" else n) for r, kind, n in rows]
+        assert run_traced[step] == want, step  # a prompt: only its last position here
+    with pytest.raises(TypeError, match="lockstep must be True or False"):
+        DisaggregatedEngine(MODEL, BLOCKS, lockstep=1)

@@ -51,6 +51,8 @@ ENGINE_STATEMENT_BUDGET = sum({
     "gloo and restored into the decode worker's pool, the Engine interface on top)": 238,
     "issue 56: a decode step of fixed shapes for torch.compile (static.py: a cache handing "
     "attention every slot, written at positions in a tensor; its greedy loop; GPT.blocks)": 48,
+    "issue 54, item 4: a disaggregated engine in lockstep (a step waits for the K/V it sent: "
+    "the same steps on every run, for chapter 13's pictures) and traced": 5,
 }.values())
 # The shape of readable code, measured as code-review-2026-11-25.md measured it (section 2).
 LONGEST_FUNCTION = 45       # lines, signature and docstring included (nano-vllm's engine: 49)

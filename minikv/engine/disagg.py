@@ -47,7 +47,7 @@ from .radix import Radix
 from .sampling import Request
 from .scheduler import fit
 from .serving import Engine
-from .validate import int_at_least
+from .validate import check_flags, int_at_least
 
 STOP = -1  # a prompt length that tells the prefill worker to finish
 
@@ -123,17 +123,23 @@ class DisaggregatedEngine:
     """An Engine whose prompts a prefill worker computes (module doc): `num_blocks` of
     `page_size` positions here, `prefill_blocks` there (default: as many); `timeout`
     seconds for the worker to start or answer. Close it (or use `with`) to stop the
-    worker. One per process at a time: the process group is the process's."""
+    worker. One per process at a time: the process group is the process's.
+
+    `lockstep`: a step waits for the K/V of every prompt it sent, so a request joins
+    at its arrival step on every run, as on one Engine (a chapter's pictures, tests);
+    the stall the worker removes comes back as that wait. `trace`: Engine's."""
 
     def __init__(self, model, num_blocks: int, *, prefill_blocks: int | None = None,
                  page_size: int = 16, max_running: int | None = None, policy=None,
-                 timeout: float = 60.0):
+                 timeout: float = 60.0, lockstep: bool = False, trace: bool = False):
         if dist.is_initialized():
             raise RuntimeError("this process is already in a torch.distributed group "
                                "(another DisaggregatedEngine?): close that one first")
+        check_flags(lockstep=lockstep)
         self.engine = Engine(model, num_blocks, page_size=page_size, policy=policy,
                              max_running=max_running, prefix_caching=Radix(),
-                             replay=False)
+                             replay=False, trace=trace)
+        self.lockstep = lockstep
         self.prefill_blocks = num_blocks if prefill_blocks is None else prefill_blocks
         int_at_least("prefill_blocks", self.prefill_blocks, hint=" (the worker's pool)")
         self.pool, self.tree = self.engine.pool, self.engine.scheduler.prefix
@@ -206,7 +212,7 @@ class DisaggregatedEngine:
 
     def step(self) -> dict[int, tuple[list[int], bool]]:
         """Send the prompts that arrived, take in the K/V that came back (waiting for it
-        only when nothing decodes), then one decode step."""
+        only when nothing decodes, or for all of it in lockstep), then one decode step."""
         self._check_open()
         if not self.engine.has_work() and not self.sent and self.arriving:
             self.now = max(self.now, min(r.arrival for _, r in self.arriving))
@@ -214,6 +220,8 @@ class DisaggregatedEngine:
             self.arriving.remove((index, request))
             self._send(index, request)
         self._receive(wait=not self.engine.has_work())
+        while self.lockstep and self.sent:
+            self._receive(wait=True)
         self.now += 1
         return self.engine.step()
 

@@ -1,28 +1,34 @@
-"""Chapter 13's checkers (tensor parallelism), against the engine on the CPU, leaving the caller's
-random state alone: shard_attention (build: one layer's slices for one rank, against what
-`shard` holds), predict_cache_per_rank (predict Llama-3-8B's cache per rank, then measure ours on
-the shards' configs), row_parallel (debug: a row-parallel layer that adds its bias on every rank,
-run on ranks as threads) and choose_tp (design: the fewest ranks whose memory holds the weights
-and a context's K/V). shard_attention and choose_tp are checked from data (EXERCISES); the hints
-are in hints/ch13.toml."""
+"""Chapter 13's checkers (tensor parallelism, disaggregated serving), against the engine on the
+CPU, leaving the caller's random state alone: shard_attention (build: one layer's slices for one
+rank, against what `shard` holds), predict_cache_per_rank (predict Llama-3-8B's cache per rank,
+then measure ours on the shards' configs), row_parallel (debug: a row-parallel layer that adds
+its bias on every rank, run on ranks as threads), choose_tp (design: the fewest ranks whose
+memory holds the weights and a context's K/V), restore_blocks (build: the decode side's restore,
+against RadixTree.restore on a real pool) and transfer_or_recompute (design: the break-even of
+moving a prompt's K/V against computing it again). shard_attention, choose_tp and
+transfer_or_recompute are checked from data (EXERCISES); the hints are in hints/ch13.toml."""
 from __future__ import annotations
 
+import copy
 import functools
+from collections import deque
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...engine import GPT, GPTConfig, KVCache, kv_cache_bytes
+from ...engine import GPT, GPTConfig, KVCache, Radix, RadixTree, kv_cache_bytes
+from ...engine.paged import BlockPool
 from ...engine.parallel import RowParallel, plan, shard
 from .. import checks as ck
 from ..checkpoint import load_course_model
 from ..parallel import Unmatched, in_threads
 
 H = ck.hints("ch13")
-S, P, R, D = (H[k] for k in ("shard_attention", "predict_cache_per_rank", "row_parallel",
-                             "choose_tp"))
+S, P, R, D, B, T = (H[k] for k in ("shard_attention", "predict_cache_per_rank",
+                                   "row_parallel", "choose_tp", "restore_blocks",
+                                   "transfer_or_recompute"))
 
 
 # --- exercise 1 (build): one attention layer's slices for one rank ----------------------------
@@ -534,5 +540,274 @@ CHOOSE = ck.Exercise(
     otherwise=D["otherwise"], raised=D["raised"])
 check_choose_tp = CHOOSE.check
 
-EXERCISES = (SHARD, CHOOSE)
 
+
+
+# --- exercise 5 (build): the decode side's restore ---------------------------------------------
+def restore_by_hand(keys, values, blocks_there, pool_keys, pool_values, free, page_size):
+    """The exercise's answer: fresh blocks from the front of `free`, each page_size positions
+    of every layer's keys and values written into its first slots."""
+    n = keys.shape[2]                                   # (layers, kv_heads, n, head_dim)
+    table = [free.pop(0) for _ in range(-(-n // page_size))]
+    for pool, src in ((pool_keys, keys), (pool_values, values)):
+        for layer, x in zip(pool, src):
+            for i, block in enumerate(table):
+                chunk = x[:, i * page_size:(i + 1) * page_size]  # (kv_heads, <= ps, hd)
+                layer[block, :, :chunk.shape[1]] = chunk
+    return table
+
+
+def _restore_worker_ids(keys, values, there, pk, pv, free, ps):
+    table = list(there)
+    for pool, src in ((pk, keys), (pv, values)):
+        for layer, x in zip(pool, src):
+            for i, block in enumerate(table):
+                chunk = x[:, i * ps:(i + 1) * ps]
+                layer[block, :, :chunk.shape[1]] = chunk
+    return table
+
+
+def _restore_whole_blocks(keys, values, there, pk, pv, free, ps):
+    table = [free.pop(0) for _ in range(keys.shape[2] // ps)]  # the partial block lost
+    for pool, src in ((pk, keys), (pv, values)):
+        for layer, x in zip(pool, src):
+            for i, block in enumerate(table):
+                layer[block] = x[:, i * ps:(i + 1) * ps]
+    return table
+
+
+def _restore_swapped(keys, values, there, pk, pv, free, ps):
+    return restore_by_hand(values, keys, there, pk, pv, free, ps)
+
+
+def _restore_offset(keys, values, there, pk, pv, free, ps):
+    n = keys.shape[2]
+    table = [free.pop(0) for _ in range(-(-n // ps))]
+    for pool, src in ((pk, keys), (pv, values)):
+        for layer, x in zip(pool, src):
+            for p in range(n):
+                layer[table[p // ps], :, (p + 1) % ps] = x[:, p]
+    return table
+
+
+def _restore_kept_free(keys, values, there, pk, pv, free, ps):
+    table = free[:-(-keys.shape[2] // ps)]  # the blocks taken, but left on the free list
+    return restore_by_hand(keys, values, there, pk, pv, list(table), ps)
+
+
+RESTORE_MISTAKES = {B["worker_ids"]: _restore_worker_ids, B["whole_blocks"]: _restore_whole_blocks,
+                    B["swapped"]: _restore_swapped, B["offset"]: _restore_offset,
+                    B["kept_free"]: _restore_kept_free}
+# (what, config, positions, page_size, pool blocks, free blocks in order, the worker's ids)
+RESTORE_CASES = [
+    ("2 full blocks", "tiny", 32, 16, 12, [5, 2, 9, 3, 7, 11], [0, 1]),
+    ("a partial last block", "tiny", 37, 16, 12, [8, 4, 10, 6, 1], [0, 2, 3]),
+    ("fewer positions than a block", "tiny", 5, 8, 6, [3, 1, 5], [0]),
+    ("one position", "tiny", 1, 4, 5, [4, 0, 2], [1]),
+    ("grouped-query K/V, 6 blocks of 4", "gqa", 23, 4, 10, [9, 2, 7, 0, 5, 3, 8], [1, 2, 3, 4,
+                                                                                     5, 6]),
+    ("the course target's shapes, 40 positions", "target", 40, 16, 8, [6, 3, 7, 5], [0, 1, 2]),
+]
+_RESTORE_CONFIGS = {
+    "tiny": dict(n_layer=2, n_head=4, n_embd=32),
+    "gqa": dict(n_layer=3, n_head=4, n_kv_head=2, n_embd=32),
+    "target": None,
+}
+
+
+def _restore_config(kind: str) -> GPTConfig:
+    if _RESTORE_CONFIGS[kind] is None:
+        return load_course_model("target", "cpu")[0].config
+    return GPTConfig(vocab_size=64, block_size=64, **_RESTORE_CONFIGS[kind])
+
+
+def _restore_case(case) -> tuple:
+    """(keys, values, blocks_there, pool_keys, pool_values, free, page_size): random K/V of n
+    positions, and a pool whose every block holds something (other requests' K/V where in use,
+    stale K/V where free)."""
+    what, kind, n, ps, blocks, free, there = case
+    cfg = _restore_config(kind)
+    heads, hd, _ = cfg.kv_shape
+    gen = torch.Generator().manual_seed(135 + n + ps)
+    kv = [torch.randn(cfg.n_layer, heads, n, hd, generator=gen) for _ in range(2)]
+    pool = [[torch.randn(blocks, heads, ps, hd, generator=gen) for _ in range(cfg.n_layer)]
+            for _ in range(2)]
+    return kv[0], kv[1], list(there), pool[0], pool[1], list(free), ps
+
+
+def engine_restore(keys, values, pool_keys, pool_values, free, page_size):
+    """What the engine's RadixTree.restore does with them: a BlockPool holding these tensors,
+    `free` its free list (every other block in use), the tree's blocks for the positions
+    after; (blocks, pool keys, pool values, free list after)."""
+    layers, heads, n, hd = keys.shape
+    cfg = GPTConfig(n_layer=layers, n_head=heads, n_embd=heads * hd, vocab_size=8,
+                    block_size=max(8, n))
+    pool = BlockPool(cfg, pool_keys[0].shape[0], page_size)
+    pool.keys, pool.values = [t.clone() for t in pool_keys], [t.clone() for t in pool_values]
+    pool.free = deque(free)
+    pool.ref = [0 if b in free else 1 for b in range(pool.num_blocks)]
+    tree = RadixTree(pool, Radix())
+    tree.restore(list(range(n)), keys, values)
+    blocks = [b for node, _ in tree.match(list(range(n))) for b in node.blocks]
+    return blocks, pool.keys, pool.values, list(pool.free)
+
+
+def _through(pool: list[torch.Tensor], table: list[int], n: int, ps: int) -> torch.Tensor:
+    """n positions read back through `table`: (layers, kv_heads, n, head_dim)."""
+    return torch.stack([torch.cat([layer[b] for b in table], dim=1)[:, :n] for layer in pool])
+
+
+def _restore_outcome(fn, case):
+    """fn on fresh copies of the case: (its answer, pool keys, pool values, free list)."""
+    keys, values, there, pk, pv, free, ps = copy.deepcopy(_restore_case(case))
+    got = fn(keys, values, there, pk, pv, free, ps)
+    return got, pk, pv, free
+
+
+def _same_outcome(a, b) -> bool:
+    (t1, k1, v1, f1), (t2, k2, v2, f2) = a, b
+    return (ck.int_list(t1) == ck.int_list(t2) and list(f1) == list(f2)
+            and all(torch.equal(x, y) for x, y in zip(k1 + v1, k2 + v2)))
+
+
+def _restore_hint(case, outcome) -> str:
+    for hint, wrong in RESTORE_MISTAKES.items():
+        try:
+            if _same_outcome(_restore_outcome(wrong, case), outcome):
+                return hint
+        except Exception:  # noqa: BLE001 - a mistake that cannot run here explains nothing
+            continue
+    return ""
+
+
+@ck.one_thread
+@ck.guarded
+@torch.no_grad()
+def check_restore_blocks(restore_blocks) -> None:
+    """restore_blocks(keys, values, blocks_there, pool_keys, pool_values, free, page_size) ->
+    the new block table, on pools that hold other K/V: the same K/V at the same positions
+    through its table as the engine's RadixTree.restore puts there, only fresh blocks written,
+    and taken off the free list."""
+    name = "restore_blocks"
+    for case in RESTORE_CASES:
+        what, _, n, ps, blocks, free, there = case
+        where = (f"{what}: {n} positions, page_size {ps}, a pool of {blocks} blocks, free "
+                 f"{free}, the worker's ids {there}")
+        with ck.forbid(name, RadixTree.restore, BlockPool.reserve, BlockPool.allocate):
+            outcome = ck.call_hinted(name, where, lambda e: B["raised"], _restore_outcome,
+                                     restore_blocks, case)
+        got, pk, pv, left = outcome
+        keys, values, _, k0, v0, _, _ = _restore_case(case)
+        want, wk, wv, wfree = engine_restore(keys, values, k0, v0, free, ps)
+        table = ck.int_list(got)
+        ck.expect(table is not None, name, where, "the new block table: a list of block ids",
+                  ck.kind(got), B["table"] + ck.FORGOT * (got is None))
+        hint = _restore_hint(case, outcome)
+        ck.expect(len(table) == len(want), name, where, f"{len(want)} blocks", table,
+                  hint or B["count"])
+        ck.expect(len(set(table)) == len(table) and set(table) <= set(free), name, where,
+                  f"{len(want)} distinct blocks from free {free}", table,
+                  hint or B["not_free"])
+        ck.expect(list(left) == [b for b in free if b not in table], name, where,
+                  "free without the blocks taken", list(left), hint or B["kept_free"])
+        others = [b for b in range(blocks) if b not in table]
+        ck.expect(all(torch.equal(a[others], b[others]) for a, b in zip(pk + pv, k0 + v0)),
+                  name, where, "every other block as it was", "another block written",
+                  hint or B["others"])
+        for mine, theirs, label in ((pk, wk, "keys"), (pv, wv, "values")):
+            ck.expect(torch.equal(_through(mine, table, n, ps), _through(theirs, want, n, ps)),
+                      name, where, f"the {label} restore puts there, read through the table",
+                      f"other {label} at some positions", hint or B["otherwise"])
+    ck.passed(name, len(RESTORE_CASES))
+
+
+# --- exercise 6 (design): move the K/V, or compute it again --------------------------------------
+def fit_line(xs, ys) -> tuple[float, float]:
+    """Least squares: y ≈ a + b·x, as bench-disagg fits its lines."""
+    xs, ys = [float(x) for x in xs], [float(y) for y in ys]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def transfer_or_recompute(rows, bytes_per_position, link_bits_per_s, length):
+    """(L*, "transfer" or "recompute" for a prompt of `length` positions) on a link of
+    `link_bits_per_s`: a from the transfers' intercept, p0 and p1 from the recomputes."""
+    lengths = [r["positions"] for r in rows]
+    a, _ = fit_line(lengths, [r["transfer_s"] for r in rows])
+    p0, p1 = fit_line(lengths, [r["recompute_s"] for r in rows])
+    ship = bytes_per_position / (link_bits_per_s / 8)  # B / W, W in bytes a second
+    moved, computed = a + length * ship, p0 + p1 * length
+    return (a - p0) / (p1 - ship), "transfer" if moved < computed else "recompute"
+
+
+def _plan_rule(fixed=True, bytes_of=lambda bits: bits / 8, slope=None, sign=1, way=None):
+    """The rule with one knob turned: `fixed` False fits through the origin, `bytes_of` the
+    link's bytes a second, `slope` the per-position cost measured (not the link's), `sign` -1
+    the break-even's sign flipped, `way` a decision read from L* alone."""
+    def rule(rows, bytes_per_position, link_bits_per_s, length):
+        xs = [r["positions"] for r in rows]
+        if fixed:
+            a, measured = fit_line(xs, [r["transfer_s"] for r in rows])
+            p0, p1 = fit_line(xs, [r["recompute_s"] for r in rows])
+        else:
+            sxx = sum(x * x for x in xs)
+            a, p0 = 0.0, 0.0
+            measured = sum(x * r["transfer_s"] for x, r in zip(xs, rows)) / sxx
+            p1 = sum(x * r["recompute_s"] for x, r in zip(xs, rows)) / sxx
+        ship = measured if slope else bytes_per_position / bytes_of(link_bits_per_s)
+        cut = sign * (a - p0) / (p1 - ship)
+        if way is not None:
+            return cut, way(length, cut)
+        return cut, "transfer" if a + length * ship < p0 + p1 * length else "recompute"
+    return rule
+
+
+def _table(a, per_position, p0, p1, lengths=(4, 16, 32, 64, 128, 192, 248)):
+    """Measured-looking rows: the lines, each time off by a fixed fraction (up to 3%)."""
+    wobble = [0.02, -0.01, 0.03, -0.02, 0.01, -0.03, 0.015]
+    return [{"positions": n, "transfer_s": (a + per_position * n) * (1 + w),
+             "recompute_s": (p0 + p1 * n) * (1 - w)} for n, w in zip(lengths, wobble)]
+
+
+LOOPBACK = _table(1.2e-3, 8.8e-6, 2.8e-3, 1.8e-4)   # about the committed CPU run's lines
+SETUP = _table(6e-3, 2e-6, 5e-4, 6e-5)               # a costly handshake, a cheap prefill
+PLAN_CASES = [(LOOPBACK, 18_432, 400e9, 64), (LOOPBACK, 18_432, 0.5e9, 8),
+              (LOOPBACK, 18_432, 0.5e9, 200), (SETUP, 18_432, 100e9, 16),
+              (SETUP, 18_432, 100e9, 240), (SETUP, 18_432, 2e9, 120),
+              (LOOPBACK, 1_024, 1e9, 32)]
+
+
+def _describe_plan(rows, bytes_per_position, link_bits_per_s, length) -> str:
+    a, per = fit_line([r["positions"] for r in rows], [r["transfer_s"] for r in rows])
+    return (f"{len(rows)} measured lengths (transfers: {a * 1e3:.2f} ms + {per * 1e6:.2f} µs a "
+            f"position there), {bytes_per_position:,} bytes a position, a link of "
+            f"{link_bits_per_s / 1e9:g} Gbit/s, a prompt of {length} positions")
+
+
+def _plan(got, *case):
+    if not isinstance(got, (tuple, list)) or len(got) != 2 or got[1] not in (
+            "transfer", "recompute") or isinstance(got[0], bool):
+        raise ck.Refused(T["pair"], '(L*, "transfer" or "recompute")')
+    try:
+        return float(got[0]), got[1]
+    except (TypeError, ValueError):
+        raise ck.Refused(T["pair"], '(L*, "transfer" or "recompute")') from None
+
+
+def _same_plan(a, b) -> bool:
+    return a[1] == b[1] and abs(a[0] - b[0]) <= 1e-6 * max(1.0, abs(b[0]))
+
+
+PLAN = ck.Exercise(
+    "transfer_or_recompute", cases=PLAN_CASES, describe=_describe_plan,
+    reference=transfer_or_recompute, returns=_plan, same=_same_plan,
+    mistakes=ck.named(T, no_fixed=_plan_rule(fixed=False),
+                      bits=_plan_rule(bytes_of=lambda bits: bits),
+                      measured_link=_plan_rule(slope=True), sign=_plan_rule(sign=-1),
+                      wrong_way=_plan_rule(way=lambda n, cut: "transfer" if n > cut
+                                           else "recompute")),
+    otherwise=T["otherwise"], raised=T["raised"])
+check_transfer_or_recompute = PLAN.check
+
+EXERCISES = (SHARD, CHOOSE, PLAN)
