@@ -136,7 +136,9 @@ def test_the_committed_output_folders_are_marked_as_their_commands():
                             ("benchmarks/tp", "bench-tp"),
                             ("benchmarks/weights", "bench-weights"),
                             ("benchmarks/batch-cpu", "bench-batch"),
-                            ("benchmarks/disagg", "bench-disagg")):
+                            ("benchmarks/disagg", "bench-disagg"),
+                            ("benchmarks/compile", "bench-compile"),
+                            ("benchmarks/peers", "bench-peers")):
         assert claim_directory(ROOT / folder, command) == ROOT / folder
 
 
