@@ -607,6 +607,7 @@ RESTORE_CASES = [
     ("grouped-query K/V, 6 blocks of 4", "gqa", 23, 4, 10, [9, 2, 7, 0, 5, 3, 8], [1, 2, 3, 4,
                                                                                      5, 6]),
     ("the course target's shapes, 40 positions", "target", 40, 16, 8, [6, 3, 7, 5], [0, 1, 2]),
+    ("a pool with just enough room", "tiny", 24, 8, 5, [3, 0, 4], [1, 2, 0]),
 ]
 _RESTORE_CONFIGS = {
     "tiny": dict(n_layer=2, n_head=4, n_embd=32),
