@@ -41,6 +41,7 @@ ENGINE_STATEMENT_BUDGET = sum({
     "issue 53: eviction by score (evict.py: H2O's heavy hitters, SnapKV's observation window)": 152,
     "issue 54: tensor parallelism (parallel.py: a rank's shard, row-parallel all-reduces, the "
     "ranks as processes; a head's width of its own, head_size)": 157,
+    "issue 54: a rank whose parent was killed stops waiting for it": 2,
     "issue 56: a memory plan (cache.py: free memory x utilization, less weights and a "
     "reserve, is the pool; the requests it holds)": 32,
     "issue 55: weight-only quantization (quantized.py: int8 a row, int4 a group, by the KV "

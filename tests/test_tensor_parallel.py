@@ -3,6 +3,7 @@ group) decodes the tokens the whole model decodes, with every decoder and cache 
 reads its heads alone; each rank's cache holds only its K/V heads (all of them replicated
 once ranks outnumber K/V heads; MLA's latent on every rank)."""
 import multiprocessing
+import os
 
 import pytest
 import torch
@@ -173,3 +174,63 @@ def test_the_bench_times_both_ways_and_counts_what_a_rank_holds():
     assert r["same_tokens"] and r["all_reduces_per_token"] == 2 * 2
     assert r["cache_bytes_per_rank"] * 2 == r["cache_bytes_one_process"]
     assert all(row["decode_tokens_per_s"] > 0 for row in r["rows"])
+
+
+ORPHAN_FN = '''import os, time
+
+
+def fn(rank, world, folder):
+    with open(os.path.join(folder, f"rank{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(3)  # the parent is killed meanwhile: nobody will read this or set `done`
+    return rank
+'''
+ORPHAN_SCRIPT = '''import os, signal, sys, threading, time
+folder = sys.argv[1]
+sys.path.insert(0, folder)
+from minikv.engine.parallel import launch
+from orphan_fn import fn
+
+
+def kill_me_once_the_ranks_run():
+    while sum(name.endswith(".pid") for name in os.listdir(folder)) < 2:
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    threading.Thread(target=kill_me_once_the_ranks_run, daemon=True).start()
+    launch(fn, 2, folder)
+'''
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's parent may never reap it)."""
+    try:
+        return "State:\tZ" not in open(f"/proc/{pid}/status").read()
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc (Linux)")
+def test_ranks_whose_parent_is_killed_exit_instead_of_waiting_forever(tmp_path):
+    """A SIGKILLed parent never tells its ranks they may go (`done`): each notices it was
+    orphaned and exits, within seconds, instead of waiting for good."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    (tmp_path / "orphan_fn.py").write_text(ORPHAN_FN)
+    (tmp_path / "orphan.py").write_text(ORPHAN_SCRIPT)
+    run = subprocess.run([sys.executable, str(tmp_path / "orphan.py"), str(tmp_path)],
+                         timeout=120)
+    assert run.returncode == -signal.SIGKILL
+    pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
+    assert len(pids) == 2
+    deadline = time.time() + 30
+    while time.time() < deadline and any(_running(p) for p in pids):
+        time.sleep(0.2)
+    left = [p for p in pids if _running(p)]
+    for p in left:  # not to leave them behind for the rest of the run
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"ranks {left} still waiting for a parent that is gone"

@@ -197,13 +197,15 @@ def _collect(procs, results, world: int, timeout: float) -> list:
 
 def _rank(fn, rank, world, store, threads, results, done, args, kwargs) -> None:
     torch.set_num_threads(threads)
+    parent = os.getppid()  # if it is killed (SIGKILL: no `done` ever comes), stop waiting
     try:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                                 world_size=world)
         results.put((rank, True, fn(rank, world, *args, **kwargs)))
     except Exception:  # the parent raises it, naming the rank
         results.put((rank, False, traceback.format_exc()))
-    done.wait()  # tensors sent through the queue live in this process until read
+    while not done.wait(1.0) and os.getppid() == parent:
+        pass  # tensors sent through the queue live in this process until read
     if dist.is_initialized():
         dist.destroy_process_group()
 
