@@ -218,7 +218,7 @@ BAD = [  # (command and good arguments, option, wrong value, what the message sa
           ("--new", "57", "from 2 to 56"), ("--new", "x", "integer")]],
     *[(["bench-compile", "--quick"], opt, value, says) for opt, value, says in [
         ("--out", "{file}", "not a directory"), ("--threads", "0", "at least 1"),
-        ("--repeats", "0", "at least 1")]],
+        ("--repeats", "0", "at least 1"), ("--device", "tpu", "tpu")]],
     *[(["bench-batch", "--quick"], opt, value, says) for opt, value, says in [
         ("--out", "{file}", "not a directory"), ("--repeats", "0", "at least 1"),
         ("--threads", "0", "at least 1"), ("--device", "tpu", "tpu")]],

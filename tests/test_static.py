@@ -66,3 +66,14 @@ def test_a_compiled_step_gives_the_same_tokens_and_is_traced_once():
     again = static_generate(model, [2, 7, 5], 20, step=step)  # a new cache of the same size
     assert again == minikv.generate(model, [2, 7, 5], 20).tokens
     assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_step_replayed_as_a_cuda_graph_gives_the_same_tokens():
+    """mode="reduce-overhead": the step's launches captured once, replayed each step."""
+    model = varied_model(seed=3, n_kv_head=2).cuda()
+    step = torch.compile(forward, fullgraph=True, dynamic=False, mode="reduce-overhead")
+    want = minikv.generate(model, [3, 1, 4], 20).tokens
+    assert static_generate(model, [3, 1, 4], 20, step=step) == want
+    assert static_generate(model, [2, 7, 5], 20, step=step) == \
+        minikv.generate(model, [2, 7, 5], 20).tokens

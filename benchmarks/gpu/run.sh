@@ -4,7 +4,9 @@
 #   1. `make test-gpu` without make's venv: the tests marked `cuda`, then every notebook and
 #      solution under nbval-lax on the GPU, each file's seconds and the total (target: 600 s);
 #   2. `bench-batch` on the GPU: a bf16 decode step of GPT-2 small's shape against batch size
-#      at two contexts, beside the roofline (benchmarks/gpu/batch once committed).
+#      at two contexts, beside the roofline (benchmarks/gpu/batch once committed);
+#   3. `bench-compile` on the GPU: the fixed-shape decode step eager, compiled, and replayed
+#      as a CUDA graph (benchmarks/gpu/compile once committed).
 # Each step's log goes to $OUT; a failed step is recorded and the next one still runs.
 set -u -o pipefail
 OUT=${OUT:-runs/gpu}
@@ -34,3 +36,5 @@ echo "notebooks and solutions on the GPU: rc ${PIPESTATUS[0]}, $(( $(date +%s) -
 echo "test-gpu in all: $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
 $PY -m minikv bench-batch --device cuda --out "$OUT/batch" 2>&1 | tee "$OUT/bench-batch.log"
 echo "bench-batch: rc ${PIPESTATUS[0]}" | tee -a "$OUT/summary.txt"
+$PY -m minikv bench-compile --device cuda --out "$OUT/compile" 2>&1 | tee "$OUT/bench-compile.log"
+echo "bench-compile: rc ${PIPESTATUS[0]}" | tee -a "$OUT/summary.txt"

@@ -8,7 +8,8 @@ own. Here, in one run, greedy decoding of the same prompt by:
 - static, compiled: that step through torch.compile (inductor: generated C++ kernels for the
   small operations, the matrix products left to torch's own), traced once;
 - static, compiled, C++ wrapper: the same, with the Python that calls the kernels replaced
-  by C++ too (inductor's cpp_wrapper).
+  by C++ too (inductor's cpp_wrapper); on a GPU instead: static, compiled, CUDA graphs (mode
+  "reduce-overhead": the step's kernel launches captured once and replayed as one).
 
 For each: the decode step's time ((t(new) - t(1)) / (new - 1), medians of `repeats` runs, the
 configurations taking turns), its ratio to `generate`'s and to the weight-read time at the
@@ -37,18 +38,23 @@ from . import alternate_all, read_bandwidth
 from .weights import step_bytes
 
 
-def compiled(**options):
+def compiled(mode: str | None = None, **options):
     """`forward` compiled on its own (a wrapper of its own: each gets its own trace)."""
     def step(model, cache, ids, positions):
         return forward(model, cache, ids, positions)
-    return torch.compile(step, fullgraph=True, dynamic=False, options=options or None)
+    return torch.compile(step, fullgraph=True, dynamic=False, mode=mode,
+                         options=options or None)
 
 
 def bench(model, prompt: list[int], new: int, repeats: int) -> dict:
+    device = model.device
     runs = {"generate": lambda n: generate(model, prompt, n).tokens,
             "static, eager": lambda n: static_generate(model, prompt, n)}
-    steps = {"static, compiled": compiled(),
-             "static, compiled, C++ wrapper": compiled(cpp_wrapper=True)}
+    steps = {"static, compiled": compiled()}
+    if device.type == "cuda":
+        steps["static, compiled, CUDA graphs"] = compiled("reduce-overhead")
+    else:
+        steps["static, compiled, C++ wrapper"] = compiled(cpp_wrapper=True)
     compile_s = {}
     for name, step in steps.items():
         start = time.perf_counter()
@@ -59,8 +65,8 @@ def bench(model, prompt: list[int], new: int, repeats: int) -> dict:
     same = {name: run(new) == want for name, run in runs.items()}
     calls = {f"{name} {n}": (lambda run=run, n=n: run(n)) for name, run in runs.items()
              for n in (1, new)}
-    bandwidth = read_bandwidth(torch.device("cpu"), 256, 11)
-    times = alternate_all(calls, repeats + 1, torch.device("cpu"))  # +1: a warm-up
+    bandwidth = read_bandwidth(device, 256, 11)
+    times = alternate_all(calls, repeats + 1, device)  # +1: a warm-up
     rows, read_s = [], step_bytes(model) / bandwidth
     for name in runs:
         one, many = (statistics.median(times[f"{name} {n}"][1:]) for n in (1, new))
@@ -69,14 +75,16 @@ def bench(model, prompt: list[int], new: int, repeats: int) -> dict:
     for row in rows:
         row["vs_generate"] = rows[0]["step_s"] / row["step_s"]
         row["vs_weight_read"] = row["step_s"] / read_s
-    return {"prompt": len(prompt), "new": new, "repeats": repeats, "bytes": step_bytes(model),
+    return {"device": str(device), "prompt": len(prompt), "new": new, "repeats": repeats,
+            "bytes": step_bytes(model),
             "bandwidth_GBps": bandwidth / 1e9, "weight_read_s": read_s, "rows": rows}
 
 
 def write_report(results: dict, out: Path) -> None:
     m, r = results["machine"], results["compile"]
     lines = [f"# What torch.compile removes from a decode step ({m['date']})", "",
-             f"`{m['command']}`: the course target, {m['cpus']} CPUs, {m['threads']} torch "
+             f"`{m['command']}`: the course target on {r.get('device', 'cpu')}, {m['cpus']} "
+             f"CPUs, {m['threads']} torch "
              f"thread(s), torch {m['torch']}, load average {m['load']:.2f} at the start. A "
              f"{r['prompt']}-token prompt, {r['new']} greedy tokens; a step: the median of "
              f"{r['repeats']} runs, the configurations taking turns. Its weights: "
@@ -101,9 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="where to write results.json and README.md (default: "
                              "runs/bench-compile; the committed run: benchmarks/compile)")
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda, ...")
     parser.add_argument("--threads", type=arguments.positive, default=1)
     parser.add_argument("--repeats", type=arguments.positive, default=7)
     args = parser.parse_args(argv)
+    from ..course.device import resolve_device
+    try:
+        device = resolve_device(args.device)
+    except (RuntimeError, ValueError) as e:
+        parser.error(str(e))
     out = args.out or Path("runs") / ("bench-compile-quick" if args.quick else "bench-compile")
     try:
         claim_directory(out, "bench-compile")  # new, empty, or bench-compile's own
@@ -120,9 +134,9 @@ def main(argv: list[str] | None = None) -> int:
                    "command": "python -m minikv bench-compile " + " ".join(
                        argv if argv is not None else sys.argv[2:])}
         if args.quick:
-            model, prompt, new, repeats = random_model("tiny", "cpu"), [1, 2, 3, 4], 4, 1
+            model, prompt, new, repeats = random_model("tiny", device), [1, 2, 3, 4], 4, 1
         else:
-            (model, tok), new, repeats = load_course_model("target", "cpu"), 48, args.repeats
+            (model, tok), new, repeats = load_course_model("target", device), 48, args.repeats
             prompt = tok.encode("The color of dog")
         results = {"machine": machine, "compile": bench(model, prompt, new, repeats)}
     finally:
