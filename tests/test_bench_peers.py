@@ -3,6 +3,7 @@ neither run here, the same greedy tokens from transformers and this engine; what
 named with what to do; with llama-cpp-python and LLAMA_CPP_SRC present, llama.cpp's rows too."""
 import importlib.util
 import json
+import math
 import os
 from pathlib import Path
 
@@ -27,7 +28,8 @@ def test_without_llama_cpp_transformers_and_the_engine_give_the_same_greedy_toke
     assert got["transformers fp32"]["same_tokens"] and got["minikv fp32"]["same_tokens"]
     assert got["transformers fp32"]["bytes"] == got["minikv fp32"]["bytes"]  # the same weights
     assert got["minikv int8"]["bytes"] < got["minikv fp32"]["bytes"] / 3
-    assert all(r["decode_tps"] > 0 and r["prompt_tps"] > 0 for r in got.values())
+    # times are the benchmark's (--quick: one noisy run); here only that each was taken
+    assert all(math.isfinite(r["step_s"]) and r["prompt_tps"] > 0 for r in got.values())
     report = (tmp_path / "README.md").read_text()
     assert "llama.cpp was not run" in report and "× transformers fp32" in report
 

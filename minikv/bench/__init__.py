@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -50,6 +51,24 @@ def device_and_out(parser, args, command: str) -> tuple:
     except ValueError as e:
         parser.error(str(e))
     return device, out
+
+def run_record(command: str, argv: list[str] | None, **extra) -> dict:
+    """Where a bench command ran, for its report: the date, cores, torch, platform, the load
+    at the start and the command line as given; `extra`: the command's own."""
+    given = argv if argv is not None else sys.argv[2:]
+    return {"date": datetime.date.today().isoformat(), "cpus": os.cpu_count(),
+            "torch": torch.__version__, "platform": platform.platform(),
+            "load": os.getloadavg()[0],
+            "command": " ".join(["python -m minikv", command, *given]), **extra}
+
+
+def publish(out: Path, command: str, results: dict, write_report) -> int:
+    """Mark `out` as `command`'s, write its report and print it."""
+    mark_directory(out, command)
+    write_report(results, out)
+    print((out / "README.md").read_text())
+    return 0
+
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":

@@ -19,22 +19,18 @@ tokens are `generate`'s. One torch thread by default. Writes results.json and RE
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 from ..course import arguments
-from ..course.files import claim_directory, mark_directory, write_atomically
+from ..course.files import claim_directory, write_atomically
 from ..engine import generate
 from ..engine.static import forward, static_generate
-from . import alternate_all, read_bandwidth
+from . import alternate_all, publish, read_bandwidth, run_record
 from .weights import step_bytes
 
 
@@ -128,11 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        machine = {"date": datetime.date.today().isoformat(), "cpus": os.cpu_count(),
-                   "threads": args.threads, "torch": torch.__version__,
-                   "platform": platform.platform(), "load": os.getloadavg()[0],
-                   "command": "python -m minikv bench-compile " + " ".join(
-                       argv if argv is not None else sys.argv[2:])}
+        machine = run_record("bench-compile", argv, threads=args.threads)
         if args.quick:
             model, prompt, new, repeats = random_model("tiny", device), [1, 2, 3, 4], 4, 1
         else:
@@ -141,10 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         results = {"machine": machine, "compile": bench(model, prompt, new, repeats)}
     finally:
         torch.set_num_threads(threads)
-    mark_directory(out, "bench-compile")
-    write_report(results, out)
-    print((out / "README.md").read_text())
-    return 0
+    return publish(out, "bench-compile", results, write_report)
 
 
 if __name__ == "__main__":

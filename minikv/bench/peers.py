@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -36,10 +34,10 @@ from pathlib import Path
 import torch
 
 from ..course import arguments
-from ..course.files import claim_directory, mark_directory, write_atomically
+from ..course.files import claim_directory, write_atomically
 from ..engine import generate
 from ..engine.quantized import quantize_weights
-from . import alternate_all, read_bandwidth
+from . import alternate_all, publish, read_bandwidth, run_record
 from .weights import step_bytes
 
 GGUF_TYPES = ("f32", "f16", "q8_0")
@@ -252,19 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        machine = {"date": datetime.date.today().isoformat(), "cpus": os.cpu_count(),
-                   "torch": torch.__version__, "transformers": transformers.__version__,
-                   "llama_cpp": llama_cpp, "platform": platform.platform(),
-                   "load": os.getloadavg()[0],
-                   "command": "python -m minikv bench-peers " + " ".join(
-                       a for a in (argv if argv is not None else sys.argv[2:]))}
+        machine = run_record("bench-peers", argv, transformers=transformers.__version__,
+                             llama_cpp=llama_cpp)
         results = {"machine": machine, "peers": bench(args)}
     finally:
         torch.set_num_threads(threads)
-    mark_directory(out, "bench-peers")
-    write_report(results, out)
-    print((out / "README.md").read_text())
-    return 0
+    return publish(out, "bench-peers", results, write_report)
 
 
 if __name__ == "__main__":
