@@ -52,6 +52,19 @@ def device_and_out(parser, args, command: str) -> tuple:
         parser.error(str(e))
     return device, out
 
+
+def claimed_out(parser, args, command: str) -> Path:
+    """A bench command's --out (default: runs/<command>, runs/<command>-quick with --quick),
+    checked before any work: new, empty, or the command's own, never anyone else's folder."""
+    out = Path(args.out) if args.out else Path("runs") / (
+        f"{command}-quick" if args.quick else command)
+    try:
+        claim_directory(out, command)
+    except ValueError as e:
+        parser.error(str(e))
+    return out
+
+
 def run_record(command: str, argv: list[str] | None, **extra) -> dict:
     """Where a bench command ran, for its report: the date, cores, torch, platform, the load
     at the start and the command line as given; `extra`: the command's own."""

@@ -16,20 +16,17 @@ benchmarks/gpu/batch)."""
 from __future__ import annotations
 
 import argparse
-import datetime
 import io
 import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from ..course.files import mark_directory, write_atomically
+from ..course.files import write_atomically
 from ..engine import KVCache, kv_cache_bytes
-from . import device_and_out, random_model, read_bandwidth, sync
+from . import device_and_out, publish, random_model, read_bandwidth, run_record, sync
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -167,18 +164,12 @@ def main(argv: list[str] | None = None) -> int:
         model = random_model("gpt2", device, torch.bfloat16)
         name, contexts = "GPT-2 small's shape, random weights", (128, 1024)
     batches = (1, 4, 16) if args.quick else BATCHES
-    machine = {"date": datetime.date.today().isoformat(), "model": name, "device": str(device),
-               "dtype": str(model.dtype), "torch": torch.__version__,
-               "threads": torch.get_num_threads(), "platform": platform.platform(),
-               "load": os.getloadavg()[0]}
+    machine = run_record("bench-batch", argv, model=name, device=str(device),
+                         dtype=str(model.dtype), threads=torch.get_num_threads())
     results = {"machine": machine,
                "batch": bench(model, device, contexts[:1] if args.quick else contexts, batches,
                               1 if args.quick else args.repeats)}
-    if out is not None:
-        mark_directory(out, "bench-batch")
-        write_report(results, out)
-        print((out / "README.md").read_text())
-    return 0
+    return 0 if out is None else publish(out, "bench-batch", results, write_report)
 
 
 if __name__ == "__main__":

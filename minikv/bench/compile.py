@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 from ..course import arguments
-from ..course.files import claim_directory, write_atomically
+from ..course.files import write_atomically
 from ..engine import generate
 from ..engine.static import forward, static_generate
-from . import alternate_all, publish, read_bandwidth, run_record
+from . import alternate_all, claimed_out, publish, read_bandwidth, run_record
 from .weights import step_bytes
 
 
@@ -114,11 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         device = resolve_device(args.device)
     except (RuntimeError, ValueError) as e:
         parser.error(str(e))
-    out = args.out or Path("runs") / ("bench-compile-quick" if args.quick else "bench-compile")
-    try:
-        claim_directory(out, "bench-compile")  # new, empty, or bench-compile's own
-    except ValueError as e:
-        parser.error(str(e))
+    out = claimed_out(parser, args, "bench-compile")
     from ..course.checkpoint import load_course_model
     from . import random_model
     threads = torch.get_num_threads()

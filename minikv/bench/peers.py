@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 
 from ..course import arguments
-from ..course.files import claim_directory, write_atomically
+from ..course.files import write_atomically
 from ..engine import generate
 from ..engine.quantized import quantize_weights
-from . import alternate_all, publish, read_bandwidth, run_record
+from . import alternate_all, claimed_out, publish, read_bandwidth, run_record
 from .weights import step_bytes
 
 GGUF_TYPES = ("f32", "f16", "q8_0")
@@ -241,11 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             args.llama_cpp_src = converter(args.llama_cpp_src)
         except ValueError as e:
             parser.error(str(e))
-    out = args.out or Path("runs") / ("bench-peers-quick" if args.quick else "bench-peers")
-    try:
-        claim_directory(out, "bench-peers")  # new, empty, or bench-peers' own
-    except ValueError as e:
-        parser.error(str(e))
+    out = claimed_out(parser, args, "bench-peers")
     import transformers
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)

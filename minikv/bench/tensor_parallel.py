@@ -15,10 +15,7 @@ benchmarks/tp)."""
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -26,9 +23,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..course.files import claim_directory, mark_directory, write_atomically
+from ..course.files import write_atomically
 from ..engine import generate, kv_cache_bytes
 from ..engine.parallel import all_reduces, launch, shard
+from . import claimed_out, publish, run_record
 
 
 def timed(model, prompt: list[int], new: int, repeats: int) -> dict:
@@ -159,26 +157,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="where to write results.json and README.md (default: "
                              "runs/bench-tp; the committed run: benchmarks/tp)")
     args = parser.parse_args(argv)
-    out = args.out or Path("runs") / ("bench-tp-quick" if args.quick else "bench-tp")
-    try:
-        claim_directory(out, "bench-tp")  # new, empty, or bench-tp's own
-    except ValueError as e:
-        parser.error(str(e))
+    out = claimed_out(parser, args, "bench-tp")
     if args.quick:
         from . import random_model
         model, name = random_model("tiny", "cpu"), "tiny preset, random weights"
     else:
         from ..course.checkpoint import load_course_model
         model, name = load_course_model("target", "cpu")[0], "course target"
-    machine = {"date": datetime.date.today().isoformat(), "model": name,
-               "cpus": os.cpu_count(), "torch": torch.__version__,
-               "platform": platform.platform(), "load": os.getloadavg()[0],
-               "block_size": model.config.block_size}
+    machine = run_record("bench-tp", argv, model=name, block_size=model.config.block_size)
     results = {"machine": machine, "tp": bench(model, args.quick)}
-    mark_directory(out, "bench-tp")
-    write_report(results, out)
-    print((out / "README.md").read_text())
-    return 0
+    return publish(out, "bench-tp", results, write_report)
 
 
 if __name__ == "__main__":

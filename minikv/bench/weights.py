@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
-import os
-import platform
 import statistics
 from pathlib import Path
 
@@ -28,10 +25,10 @@ import torch
 import torch.nn as nn
 
 from ..course import corpus
-from ..course.files import claim_directory, mark_directory, write_atomically
+from ..course.files import write_atomically
 from ..engine import generate
 from ..engine.quantized import WeightOnlyLinear, quantize_weights
-from . import alternate_all, random_model, read_bandwidth
+from . import alternate_all, claimed_out, publish, random_model, read_bandwidth, run_record
 
 PROMPTS = ["The color of dog", "Once upon a time", "A coin's state is heads.",
            "The cat sat on", "In the park, a", "Alice flips the coin", "A red ball",
@@ -155,19 +152,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="where to write results.json and README.md (default: "
                              "runs/bench-weights; the committed run: benchmarks/weights)")
     args = parser.parse_args(argv)
-    out = args.out or Path("runs") / ("bench-weights-quick" if args.quick else "bench-weights")
-    try:
-        claim_directory(out, "bench-weights")  # new, empty, or bench-weights' own
-    except ValueError as e:
-        parser.error(str(e))
-    machine = {"date": datetime.date.today().isoformat(), "cpus": os.cpu_count(),
-               "torch": torch.__version__, "platform": platform.platform(),
-               "load": os.getloadavg()[0]}
-    results = {"machine": machine, "weights": bench(args.quick)}
-    mark_directory(out, "bench-weights")
-    write_report(results, out)
-    print((out / "README.md").read_text())
-    return 0
+    out = claimed_out(parser, args, "bench-weights")
+    results = {"machine": run_record("bench-weights", argv), "weights": bench(args.quick)}
+    return publish(out, "bench-weights", results, write_report)
 
 
 if __name__ == "__main__":
