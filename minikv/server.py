@@ -470,16 +470,17 @@ async def http_error(_, e):
 
 def create_app(model, tokenizer, model_name: str, *, num_blocks: int = 256, page_size: int = 16,
                max_running: int | None = 16, max_queue: int = 64, policy=None,
-               max_body_bytes: int = MAX_BODY_BYTES):
+               max_body_bytes: int = MAX_BODY_BYTES, graphs: tuple | None = None):
     """The Starlette app serving `model` as `model_name`, with its engine thread (started
-    with the app, stopped with it)."""
+    with the app, stopped with it); `graphs`: the batch sizes whose decode pass is replayed
+    as a CUDA graph (engine/static.py; None: every decode pass eager)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.routing import Route
 
     int_at_least("max_queue", max_queue, 0, " (requests waiting beyond the running ones)")
     engine = Engine(model, num_blocks, page_size=page_size, max_running=max_running,
-                    policy=policy)
+                    policy=policy, graphs=graphs)
     int_at_least("max_body_bytes", max_body_bytes)
     api = CompletionsAPI(model, tokenizer, model_name, EngineThread(engine, max_queue),
                          max_body_bytes)
@@ -521,6 +522,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests that may wait beyond the running ones (then 503)")
     parser.add_argument("--chunk-budget", type=arguments.positive, default=None,
                         help="chunked prefill: tokens per engine step (default: off)")
+    parser.add_argument("--eager", action="store_true",
+                        help="on a GPU, run every decode pass eagerly (default there: replay a "
+                             "CUDA graph, captured at start for batch sizes 1, 2, 4, ... up to "
+                             "--max-running; vLLM's enforce_eager)")
     args = parser.parse_args(argv)
     model, tokenizer = load_course_model(args.model)
     try:
@@ -535,9 +540,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"positions)")
         policy = (FirstComeFirstServed(args.chunk_budget, chunked_prefill=True)
                   if args.chunk_budget is not None else None)
+        most = args.max_running  # sizes 1, 2, 4, ..., most
+        sizes = sorted({2 ** i for i in range(most.bit_length())} | {most})
+        graphs = None if args.eager or model.device.type != "cuda" else tuple(sizes)
         app = create_app(model, tokenizer, args.model, num_blocks=num_blocks,
                          page_size=args.page_size, max_running=args.max_running,
-                         max_queue=args.max_queue, policy=policy)
+                         max_queue=args.max_queue, policy=policy, graphs=graphs)
     except (ValueError, TypeError) as e:
         parser.error(str(e))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

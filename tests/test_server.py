@@ -5,6 +5,7 @@ import json
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -63,6 +64,21 @@ class Live:
 def live():
     with Live(create_app(MODEL, TOK, "draft", num_blocks=64, max_running=4, max_queue=4)) as s:
         yield s
+
+
+def test_a_server_whose_decode_runs_at_fixed_shapes_gives_the_same_tokens():
+    """create_app(graphs=): the decode pass of GraphDecode (on a CPU: its buffers run eagerly;
+    on a GPU, `serve-http` replays them as CUDA graphs), three clients at once."""
+    prompts = [PROMPT, "Bob flips a coin twice.", "Once upon a time"]
+    want = [TOK.decode([t for t in minikv.generate(MODEL, TOK.encode(p), 16,
+                                                   eos_id=TOK.eot_token).tokens
+                        if t != TOK.eot_token]) for p in prompts]
+    app = create_app(MODEL, TOK, "draft", num_blocks=64, max_running=4, graphs=(1, 2, 4))
+    assert app.state.worker.engine.runner.graphs.sizes == (1, 2, 4)
+    with Live(app) as live, ThreadPoolExecutor(3) as pool:
+        texts = list(pool.map(lambda p: client(live).completions.create(
+            model="draft", prompt=p, max_tokens=16, temperature=0).choices[0].text, prompts))
+    assert texts == want
 
 
 def client(live):

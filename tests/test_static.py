@@ -1,5 +1,8 @@
 """static.py: a decode step of fixed shapes gives generate's greedy tokens, for every block
-choice it takes, eager and compiled, and a compiled step is traced once, not once a length."""
+choice it takes, eager and compiled, and a compiled step is traced once, not once a length.
+The server's decode batch at fixed shapes (GraphDecode): the engine's tokens, padded or not,
+its padding rows touching no block but row 0's slot, with row 0's own bits; on a GPU,
+replayed as CUDA graphs."""
 import shutil
 
 import pytest
@@ -7,7 +10,9 @@ import torch
 
 import minikv
 from minikv.engine.config import LLAMA
-from minikv.engine.static import StaticCache, forward, static_generate
+from minikv.engine.paged import BlockPool, BlockTable
+from minikv.engine.serving import Engine
+from minikv.engine.static import GraphDecode, StaticCache, forward, static_generate
 
 from conftest import varied_model
 
@@ -77,3 +82,87 @@ def test_on_a_gpu_the_step_replayed_as_a_cuda_graph_gives_the_same_tokens():
     assert static_generate(model, [3, 1, 4], 20, step=step) == want
     assert static_generate(model, [2, 7, 5], 20, step=step) == \
         minikv.generate(model, [2, 7, 5], 20).tokens
+
+
+def serve_steps(model, graphs, requests, num_blocks=64, **kwargs) -> dict:
+    """Every request's tokens from an Engine (graphs: the decode through GraphDecode)."""
+    engine = Engine(model, num_blocks, graphs=graphs, **kwargs)
+    for r in requests:
+        engine.add(r)
+    out = {i: [] for i in range(len(requests))}
+    while engine.has_work():
+        for i, (tokens, _) in engine.step().items():
+            out[i] += tokens
+    return out
+
+
+MIXED = [minikv.Request([3, 1, 4, 1, 5], 21), minikv.Request(list(range(2, 19)), 9),
+         minikv.Request([7], 30, arrival=2),
+         minikv.Request([9, 9, 2], 12, temperature=0.8, seed=5),
+         minikv.Request([4, 4, 4, 4], 14, deterministic=True, temperature=1.0, seed=1)]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gqa", "llama", "shared layers"])
+def test_the_engine_through_graph_decode_gives_the_eager_engines_tokens(name):
+    """Batches of 1..4 rows in sizes (1, 2, 4) (3 rows: one padding row), a batch of 5 past
+    the largest size (the eager pass), a request that arrives later, sampled and
+    deterministic rows, a page of 4 positions so tables cross blocks every few steps."""
+    model = varied_model(seed=3, **BLOCKS[name])
+    want = serve_steps(model, None, MIXED, page_size=4)
+    assert serve_steps(model, (1, 2, 4), MIXED, page_size=4) == want
+    assert serve_steps(model, (8,), MIXED, page_size=4) == want  # every batch padded to 8
+
+
+def test_padding_rows_write_row_0s_own_kv_to_row_0s_slot_and_nothing_else():
+    """The same two rows alone (size 2) and with six padding rows (size 8): the same
+    slots written, the same logits (up to a matmul's batch-dependent rounding)."""
+    model = varied_model(seed=1, n_kv_head=2)
+    logits = []
+    for sizes in ((2,), (8,)):
+        torch.manual_seed(0)
+        pool = BlockPool(model.config, 6, 4)
+        for layer in pool.keys + pool.values:
+            layer.normal_()  # every slot holds something a stray write would change
+        before = torch.stack(pool.keys + pool.values)
+        tables = [BlockTable(0, [4, 1], 5), BlockTable(1, [2], 2)]
+        with torch.inference_mode():
+            logits.append(GraphDecode(model, pool, sizes)(tables, [7, 3]).clone())
+        assert [t.length for t in tables] == [6, 3]  # the new positions are live
+        changed = (torch.stack(pool.keys + pool.values) != before).any(-1)  # (2L, blocks, H, page)
+        written = changed.nonzero()[:, [1, 3]].unique(dim=0).tolist()
+        assert written == [[1, 1], [2, 2]], sizes  # (block, slot): position 5 of row 0, 2 of row 1
+    assert logits[0].shape == logits[1].shape == (2, model.config.vocab_size)
+    torch.testing.assert_close(logits[1], logits[0])
+
+
+def test_graph_decode_refuses_what_it_cannot_hold():
+    model = varied_model(seed=1)
+    pool = BlockPool(model.config, 4, 4)
+    for sizes in ((), (2, 1), (0,), [1, 2], (1.0,), (1, 1)):
+        with pytest.raises(ValueError, match="rising"):
+            GraphDecode(model, pool, sizes)
+    with pytest.raises(ValueError, match="MLA's latent"):
+        GraphDecode(varied_model(kv_lora_rank=16), pool)
+    graphs = GraphDecode(model, pool, (1, 2))
+    assert graphs.fits([BlockTable(0, [0])] * 2) and not graphs.fits([BlockTable(0, [0])] * 3)
+    with pytest.raises(TypeError, match="must be a minikv.GPT"):
+        GraphDecode(torch.nn.Linear(2, 2), pool)
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_engines_decode_replayed_as_cuda_graphs_gives_the_eager_tokens():
+    model = varied_model(seed=3, n_kv_head=2).cuda()
+    want = serve_steps(model, None, MIXED, page_size=4)
+    engine = Engine(model, 64, graphs=(1, 2, 4), page_size=4)
+    assert sorted(engine.runner.graphs.graphs) == [1, 2, 4]  # captured, one a size
+    assert serve_steps(model, (1, 2, 4), MIXED, page_size=4) == want
+
+
+def test_bench_compiles_server_rows_compare_the_same_engines_tokens():
+    """bench-compile's second table: per batch size, the eager engine's row first (× 1.00),
+    then the fixed-shape pass's, each saying whether its tokens are the eager engine's."""
+    from minikv.bench.compile import graph_rows
+    rows = graph_rows(varied_model(seed=3, n_kv_head=2), list(range(3, 40)), (1, 3), 2)
+    assert [(r["batch"], r["name"]) for r in rows] == [
+        (1, "eager, split-KV"), (1, "static, eager"), (3, "eager, split-KV"), (3, "static, eager")]
+    assert all(r["same_tokens"] for r in rows) and rows[0]["vs_eager"] == 1.0

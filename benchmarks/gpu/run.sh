@@ -6,7 +6,8 @@
 #   2. `bench-batch` on the GPU: a bf16 decode step of GPT-2 small's shape against batch size
 #      at two contexts, beside the roofline (benchmarks/gpu/batch once committed);
 #   3. `bench-compile` on the GPU: the fixed-shape decode step eager, compiled, and replayed
-#      as a CUDA graph (benchmarks/gpu/compile once committed).
+#      as a CUDA graph; the server's decode step at batch 1, 8, 64 eager, at fixed shapes, and
+#      replayed as one CUDA graph a batch size (benchmarks/gpu/compile once committed).
 # Each step's log goes to $OUT; a failed step is recorded and the next one still runs.
 set -u -o pipefail
 OUT=${OUT:-runs/gpu}

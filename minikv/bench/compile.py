@@ -14,7 +14,14 @@ own. Here, in one run, greedy decoding of the same prompt by:
 For each: the decode step's time ((t(new) - t(1)) / (new - 1), medians of `repeats` runs, the
 configurations taking turns), its ratio to `generate`'s and to the weight-read time at the
 streaming-read bandwidth measured in the same run, the compile's own time, and whether the
-tokens are `generate`'s. One torch thread by default. Writes results.json and README.md to
+tokens are `generate`'s. One torch thread by default.
+
+Then the server's decode step (an `Engine` serving B requests of a `context`-token prompt, B
+= 1, 8, 64), its step timed three ways in turns: eager (split-KV read through the blocks in
+use), the fixed-shape pass of engine/static.py's GraphDecode run eagerly (every row's whole
+table read, masked), and, on a GPU, that pass replayed as one CUDA graph a batch size: the
+graph against the same pass eagerly is the launch overhead the graph removes; the tokens are
+the eager engine's. Writes results.json and README.md to
 --out (default runs/bench-compile; the committed run: benchmarks/compile)."""
 from __future__ import annotations
 
@@ -28,8 +35,8 @@ import torch
 
 from ..course import arguments
 from ..course.files import write_atomically
-from ..engine import generate
-from ..engine.static import forward, static_generate
+from ..engine import Engine, Request, generate
+from ..engine.static import GraphDecode, forward, static_generate
 from . import alternate_all, claimed_out, publish, read_bandwidth, run_record
 from .weights import step_bytes
 
@@ -76,6 +83,44 @@ def bench(model, prompt: list[int], new: int, repeats: int) -> dict:
             "bandwidth_GBps": bandwidth / 1e9, "weight_read_s": read_s, "rows": rows}
 
 
+def engines(model, batch: int, prompt: list[int], new: int) -> dict:
+    """Engines serving `batch` requests of `prompt`, prefilled: eager, and the fixed-shape
+    pass run eagerly and (on a GPU) replayed."""
+    need = batch * (-(-(len(prompt) + new) // 16) + 1)  # blocks: every request's, and one
+    kinds = {"eager, split-KV": None, "static, eager": False}
+    if model.device.type == "cuda":
+        kinds["static, CUDA graphs"] = True
+    made = {}
+    for name, capture in kinds.items():
+        engine = made[name] = Engine(model, need, prefix_caching=False)
+        if capture is not None:  # captured on the fresh pool, before any request
+            engine.runner.graphs = GraphDecode(model, engine.pool, (batch,), capture=capture)
+        for i in range(batch):  # each its own text: the prompt turned by i tokens
+            engine.add(Request(prompt[i % len(prompt):] + prompt[:i % len(prompt)], new))
+        engine.step()  # the prompts' prefill: the steps after it are decode steps
+    return made
+
+
+def graph_rows(model, prompt: list[int], sizes: tuple, steps: int) -> list[dict]:
+    """The server's decode step at each batch size in `sizes`, three ways (module doc)."""
+    rows = []
+    for batch in sizes:
+        made = engines(model, batch, prompt, steps + 2)
+        times = alternate_all({name: e.step for name, e in made.items()}, steps, model.device)
+        for e in made.values():
+            while e.has_work():
+                e.step()
+        want = made["eager, split-KV"].outputs()
+        for name, e in made.items():
+            rows.append({"batch": batch, "name": name, "step_s": statistics.median(times[name]),
+                         "same_tokens": [o.tokens for o in e.outputs().values()]
+                         == [o.tokens for o in want.values()]})
+    for row in rows:
+        eager = next(r for r in rows if r["batch"] == row["batch"])
+        row["vs_eager"] = eager["step_s"] / row["step_s"]
+    return rows
+
+
 def write_report(results: dict, out: Path) -> None:
     m, r = results["machine"], results["compile"]
     lines = [f"# What torch.compile removes from a decode step ({m['date']})", "",
@@ -93,6 +138,16 @@ def write_report(results: dict, out: Path) -> None:
         lines.append(f"| {row['name']} | {row['step_s'] * 1e3:.3f} | {row['vs_generate']:.2f} "
                      f"| {row['vs_weight_read']:.1f} | {row['compile_s']:.1f} | "
                      f"{row['same_tokens']} |")
+    g = results.get("graphs")
+    if g:
+        lines += ["", f"The server's decode step: an `Engine` serving B requests of a "
+                  f"{g['context']}-token prompt, prefilled; a step: the median of {g['steps']} "
+                  "decode steps, the three engines taking turns; the tokens compared with the "
+                  "eager engine's once every request finished.", "",
+                  "| B | decode step | ms | × eager's speed | same tokens |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['batch']} | {r['name']} | {r['step_s'] * 1e3:.3f} | {r['vs_eager']:.2f} "
+                  f"| {r['same_tokens']} |" for r in g["rows"]]
     write_atomically(out / "README.md", ("\n".join(lines) + "\n").encode())
     write_atomically(out / "results.json", (json.dumps(results, indent=1) + "\n").encode())
 
@@ -127,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
             (model, tok), new, repeats = load_course_model("target", device), 48, args.repeats
             prompt = tok.encode("The color of dog")
         results = {"machine": machine, "compile": bench(model, prompt, new, repeats)}
+        sizes, steps = ((1, 4), 3) if args.quick else ((1, 8, 64), 3 * args.repeats)
+        context = prompt * (1 if args.quick else 32)  # 128 positions for the course target's
+        results["graphs"] = {"context": len(context), "steps": steps,
+                             "rows": graph_rows(model, context, sizes, steps)}
     finally:
         torch.set_num_threads(threads)
     return publish(out, "bench-compile", results, write_report)

@@ -6,9 +6,9 @@ Scheduler commits. A step's passes:
 - replay: a deterministic request alone, at fixed shapes (its prompt, or its window of
   fast-path tokens judged by the verify core): its output is the same in any batch;
 - prefill: the newcomers' prompts packed in one row, each seeing only its own positions;
-- decode: the others' next tokens in ONE pass read through the block tables, split-KV as
-  a GPU kernel splits it for this batch (a row's numbers depend on the batch, as in real
-  servers); with chunked prefill, one packed pass with the prompts' chunks instead;
+- decode: the others' next tokens in ONE pass read through the block tables, split-KV sized
+  to the batch (a row's numbers depend on it, as in real servers), or replayed as a CUDA
+  graph (Engine(graphs=), static.py); with chunked prefill, in the prompts' chunks' pass;
 - speculate: each row proposes (a chain or a tree), ONE packed pass scores them all,
   each commits its matching prefix and the target's token: every request gets its plain
   tokens.
@@ -29,6 +29,7 @@ from .records import ServeOutputs, TraceEvent
 from .sampling import Request, SamplingParams
 from .scheduler import FirstComeFirstServed, Scheduler, Sequence, check_policy
 from .speculative import DraftProposer, Speculation, as_proposal, check_speculation
+from .static import GraphDecode
 from .tree import tree_mask, tree_positions
 from .validate import check_flags, check_model, check_room, int_at_least
 from .verify import accept_matching, commit_round, round_events, verify_and_commit
@@ -76,12 +77,12 @@ class Engine:
                  replay: bool = True, trace: bool = False, record_logits: bool = False,
                  page_size: int = 16, prefix_caching: bool | Radix = True,
                  max_running: int | None = None, policy: FirstComeFirstServed | None = None,
-                 speculative: Speculation | None = None):
+                 speculative: Speculation | None = None, graphs: tuple | None = None):
         _check_settings(model, num_blocks, replay_window, page_size, max_running, prefix_caching,
                         replay=replay, trace=trace, record_logits=record_logits)
         check_policy(policy)
         check_speculation(model, speculative, policy)
-        self.model, self.replay, self.page_size = model, replay, page_size
+        self.model, self.replay, self.page_size, self.graphs = model, replay, page_size, graphs
         self.runner = Runner(model, replay_window, record_logits, speculative)
         proposer = self.runner.proposer()  # a round writes γ past its token, or a tree
         self.settings = dict(
@@ -97,6 +98,8 @@ class Engine:
             self.model.config, num_blocks, self.page_size, device=self.model.device,
             dtype=self.model.dtype)
         self.scheduler = Scheduler(self.pool, self.model.config, **self.settings)
+        if self.graphs is not None:  # decode replayed, a CUDA graph a batch size (static.py)
+            self.runner.graphs = GraphDecode(self.model, self.pool, self.graphs)
 
     def check(self, request: Request, index: int | None = None, *,
               pool: bool = True) -> tuple:
@@ -148,7 +151,7 @@ class Runner:
                  speculation: Speculation | None):
         self.model, self.pool = model, None  # the Engine's pool
         self.replay_window, self.record_logits = replay_window, record_logits
-        self.speculation = speculation
+        self.speculation, self.graphs = speculation, None
 
     def proposer(self):
         """A request's own proposer: the one given, fresh; a draft's, greedy; or lookup."""
@@ -269,6 +272,14 @@ class Runner:
             return {}
         for s in batch:
             self.pool.reserve(s.table, 1)
+        tables, fed = [s.table for s in batch], [(s.tokens + s.proposals)[-1] for s in batch]
+        graphs = self.graphs is not None and self.graphs.fits(tables)  # static.py: replayed
+        logits, splits = (self.graphs(tables, fed), 1) if graphs else self.split_kv(batch, fed)
+        return {s: [self.decoded(s, row, step, len(batch), splits)]
+                for s, row in zip(batch, logits)}
+
+    def split_kv(self, batch: list[Sequence], fed: list[int]) -> tuple[torch.Tensor, int]:
+        """The decode pass eagerly: logits (B, vocab), split-KV as sized to the batch."""
         cache, device = PagedBatch(self.pool, [s.table for s in batch]), self.model.device
         ends = [len(s.tokens) + len(s.proposals) for s in batch]  # each row's new length
         tables = cache.block_tables()  # whole tiles of keys per split, as a kernel reads
@@ -276,11 +287,10 @@ class Runner:
         splits = splits_of(tables.size(1), self.pool.page_size, splits)[2]
         lengths = torch.tensor(ends, device=device)
         attention = partial(paged_attention, tables=tables, lengths=lengths, n_splits=splits)
-        ids = torch.tensor([(s.tokens + s.proposals)[-1:] for s in batch], device=device)
+        ids = torch.tensor(fed, device=device)[:, None]
         logits = self.model(ids, cache=cache, positions=(lengths - 1)[:, None],
                             last_only=True, attention=attention)[:, -1]
-        return {s: [self.decoded(s, row, step, len(batch), splits)]
-                for s, row in zip(batch, logits)}
+        return logits, splits
 
     def speculate(self, batch: list[Sequence], step: int) -> dict[Sequence, list[int]]:
         """Every row proposes up to γ tokens (a tree γ deep), ONE packed pass scores them

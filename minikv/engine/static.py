@@ -1,5 +1,5 @@
-"""A decode step whose shapes never change, so torch.compile can trace it once (gpt-fast's
-recipe; CUDA graphs need the same, issue 56).
+"""Decode steps whose shapes never change, so torch.compile can trace one once (gpt-fast's
+recipe) and a CUDA graph can record one and replay it (nano-vllm's; issue 56).
 
 A decode step of the course target takes several times its weight-read time on a CPU
 (chapter 01's roofline): the step is a few hundred small operations, each dispatched on
@@ -16,25 +16,42 @@ change per step are held in tensors of fixed size instead:
 The model's own layers run unchanged (GPT.blocks); only the cache and the attention
 differ. Greedy decoding only, one sequence, a model with keys and values per head (MLA's
 latent has its own decode: not here).
+
+The server's decode batch (serving.py) the same way, one CUDA graph a batch size
+(`GraphDecode`): a graph replays the launches it recorded, on the buffers it recorded them
+with, so every input of a pass lives in a buffer of fixed shape, copied in before a replay.
+A batch of B rows runs in the graph of the smallest captured size >= B; the rows past B
+repeat row 0 and their logits are dropped. Attention reads each row's whole table (as many
+blocks as the longest sequence may fill) and masks the slots past its length: no shape, and
+no host read, depends on the batch (the eager pass's split-KV sizes its splits to the batch,
+and finds the blocks in use with a host read). On a CPU there is nothing to capture: the same
+buffers run eagerly, so the padding and the tables are tested on every machine.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
 from .attention import sdpa
 from .cache import Cache, zeros
 from .sampling import SamplingParams
-from .validate import check_room, int_at_least, prompt_of_call
+from .validate import check_model, check_room, int_at_least, prompt_of_call
+
+
+def check_per_head(model, what: str) -> None:
+    check_model("model", model)
+    if model.config.kv_lora_rank is not None:
+        raise ValueError(f"{what} holds keys and values per head; MLA's latent decodes "
+                         "through a KVCache (generate) or the server's eager decode")
 
 
 class StaticCache(Cache):
     """`max_len` slots a layer, every one handed to attention each pass (module doc)."""
 
     def __init__(self, model, max_len: int):
+        check_per_head(model, "a StaticCache")
         cfg = model.config
-        if cfg.kv_lora_rank is not None:
-            raise ValueError("a StaticCache holds keys and values per head; MLA's latent "
-                             "decodes through a KVCache (generate)")
         self.max_len = int_at_least("max_len", max_len, 1, " (no positions past block_size)",
                                     cfg.block_size + 1)
         heads, key_dim, value_dim = cfg.kv_shape
@@ -88,3 +105,106 @@ def static_generate(model, ids: list[int], max_new_tokens: int, step=None) -> li
             tokens.append(int(logits.argmax()))
             cache.length = position + 1
     return tokens
+
+
+# --- the server's decode batch, one CUDA graph a batch size ------------------------------
+class StaticBatch(Cache):
+    """A decode batch of `size` rows over a BlockPool, each input in a buffer of fixed
+    shape (module doc): row i feeds ids[i] at positions[i], writes its K/V at (block[i],
+    slot[i]) and sees positions 0 .. positions[i] of its table, `width` blocks."""
+
+    def __init__(self, pool, size: int, width: int):
+        self.pool, device = pool, pool.keys[0].device
+        # one buffer, a row per sequence: token, position, block, slot, real, table
+        self.inputs = torch.zeros(size, 5 + width, dtype=torch.long, device=device)
+        self.ids, self.positions = self.inputs[:, :1], self.inputs[:, 1:2]  # (B, 1) each
+        self.block, self.slot = self.inputs[:, 2], self.inputs[:, 3]  # where the new K/V go
+        self.tables = self.inputs[:, 5:]  # (B, width)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        raise ValueError("a StaticBatch's rows have positions of their own: GraphDecode "
+                         "hands the pass its positions")
+
+    def update(self, key: torch.Tensor, value: torch.Tensor,
+               layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write each row's (B, nkv, 1, hs) K/V; return every row's table, read in order."""
+        keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
+        # KV-CACHE: written at each row's (block, slot); a padding row writes row 0's own
+        # K/V to row 0's slot (the same bits twice: whichever write lands, nothing changes)
+        real = self.inputs[:, 4].bool().view(-1, 1, 1)  # (B, 1, 1): not a padding row
+        keys[self.block, :, self.slot] = torch.where(real, key[:, :, 0], key[:1, :, 0])
+        values[self.block, :, self.slot] = torch.where(real, value[:, :, 0], value[:1, :, 0])
+        # (B, width) blocks -> (B, width, nkv, page, hs) -> (B, nkv, width x page, hs)
+        return tuple(pool[self.tables].transpose(1, 2).flatten(2, 3) for pool in (keys, values))
+
+
+def batch_forward(model, batch: StaticBatch) -> torch.Tensor:
+    """Logits (B, vocab) of a StaticBatch's pass: what a CUDA graph records."""
+    slots = batch.tables.size(1) * batch.pool.page_size
+    lengths = batch.positions + 1  # (B, 1): the positions each row sees, its new one too
+    seen = torch.arange(slots, device=lengths.device) < lengths  # (B, slots)
+    x = model.blocks(batch.ids, batch, batch.positions,
+                     lambda q, k, v: sdpa(q, k, v, attn_mask=seen[:, None, None]))
+    return model.lm_head(x[:, -1])
+
+
+class GraphDecode:
+    """The server's decode pass as one CUDA graph a batch size in `sizes` (module doc):
+    `Engine(graphs=sizes)` runs a decode batch through it when a captured size holds it.
+    `capture` (default: on a CUDA model) records the graphs; without, each size's pass runs
+    eagerly on the same buffers. Made on a fresh pool: capturing runs each pass once, and
+    writes into block 0."""
+
+    def __init__(self, model, pool, sizes: tuple = (1, 2, 4, 8, 16, 32, 64),
+                 capture: bool | None = None):
+        check_per_head(model, "a GraphDecode")
+        if not (isinstance(sizes, tuple) and sizes and all(
+                type(b) is int and b >= 1 for b in sizes) and list(sizes) == sorted(set(sizes))):
+            raise ValueError(f"sizes must be a tuple of batch sizes, rising, e.g. (1, 2, 4, 8), "
+                             f"not {sizes!r:.40}")
+        self.model, self.pool, self.sizes = model, pool, sizes
+        self.width = math.ceil(model.config.block_size / pool.page_size)  # blocks a row can fill
+        self.batches = {b: StaticBatch(pool, b, self.width) for b in sizes}
+        self.logits, self.graphs = {}, {}
+        if model.device.type == "cuda" if capture is None else capture:
+            self.capture()
+
+    def capture(self) -> None:
+        """Each size's pass recorded, the largest first (the smaller reuse its memory)."""
+        memory = None
+        with torch.inference_mode():
+            for b in reversed(self.sizes):
+                batch_forward(self.model, self.batches[b])  # warm-up: kernels chosen, loaded
+                graph = self.graphs[b] = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=memory):
+                    self.logits[b] = batch_forward(self.model, self.batches[b])
+                memory = graph.pool()
+        torch.cuda.synchronize()
+
+    def fits(self, tables: list) -> bool:
+        """Whether a captured size holds these rows (else: the eager pass)."""
+        return len(tables) <= self.sizes[-1] and all(len(t.blocks) <= self.width for t in tables)
+
+    def __call__(self, tables: list, tokens: list[int]) -> torch.Tensor:
+        """Logits (B, vocab) of tokens[i] fed at tables[i]'s next position (its room
+        reserved), valid until the next call (a graph's output is its own buffer); each
+        table's length moves on by one."""
+        size, page = next(b for b in self.sizes if b >= len(tables)), self.pool.page_size
+        batch = self.batches[size]
+        # 1. Every row's inputs in one host tensor, the rows past the batch copies of row 0.
+        rows = [[token, t.length, t.blocks[t.length // page], t.length % page, 1,
+                 *t.blocks, *[0] * (self.width - len(t.blocks))]
+                for t, token in zip(tables, tokens)]
+        pads = [rows[0][:4] + [0] + rows[0][5:]] * (size - len(rows))
+        # 2. One copy in: a replay reads the same buffers the graph was recorded with.
+        batch.inputs.copy_(torch.tensor(rows + pads), non_blocking=True)
+        # 3. The pass: replayed, or run on the buffers (nothing captured).
+        if size in self.graphs:
+            self.graphs[size].replay()
+            logits = self.logits[size]
+        else:
+            logits = batch_forward(self.model, batch)
+        # 4. The new positions are live: a replay runs no Python, so the books move here.
+        for t in tables:
+            t.length += 1
+        return logits[:len(rows)]
