@@ -190,6 +190,10 @@ def test_paged_attention_is_attention_read_through_the_tables(page_size, n_split
         vb = values[tables[b][:nb[b]]].transpose(0, 1).reshape(nh, -1, hs)[:, :n]
         want = torch.nn.functional.scaled_dot_product_attention(q[b], kb, vb)
         torch.testing.assert_close(out[b], want, atol=1e-12, rtol=0)
+    # the real blocks handed in from the host (the server's way): the same bits
+    real = tuple(torch.tensor([(b, j) for b, n in enumerate(nb) for j in range(n)]).T)
+    assert torch.equal(paged_attention(q, keys, values, torch.tensor(tables),
+                                       torch.tensor(lengths), n_splits, real=real), out)
 
 
 def test_packed_prefill_equals_prompts_computed_one_by_one():

@@ -72,14 +72,16 @@ def num_kv_splits(batch_size: int, n_head: int, seq_len: int) -> int:
 
 
 def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    tables: torch.Tensor, lengths: torch.Tensor, n_splits: int) -> torch.Tensor:
+                    tables: torch.Tensor, lengths: torch.Tensor, n_splits: int,
+                    real: tuple | None = None) -> torch.Tensor:
     """Decode attention read through block tables, as vLLM's PagedAttention kernel does.
     q (B, nh, 1, hs): a query per row; keys, values: a layer's pool (num_blocks, H, page,
     hs), a K/V head per nh / H query heads; tables (B, nb): each row's blocks, -1 past
     its last; lengths (B,): the positions each row sees. Split-KV (FlashDecoding): the
     longest row's key tiles are cut into n_splits runs, each giving a partial softmax
     (rounded to the model's dtype), its max and its sum, merged as one softmax would be,
-    up to rounding (so a row's result depends on the batch)."""
+    up to rounding (so a row's result depends on the batch). `real`: (rows, js) of the real
+    blocks, if the caller knows them (a GPU then never stops to read the tables back)."""
     B, nh, _, hs = q.shape
     H, page, hv = keys.size(1), keys.size(2), values.size(-1)  # hv: MLA's values are narrower
     group = nh // H                                                  # query heads per K/V head
@@ -87,7 +89,7 @@ def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     tiles_per_block = page // tile
     acc = torch.promote_types(q.dtype, torch.float32)                # the softmax in >= fp32
     # 1. Every real block of every row, no padding rows: its row, its index in the row.
-    row, j = (tables >= 0).nonzero(as_tuple=True)
+    row, j = (tables >= 0).nonzero(as_tuple=True) if real is None else real
     kb, vb = keys[tables[row, j]], values[tables[row, j]]            # (N, H, page, hs)
     # 2. Scores of each block's keys, masked past the row's length.
     q_groups = q.view(B, H, group, hs)[row]                          # (N, H, g, hs)

@@ -286,7 +286,9 @@ class Runner:
         splits = num_kv_splits(len(batch), self.model.config.kv_shape[0], max(ends))
         splits = splits_of(tables.size(1), self.pool.page_size, splits)[2]
         lengths = torch.tensor(ends, device=device)
-        attention = partial(paged_attention, tables=tables, lengths=lengths, n_splits=splits)
+        real = [(b, j) for b, s in enumerate(batch) for j in range(len(s.table.blocks))]
+        attention = partial(paged_attention, tables=tables, lengths=lengths, n_splits=splits,
+                            real=tuple(torch.tensor(real, device=device).T))  # no read-back
         ids = torch.tensor(fed, device=device)[:, None]
         logits = self.model(ids, cache=cache, positions=(lengths - 1)[:, None],
                             last_only=True, attention=attention)[:, -1]
