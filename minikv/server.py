@@ -528,11 +528,14 @@ def main(argv: list[str] | None = None) -> int:
                              "--max-running; vLLM's enforce_eager)")
     args = parser.parse_args(argv)
     model, tokenizer = load_course_model(args.model)
+    most = args.max_running  # CUDA graphs for batch sizes 1, 2, 4, ..., most
+    sizes = sorted({2 ** i for i in range(most.bit_length())} | {most})
+    graphs = None if args.eager or model.device.type != "cuda" else tuple(sizes)
     try:
         num_blocks = args.num_blocks or 256
         if args.memory_utilization is not None:
             plan = memory_plan(model, free_memory(model.device), args.memory_utilization,
-                               args.page_size)
+                               args.page_size, graphs=graphs[-1] if graphs else 0)
             num_blocks = plan.num_blocks
             print(f"memory plan: {plan.budget:,} bytes = weights {plan.weights:,} + reserve "
                   f"{plan.reserve:,} + a pool of {num_blocks:,} blocks of {plan.block:,} "
@@ -540,9 +543,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"positions)")
         policy = (FirstComeFirstServed(args.chunk_budget, chunked_prefill=True)
                   if args.chunk_budget is not None else None)
-        most = args.max_running  # sizes 1, 2, 4, ..., most
-        sizes = sorted({2 ** i for i in range(most.bit_length())} | {most})
-        graphs = None if args.eager or model.device.type != "cuda" else tuple(sizes)
         app = create_app(model, tokenizer, args.model, num_blocks=num_blocks,
                          page_size=args.page_size, max_running=args.max_running,
                          max_queue=args.max_queue, policy=policy, graphs=graphs)

@@ -32,6 +32,24 @@ def test_the_server_allocates_the_planned_pool():
     assert sum(t.nbytes for t in pool.keys + pool.values) == plan.pool
 
 
+def test_with_cuda_graphs_the_reserve_holds_the_largest_graphs_gathered_kv():
+    """GraphDecode's pass hands attention every row's whole table, a layer at a time: the
+    plan keeps those bytes for the largest captured batch beside the activations."""
+    from minikv.engine.paged import BlockPool
+    from minikv.engine.static import GraphDecode
+    plain, graphed = (memory_plan(MODEL, 2**30, 0.5, page_size=8, graphs=g) for g in (0, 8))
+    pool = BlockPool(MODEL.config, 4, 8)
+    batch = GraphDecode(MODEL, pool, (8,)).batches[8]
+    cfg = MODEL.config
+    key = torch.zeros(8, cfg.kv_heads, 1, cfg.head_dim)
+    with torch.inference_mode():
+        k, v = batch.update(key, key, 0)
+    assert graphed.reserve - plain.reserve == k.nbytes + v.nbytes
+    assert graphed.num_blocks < plain.num_blocks
+    with pytest.raises(ValueError, match="graphs"):
+        memory_plan(MODEL, 2**30, graphs=-1)
+
+
 def finished_together(n: int, num_blocks: int, page_size: int, length: int) -> bool:
     """Do n requests of `length` positions, arriving at once, all run without waiting or
     being preempted?"""

@@ -331,10 +331,13 @@ class MemoryPlan:
 
 
 def memory_plan(model, free_bytes: int, utilization: float = 0.9, page_size: int = 16,
-                request_len: int | None = None, reserve: int | None = None) -> MemoryPlan:
+                request_len: int | None = None, reserve: int | None = None,
+                graphs: int = 0) -> MemoryPlan:
     """The KV pool `free_bytes` of device memory holds after the model's weights and
     `reserve` bytes (default: a whole-context pass's logits and MLP activations), of
-    `utilization` of it; requests of `request_len` positions (default: block_size)."""
+    `utilization` of it; requests of `request_len` positions (default: block_size).
+    `graphs`: the largest batch whose decode is a CUDA graph (static.GraphDecode): its pass
+    gathers a layer's K/V of every row's whole table, kept beside the reserve."""
     cfg, size = model.config, model.dtype.itemsize
     int_at_least("free_bytes", free_bytes, 0)
     if not (isinstance(utilization, float) and 0 < utilization <= 1):
@@ -345,6 +348,9 @@ def memory_plan(model, free_bytes: int, utilization: float = 0.9, page_size: int
     if reserve is None:  # logits, and the MLP's hidden units, of block_size positions
         hidden = cfg.n_inner or 4 * cfg.n_embd
         reserve = cfg.block_size * (cfg.vocab_size + 3 * hidden) * size
+    int_at_least("graphs", graphs, 0, " (the largest batch replayed as a CUDA graph, or 0)")
+    table = -(-cfg.block_size // page_size) * page_size  # the slots of a whole table
+    reserve += graphs * kv_cache_bytes(cfg, table, dtype=model.dtype) // cfg.kv_layers
     budget = int(free_bytes * utilization)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     block = kv_cache_bytes(cfg, page_size, dtype=model.dtype)

@@ -275,8 +275,9 @@ class Runner:
         tables, fed = [s.table for s in batch], [(s.tokens + s.proposals)[-1] for s in batch]
         graphs = self.graphs is not None and self.graphs.fits(tables)  # static.py: replayed
         logits, splits = (self.graphs(tables, fed), 1) if graphs else self.split_kv(batch, fed)
-        return {s: [self.decoded(s, row, step, len(batch), splits)]
-                for s, row in zip(batch, logits)}
+        tops = logits.argmax(-1).tolist()  # the greedy rows' tokens: ONE read-back, not B
+        return {s: [self.decoded(s, row, step, len(batch), splits, top)]
+                for s, row, top in zip(batch, logits, tops)}
 
     def split_kv(self, batch: list[Sequence], fed: list[int]) -> tuple[torch.Tensor, int]:
         """The decode pass eagerly: logits (B, vocab), split-KV as sized to the batch."""
@@ -330,10 +331,10 @@ class Runner:
 
     # --- what a row did, for the trace ------------------------------------------------
     def decoded(self, s: Sequence, row: torch.Tensor, step: int, batch: int,
-                splits: int) -> int:
-        """A decode row's token and its event."""
+                splits: int, top: int | None = None) -> int:
+        """A decode row's token (`top`: its argmax, if read already) and its event."""
         fed = s.tokens + s.proposals
-        token = s.sampling.choose(row, len(fed))
+        token = top if top is not None and s.sampling.greedy else s.sampling.choose(row, len(fed))
         s.stats.fast_steps += 1
         if self.record_logits:
             s.fast_logits.append(row.clone())
