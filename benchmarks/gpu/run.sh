@@ -9,7 +9,11 @@
 #      as a CUDA graph; the server's decode step at batch 1, 8, 64 eager, at fixed shapes, and
 #      replayed as one CUDA graph a batch size (benchmarks/gpu/compile once committed).
 # Each step's log goes to $OUT; a failed step is recorded and the next one still runs.
+# One device call may run 10 minutes at most: name the steps to run in this call, e.g.
+#   bash benchmarks/gpu/run.sh test-gpu      then      bash benchmarks/gpu/run.sh batch compile
+# (default: all three).
 set -u -o pipefail
+STEPS=" ${*:-test-gpu batch compile} "
 OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -26,6 +30,7 @@ for name in ("pytest", "nbval", "ipykernel", "matplotlib", "ipywidgets", "tiktok
     except Exception as e:  # noqa: BLE001 - report every missing piece, then go on
         print(name, "MISSING:", e)
 PYEOF
+if [[ $STEPS == *" test-gpu "* ]]; then
 start=$(date +%s)
 $PY -m pytest -q -m cuda tests 2>&1 | tee "$OUT/cuda-tests.log"
 echo "cuda tests: rc ${PIPESTATUS[0]}, $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
@@ -35,7 +40,12 @@ MINIKV_DEVICE=cuda $PY -m pytest -q $NBFLAGS --durations=0 notebooks/*.ipynb sol
 echo "notebooks and solutions on the GPU: rc ${PIPESTATUS[0]}, $(( $(date +%s) - nb_start )) s" \
     | tee -a "$OUT/summary.txt"
 echo "test-gpu in all: $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
+fi
+if [[ $STEPS == *" batch "* ]]; then
 $PY -m minikv bench-batch --device cuda --out "$OUT/batch" 2>&1 | tee "$OUT/bench-batch.log"
 echo "bench-batch: rc ${PIPESTATUS[0]}" | tee -a "$OUT/summary.txt"
+fi
+if [[ $STEPS == *" compile "* ]]; then
 $PY -m minikv bench-compile --device cuda --out "$OUT/compile" 2>&1 | tee "$OUT/bench-compile.log"
 echo "bench-compile: rc ${PIPESTATUS[0]}" | tee -a "$OUT/summary.txt"
+fi
