@@ -80,12 +80,13 @@ class BuggyWindowCache(Cache):
 
     def __init__(self, model, sinks, window):
         cfg = model.config
-        empty = torch.zeros(1, cfg.kv_heads, 0, cfg.head_dim)
+        self.batch_size, self.device, self.dtype = 1, model.device, model.dtype
+        # empty K/V that the model's are concatenated onto: on its device, in its dtype
+        empty = torch.zeros(1, cfg.kv_heads, 0, cfg.head_dim, device=self.device, dtype=self.dtype)
         self.keys, self.values = [empty] * cfg.n_layer, [empty] * cfg.n_layer
         self.n_layer, self.n_head, self.head_dim = cfg.n_layer, cfg.kv_heads, cfg.head_dim
         self.sinks, self.window = sinks, window
         self.positions = []   # the absolute position each held slot holds
-        self.batch_size, self.device, self.dtype = 1, torch.device("cpu"), torch.float32
 
     def get_seq_length(self, layer_idx=0):
         """Where the next token's position starts."""
@@ -106,7 +107,7 @@ class BuggyWindowCache(Cache):
             if len(self.positions) > self.sinks + self.window:
                 keep = list(range(self.sinks)) + list(range(len(self.positions) - self.window,
                                                             len(self.positions)))
-                index = torch.tensor(keep)
+                index = torch.tensor(keep, device=key.device)
                 self.keys = [t.index_select(2, index) for t in self.keys]
                 self.values = [t.index_select(2, index) for t in self.values]
                 self.positions = [self.positions[i] for i in keep]
