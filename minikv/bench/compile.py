@@ -142,8 +142,10 @@ def write_report(results: dict, out: Path) -> None:
     if g:
         lines += ["", f"The server's decode step: an `Engine` serving B requests of a "
                   f"{g['context']}-token prompt, prefilled; a step: the median of {g['steps']} "
-                  "decode steps, the three engines taking turns; the tokens compared with the "
-                  "eager engine's once every request finished.", "",
+                  "decode steps, the engines taking turns; the tokens compared with the "
+                  "eager engine's once every request finished. The fixed-shape pass reads every "
+                  f"row's whole table ({g.get('table', '?')} positions), the eager one only the "
+                  "positions in use; a CUDA graph (a GPU only) replays the fixed-shape pass.", "",
                   "| B | decode step | ms | × eager's speed | same tokens |",
                   "|---|---|---|---|---|"]
         lines += [f"| {r['batch']} | {r['name']} | {r['step_s'] * 1e3:.3f} | {r['vs_eager']:.2f} "
@@ -184,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         results = {"machine": machine, "compile": bench(model, prompt, new, repeats)}
         sizes, steps = ((1, 4), 3) if args.quick else ((1, 8, 64), 3 * args.repeats)
         context = prompt * (1 if args.quick else 32)  # 128 positions for the course target's
-        results["graphs"] = {"context": len(context), "steps": steps,
+        table = -(-model.config.block_size // 16) * 16  # a row's whole table, pages of 16
+        results["graphs"] = {"context": len(context), "steps": steps, "table": table,
                              "rows": graph_rows(model, context, sizes, steps)}
     finally:
         torch.set_num_threads(threads)
