@@ -528,14 +528,12 @@ def main(argv: list[str] | None = None) -> int:
                              "--max-running; vLLM's enforce_eager)")
     args = parser.parse_args(argv)
     model, tokenizer = load_course_model(args.model)
-    most = args.max_running  # CUDA graphs for batch sizes 1, 2, 4, ..., most
-    sizes = sorted({2 ** i for i in range(most.bit_length())} | {most})
-    graphs = None if args.eager or model.device.type != "cuda" else tuple(sizes)
+    graphs = not args.eager and model.device.type == "cuda"  # decode replayed: CUDA graphs
     try:
         num_blocks = args.num_blocks or 256
         if args.memory_utilization is not None:
             plan = memory_plan(model, free_memory(model.device), args.memory_utilization,
-                               args.page_size, graphs=graphs[-1] if graphs else 0)
+                               args.page_size, graphs=args.max_running if graphs else 0)
             num_blocks = plan.num_blocks
             print(f"memory plan: {plan.budget:,} bytes = weights {plan.weights:,} + reserve "
                   f"{plan.reserve:,} + a pool of {num_blocks:,} blocks of {plan.block:,} "
@@ -543,9 +541,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"positions)")
         policy = (FirstComeFirstServed(args.chunk_budget, chunked_prefill=True)
                   if args.chunk_budget is not None else None)
+        most = min(args.max_running, num_blocks)  # graphs for batch sizes 1, 2, 4, ..., most
+        sizes = sorted({2 ** i for i in range(most.bit_length())} | {most})
         app = create_app(model, tokenizer, args.model, num_blocks=num_blocks,
                          page_size=args.page_size, max_running=args.max_running,
-                         max_queue=args.max_queue, policy=policy, graphs=graphs)
+                         max_queue=args.max_queue, policy=policy,
+                         graphs=tuple(sizes) if graphs else None)
     except (ValueError, TypeError) as e:
         parser.error(str(e))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

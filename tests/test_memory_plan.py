@@ -38,7 +38,7 @@ def test_with_cuda_graphs_the_reserve_holds_the_largest_graphs_gathered_kv():
     from minikv.engine.paged import BlockPool
     from minikv.engine.static import GraphDecode
     plain, graphed = (memory_plan(MODEL, 2**30, 0.5, page_size=8, graphs=g) for g in (0, 8))
-    pool = BlockPool(MODEL.config, 4, 8)
+    pool = BlockPool(MODEL.config, 8, 8)
     batch = GraphDecode(MODEL, pool, (8,)).batches[8]
     cfg = MODEL.config
     key = torch.zeros(8, cfg.kv_heads, 1, cfg.head_dim)

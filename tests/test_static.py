@@ -120,7 +120,7 @@ def test_padding_rows_write_row_0s_own_kv_to_row_0s_slot_and_nothing_else():
     logits = []
     for sizes in ((2,), (8,)):
         torch.manual_seed(0)
-        pool = BlockPool(model.config, 6, 4)
+        pool = BlockPool(model.config, 8, 4)
         for layer in pool.keys + pool.values:
             layer.normal_()  # every slot holds something a stray write would change
         before = torch.stack(pool.keys + pool.values)
@@ -143,6 +143,8 @@ def test_graph_decode_refuses_what_it_cannot_hold():
             GraphDecode(model, pool, sizes)
     with pytest.raises(ValueError, match="MLA's latent"):
         GraphDecode(varied_model(kv_lora_rank=16), pool)
+    with pytest.raises(ValueError, match="record sizes up to 4"):
+        GraphDecode(model, pool, (1, 8))  # 8 rows would need 8 blocks
     graphs = GraphDecode(model, pool, (1, 2))
     assert graphs.fits([BlockTable(0, [0])] * 2) and not graphs.fits([BlockTable(0, [0])] * 3)
     with pytest.raises(TypeError, match="must be a minikv.GPT"):

@@ -162,6 +162,9 @@ class GraphDecode:
                 type(b) is int and b >= 1 for b in sizes) and list(sizes) == sorted(set(sizes))):
             raise ValueError(f"sizes must be a tuple of batch sizes, rising, e.g. (1, 2, 4, 8), "
                              f"not {sizes!r:.40}")
+        if sizes[-1] > pool.num_blocks:  # every row holds a block: no larger batch can run
+            raise ValueError(f"a batch of {sizes[-1]} rows needs as many blocks; the pool has "
+                             f"{pool.num_blocks}: record sizes up to {pool.num_blocks}")
         self.model, self.pool, self.sizes = model, pool, sizes
         self.width = math.ceil(model.config.block_size / pool.page_size)  # blocks a row can fill
         self.batches = {b: StaticBatch(pool, b, self.width) for b in sizes}
