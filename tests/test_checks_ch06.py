@@ -1,7 +1,9 @@
 """Chapter 06's checkers: solutions and other right ways pass, stubs go through, each wrong answer
 gets its hint (the tables' named mistakes in test_checks_table.py); the cases are sound."""
 import copy
+import itertools
 import re
+from dataclasses import replace
 from functools import partial
 
 import numpy as np
@@ -180,6 +182,15 @@ MISTAKES = {  # checker: [(wrong answer, a fragment of the hint it must get)]; t
         (type("NotACache", (), {}), "a subclass of PagedCache")],
     ch06.check_choose_block_size: [
         (lambda lengths, w: str(ch06.reference_block_size(lengths, w)), "as an int")],
+    ch06.check_capture_sizes: [
+        (lambda batches, k: None, "return the recorded batch sizes as a tuple"),
+        (lambda batches, k: [float(s) for s in ch06._least_padding(batches, k)], "tuple of ints"),
+        (lambda batches, k: ch06._least_padding(batches, k)[::-1], "smallest first"),
+        (lambda batches, k: (0,) + ch06._least_padding(batches, k), "positive sizes"),
+        (lambda batches, k: tuple(sorted(set(batches))), "record at most k"),
+        (lambda batches, k: ch06._least_padding(batches, k)[:-1] or (1,), "the largest batch"),
+        (lambda batches, k: [batches.sort(), ch06._least_padding(batches, k)][1],
+         "keep batches as it was given")],
     ch06.check_chunk_schedule: [
         (lambda lens, budget: None, "return a list of steps"),
         (lambda lens, budget: [sum(lens)], "each step must be a list of"),
@@ -315,3 +326,29 @@ def test_a_wrong_gather_shows_the_slots_it_read():
             "pool_keys[5, :, 0..3], pool_keys[7, :, 0..1]'") in str(info.value)
     mixed = ch06._slots(ch06.GATHER.mistakes[ch06.G["reshape"]](*ch06.GATHER.cases[0]))
     assert "position(s) from no single slot" in mixed
+
+
+def capture_by_trying_every_choice(batches, k):
+    """Also right: every choice of at most k sizes among the batch sizes, the largest in each."""
+    values = sorted(set(batches))
+    choices = [c + (values[-1],) for m in range(k) for c in itertools.combinations(values[:-1], m)]
+    return min(choices, key=lambda sizes: ch06.padding(batches, sizes))
+
+
+def test_capture_sizes_a_brute_force_passes_and_the_cases_tell_the_mistakes_apart(capsys):
+    """Where trying every choice is cheap it passes (and agrees with the reference); each named
+    mistake pads more than the least on some case, and no two mistakes give the same answers."""
+    small = [(b, k) for b, k in ch06.CAPTURE.cases if len(set(b)) <= 24]
+    for batches, k in small:
+        assert ch06.padding(batches, capture_by_trying_every_choice(batches, k)) == \
+            ch06.reference_capture_sizes(batches, k).padding, batches.label
+    exercise = replace(ch06.CAPTURE, cases=small)
+    exercise.check(capture_by_trying_every_choice)
+    assert capsys.readouterr().out.startswith("✓ capture_sizes")
+    answers = {hint: tuple(ch06.padding(b, wrong(b, k)) for b, k in ch06.CAPTURE.cases)
+               for hint, wrong in ch06.CAPTURE.mistakes.items()}
+    best = tuple(ch06.reference_capture_sizes(b, k).padding for b, k in ch06.CAPTURE.cases)
+    assert all(a != best and all(x >= y for x, y in zip(a, best)) for a in answers.values())
+    assert len(set(answers.values())) == len(answers)
+    assert ch06.padding([3, 5, 9], (4, 9)) == 1 + 4 + 0  # each in the smallest size holding it
+    assert repr(ch06.Recorded((4, 9), [3, 5, 9])) == "(4, 9), 5 padding rows"

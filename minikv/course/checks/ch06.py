@@ -1,14 +1,14 @@
 """Chapter 06's checkers (a paged KV cache, prefix caching, admission), against the engine on the
 CPU, leaving the caller's random state alone: reserve, predict_peak_blocks and crop (code);
-gather_keys, matching_blocks, can_admit, choose_block_size and chunk_schedule (tables). The hints
-are in hints/ch06.toml."""
+gather_keys, matching_blocks, can_admit, choose_block_size, chunk_schedule and capture_sizes
+(tables). The hints are in hints/ch06.toml."""
 from __future__ import annotations
 
 import copy
 import functools
 import math
 import random
-from collections import deque
+from collections import Counter, deque
 from functools import partial
 
 import torch
@@ -20,9 +20,9 @@ from ...engine.verify import accept_matching, verify_and_commit
 from .. import checks as ck
 
 H = ck.hints("ch06")
-G, R, M, A, P, C, B, S = (H[k] for k in (
+G, R, M, A, P, C, B, S, W = (H[k] for k in (
     "gather_keys", "reserve", "matching_blocks", "can_admit", "predict_peak_blocks", "crop",
-    "choose_block_size", "chunk_schedule"))
+    "choose_block_size", "chunk_schedule", "capture_sizes"))
 
 
 def _config(n_layer: int, n_head: int, head_dim: int) -> GPTConfig:
@@ -768,4 +768,116 @@ SCHEDULE_CHUNKS = ck.Exercise(
         case for case, got in answers if got != engine_schedule(*case))[1]))
 check_chunk_schedule = SCHEDULE_CHUNKS.check
 
-EXERCISES = (GATHER, MATCHING, ADMISSION, BLOCK_SIZE, SCHEDULE_CHUNKS)
+
+# --- exercise 9 (a table): which batch sizes to record as CUDA graphs ---------------------------
+
+def padding(batches: list[int], sizes) -> int:
+    """Padding rows when each batch runs in the smallest recorded size that holds it."""
+    return sum(min(s for s in sizes if s >= b) - b for b in batches)
+
+
+class Recorded:
+    """Recorded sizes, equal to another choice when they cost the workload as many padding rows
+    (several choices can tie); shown with that cost."""
+
+    def __init__(self, sizes: tuple, batches: list[int]):
+        self.sizes, self.padding = tuple(sizes), padding(batches, sizes)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Recorded) and self.padding == other.padding
+
+    def __repr__(self) -> str:
+        return f"{self.sizes}, {self.padding:,} padding rows"
+
+
+def _least_padding(batches: list[int], k: int, weigh=True) -> tuple:
+    """The sizes (at most k, the largest batch among them) that pad the batches least: split the
+    distinct batch sizes, sorted, into at most k runs, each run padded up to its largest."""
+    values, count = sorted(set(batches)), Counter(batches) if weigh else Counter(set(batches))
+
+    def cost(i: int, j: int) -> int:  # values[i..j] run in the graph for values[j]
+        return sum(count[v] * (values[j] - v) for v in values[i:j + 1])
+    # best[j]: (padding, sizes) for values[0..j], values[j] the largest size, m sizes at most
+    best = [(cost(0, j), (values[j],)) for j in range(len(values))]
+    for _ in range(k - 1):
+        best = [min([best[j]] + [(best[i][0] + cost(i + 1, j), best[i][1] + (values[j],))
+                                 for i in range(j)]) for j in range(len(values))]
+    return best[-1][1]
+
+
+def reference_capture_sizes(batches: list[int], k: int) -> Recorded:
+    return Recorded(_least_padding(batches, k), batches)
+
+
+def _powers_of_two(batches, k):  # the usual default, its largest k
+    top = 1 << (max(batches) - 1).bit_length()
+    return tuple(1 << i for i in range(top.bit_length()))[-k:]
+
+
+def _most_frequent(batches, k):  # the k - 1 commonest batch sizes, and the largest
+    common = [b for b, _ in Counter(batches).most_common() if b != max(batches)][:k - 1]
+    return tuple(sorted(common + [max(batches)]))
+
+
+def _one_at_a_time(batches, k):  # greedy: the largest, then the size that saves the most, ...
+    sizes = {max(batches)}
+    for _ in range(k - 1):
+        options = sorted(set(batches) - sizes)
+        if options:
+            sizes.add(min(options, key=lambda s: (padding(batches, sizes | {s}), s)))
+    return tuple(sorted(sizes))
+
+
+def _evenly(batches, k):  # k sizes evenly spaced up to the largest
+    return tuple(sorted({-(-max(batches) * i // k) for i in range(1, k + 1)}))
+
+
+def _capture_cases() -> list[tuple[ck.Labelled, int]]:
+    """Decode batch sizes, one a step, labelled; k the graphs a server may record."""
+    g = random.Random(9)
+    ramp = list(range(1, 17)) * 2 + list(range(16, 0, -1))
+    steady = [min(48, max(1, round(g.gauss(30, 6)))) for _ in range(200)]
+    bursty = [g.choice((1, 1, 1, 2, 2, 3)) for _ in range(150)] + [60, 61, 64, 58, 64] * 4
+    drain = [24] * 40 + [23, 21, 18, 14, 9, 5, 3, 2, 1] * 3 + [1] * 30
+    g, waves = random.Random(1), []
+    for _ in range(4):  # a wave of n requests that run together, then finish a few at a time
+        n = g.randint(2, 40)
+        waves += [n] * g.randint(5, 40) + list(range(n, 0, -g.randint(1, 6)))
+    return [(ck.Labelled(label, batches), k) for label, batches, k in [
+        ("a server filling up to 16 rows and draining, twice", ramp, 4),
+        ("a steady load of about 30 rows (200 steps)", steady, 4),
+        ("mostly 1-3 rows, with bursts near 64", bursty, 3),
+        ("24 rows for a long while, then the batch drains", drain, 3),
+        ("four waves of requests, each draining a few at a time", waves, 4),
+        ("a steady load, room for one graph only", steady, 1),
+        ("fewer batch sizes than graphs", [4, 4, 9, 9, 9, 13], 5),
+        ("one batch size throughout", [8] * 50, 2)]]
+
+
+def _recorded(got, batches, k) -> Recorded:
+    """The contract: a rising tuple of at most k batch sizes, the largest holding every batch."""
+    sizes = ck.int_list(got)
+    if sizes is None or not sizes:
+        raise ck.Refused(W["not_sizes"])
+    if any(s < 1 for s in sizes) or sizes != sorted(set(sizes)):
+        raise ck.Refused(W["not_rising"])
+    if len(sizes) > k:
+        raise ck.Refused(W["too_many"].format(k=k))
+    if sizes[-1] < max(batches):
+        raise ck.Refused(W["too_small"].format(most=max(batches)))
+    return Recorded(tuple(sizes), batches)
+
+
+CAPTURE = ck.Exercise(
+    "capture_sizes", cases=_capture_cases(),
+    describe=lambda batches, k: f"{batches.label}, k={k}",
+    reference=reference_capture_sizes, returns=_recorded, unchanged=W["unchanged"],
+    solution=_least_padding,
+    mistakes=ck.named(
+        W, powers_of_two=_powers_of_two, most_frequent=_most_frequent,
+        one_at_a_time=_one_at_a_time, evenly=_evenly,
+        each_once=lambda batches, k: _least_padding(batches, k, weigh=False)),
+    otherwise=W["otherwise"])
+check_capture_sizes = CAPTURE.check
+
+EXERCISES = (GATHER, MATCHING, ADMISSION, BLOCK_SIZE, SCHEDULE_CHUNKS, CAPTURE)
