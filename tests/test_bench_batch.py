@@ -1,5 +1,7 @@
 """bench-batch's roofline: its bytes and FLOPs as the formula defines them (checked against the
 engine's own counts), and its machinery on a tiny model (timings are a benchmark's)."""
+import json
+
 import torch
 
 import minikv
@@ -30,3 +32,18 @@ def test_the_bench_runs_and_finds_where_the_step_turns_compute_bound():
     first = r["first_compute_bound_batch"][16]
     assert first in (None, 1, 64)
     assert r["rows"][0]["bound"] in ("memory", "compute")
+
+
+def test_the_chapters_quote_each_committed_run_and_say_which_is_missing(tmp_path):
+    """quote_committed (chapters 01 and 06): per context its batches, measured and predicted
+    times and the roofline's call, for the runs present; the command for one that is not."""
+    from minikv.bench.batch import main, quote_committed
+    assert main(["--quick", "--out", str(tmp_path / "batch-cpu")]) == 0
+    text = quote_committed(tmp_path)
+    run = json.loads((tmp_path / "batch-cpu" / "results.json").read_text())["batch"]
+    contexts = {r["context"] for r in run["rows"]}
+    assert text.count("measured ms") == text.count("predicted ms") == len(contexts)
+    for r in run["rows"]:
+        assert f"{r['measured_s'] * 1e3:.2f}" in text and f"{r['predicted_s'] * 1e3:.2f}" in text
+    assert text.endswith("benchmarks/gpu/batch: not committed yet "
+                         "(python -m minikv bench-batch --device cuda)")

@@ -141,6 +141,32 @@ def write_report(results: dict, out: Path) -> None:
     write_atomically(out / "results.json", (json.dumps(results, indent=1) + "\n").encode())
 
 
+def quote_committed(results: Path) -> str:
+    """The committed runs (`results`: the benchmarks folder) as chapters 01 and 06 quote them:
+    per context, the measured and predicted step at each batch and the roofline's first
+    compute-bound batch; the CPU's run, then the GPU's (or how to make one)."""
+    lines = []
+    for where, how in (("batch-cpu", ""), ("gpu/batch", " --device cuda")):
+        path = results / where / "results.json"
+        if not path.exists():
+            lines.append(f"benchmarks/{where}: not committed yet (python -m minikv "
+                         f"bench-batch{how})")
+            continue
+        run = json.loads(path.read_text())
+        m, b = run["machine"], run["batch"]
+        lines.append(f"benchmarks/{where}: {m['model']}, {m['device']}, {m['dtype']}, "
+                     f"{m['date']}; {b['bandwidth_GBps']:.0f} GB/s, {b['peak_GFLOPs']:.0f} "
+                     "GFLOP/s measured")
+        for context, first in b["first_compute_bound_batch"].items():
+            rows = [r for r in b["rows"] if r["context"] == int(context)]
+            for label, cell in ((f"{context} cached, batch", lambda r: f"{r['batch']:>8}"),
+                                ("  measured ms", lambda r: f"{r['measured_s'] * 1e3:>8.2f}"),
+                                ("  predicted ms", lambda r: f"{r['predicted_s'] * 1e3:>8.2f}")):
+                lines.append(f"  {label:<20}" + "".join(map(cell, rows)))
+            lines.append(f"    compute-bound from batch {first} (the roofline's call)")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..course import arguments
     parser = argparse.ArgumentParser(prog="python -m minikv bench-batch", description=__doc__,
