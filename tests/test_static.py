@@ -147,6 +147,7 @@ def test_graph_decode_refuses_what_it_cannot_hold():
         GraphDecode(model, pool, (1, 8))  # 8 rows would need 8 blocks
     graphs = GraphDecode(model, pool, (1, 2))
     assert graphs.fits([BlockTable(0, [0])] * 2) and not graphs.fits([BlockTable(0, [0])] * 3)
+    assert [graphs.size_for(n) for n in (1, 2, 3)] == [1, 2, None]
     with pytest.raises(TypeError, match="must be a minikv.GPT"):
         GraphDecode(torch.nn.Linear(2, 2), pool)
 
@@ -164,7 +165,9 @@ def test_bench_compiles_server_rows_compare_the_same_engines_tokens():
     """bench-compile's second table: per batch size, the eager engine's row first (× 1.00),
     then the fixed-shape pass's, each saying whether its tokens are the eager engine's."""
     from minikv.bench.compile import graph_rows
-    rows = graph_rows(varied_model(seed=3, n_kv_head=2), list(range(3, 40)), (1, 3), 2)
+    model = varied_model(seed=3, n_kv_head=2)
+    rows, table = graph_rows(model, list(range(3, 40)), (1, 3), 2)
+    assert table == -(-model.config.block_size // 16) * 16  # a row's whole table, pages of 16
     assert [(r["batch"], r["name"]) for r in rows] == [
         (1, "eager, split-KV"), (1, "static, eager"), (3, "eager, split-KV"), (3, "static, eager")]
     assert all(r["same_tokens"] for r in rows) and rows[0]["vs_eager"] == 1.0

@@ -86,7 +86,7 @@ def bench(model, prompt: list[int], new: int, repeats: int) -> dict:
 def engines(model, batch: int, prompt: list[int], new: int) -> dict:
     """Engines serving `batch` requests of `prompt`, prefilled: eager, and the fixed-shape
     pass run eagerly and (on a GPU) replayed."""
-    need = batch * (-(-(len(prompt) + new) // 16) + 1)  # blocks: every request's, and one
+    need = batch * (-(-(len(prompt) + new) // 16) + 1)  # every request's blocks, and a spare
     kinds = {"eager, split-KV": None, "static, eager": False}
     if model.device.type == "cuda":
         kinds["static, CUDA graphs"] = True
@@ -101,11 +101,13 @@ def engines(model, batch: int, prompt: list[int], new: int) -> dict:
     return made
 
 
-def graph_rows(model, prompt: list[int], sizes: tuple, steps: int) -> list[dict]:
-    """The server's decode step at each batch size in `sizes`, three ways (module doc)."""
+def graph_rows(model, prompt: list[int], sizes: tuple, steps: int) -> tuple[list[dict], int]:
+    """The server's decode step at each batch size in `sizes`, three ways (module doc), and
+    the positions of a row's whole table, which the fixed-shape pass reads."""
     rows = []
     for batch in sizes:
         made = engines(model, batch, prompt, steps + 2)
+        graphs = made["static, eager"].runner.graphs
         times = alternate_all({name: e.step for name, e in made.items()}, steps, model.device)
         for e in made.values():
             while e.has_work():
@@ -118,7 +120,7 @@ def graph_rows(model, prompt: list[int], sizes: tuple, steps: int) -> list[dict]
     for row in rows:
         eager = next(r for r in rows if r["batch"] == row["batch"])
         row["vs_eager"] = eager["step_s"] / row["step_s"]
-    return rows
+    return rows, graphs.width * graphs.pool.page_size
 
 
 def write_report(results: dict, out: Path) -> None:
@@ -144,7 +146,7 @@ def write_report(results: dict, out: Path) -> None:
                   f"{g['context']}-token prompt, prefilled; a step: the median of {g['steps']} "
                   "decode steps, the engines taking turns; the tokens compared with the "
                   "eager engine's once every request finished. The fixed-shape pass reads every "
-                  f"row's whole table ({g.get('table', '?')} positions), the eager one only the "
+                  f"row's whole table ({g['table']} positions), the eager one only the "
                   "positions in use; a CUDA graph (a GPU only) replays the fixed-shape pass.", "",
                   "| B | decode step | ms | × eager's speed | same tokens |",
                   "|---|---|---|---|---|"]
@@ -186,9 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         results = {"machine": machine, "compile": bench(model, prompt, new, repeats)}
         sizes, steps = ((1, 4), 3) if args.quick else ((1, 8, 64), 3 * args.repeats)
         context = prompt * (1 if args.quick else 32)  # 128 positions for the course target's
-        table = -(-model.config.block_size // 16) * 16  # a row's whole table, pages of 16
+        rows, table = graph_rows(model, context, sizes, steps)
         results["graphs"] = {"context": len(context), "steps": steps, "table": table,
-                             "rows": graph_rows(model, context, sizes, steps)}
+                             "rows": rows}
     finally:
         torch.set_num_threads(threads)
     return publish(out, "bench-compile", results, write_report)

@@ -184,15 +184,20 @@ class GraphDecode:
                 memory = graph.pool()
         torch.cuda.synchronize()
 
+    def size_for(self, rows: int) -> int | None:
+        """The smallest recorded size that holds `rows` rows (None: none does)."""
+        return next((b for b in self.sizes if b >= rows), None)
+
     def fits(self, tables: list) -> bool:
         """Whether a captured size holds these rows (else: the eager pass)."""
-        return len(tables) <= self.sizes[-1] and all(len(t.blocks) <= self.width for t in tables)
+        return self.size_for(len(tables)) is not None and all(
+            len(t.blocks) <= self.width for t in tables)
 
     def __call__(self, tables: list, tokens: list[int]) -> torch.Tensor:
         """Logits (B, vocab) of tokens[i] fed at tables[i]'s next position (its room
         reserved), valid until the next call (a graph's output is its own buffer); each
         table's length moves on by one."""
-        size, page = next(b for b in self.sizes if b >= len(tables)), self.pool.page_size
+        size, page = self.size_for(len(tables)), self.pool.page_size
         batch = self.batches[size]
         # 1. Every row's inputs in one host tensor, the rows past the batch copies of row 0.
         rows = [[token, t.length, t.blocks[t.length // page], t.length % page, 1,
