@@ -16,6 +16,7 @@
     bench-disagg  prefill on another process: a long prompt beside decodes; transfer vs recompute
     bench-peers  next to llama.cpp and transformers (optional: needs llama-cpp-python)
     bench-compile  what torch.compile removes from a decode step (engine/static.py)
+    bench-syncs  what each decoder makes the host wait for on a GPU, counted on any machine
     exercises  regenerate exercises/ from solutions/ (--check: only report)
     grade      the grade report: ✓, ✗ with the checker's hint, or not started, per exercise
     run        execute notebooks in place, saving their outputs
@@ -55,6 +56,7 @@ COMMANDS = {
     "bench-disagg": ("minikv.bench.disagg", False),
     "bench-peers": ("minikv.bench.peers", False),
     "bench-compile": ("minikv.bench.compile", False),
+    "bench-syncs": ("minikv.bench.syncs", False),
 }
 
 

@@ -53,6 +53,7 @@ WRITERS = {
     "bench-disagg": lambda out: ["bench-disagg", "--quick", "--out", out],
     "bench-peers": lambda out: ["bench-peers", "--quick", "--without-llama-cpp", "--out", out],
     "bench-compile": lambda out: ["bench-compile", "--quick", "--out", out],
+    "bench-syncs": lambda out: ["bench-syncs", "--quick", "--out", out],
     "grade --cache": lambda out: ["grade", NOTEBOOK, "--cache", out],
 }
 

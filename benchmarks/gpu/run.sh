@@ -7,13 +7,15 @@
 #      at two contexts, beside the roofline (benchmarks/gpu/batch once committed);
 #   3. `bench-compile` on the GPU: the fixed-shape decode step eager, compiled, and replayed
 #      as a CUDA graph; the server's decode step at batch 1, 8, 64 eager, at fixed shapes, and
-#      replayed as one CUDA graph a batch size (benchmarks/gpu/compile once committed).
+#      replayed as one CUDA graph a batch size (benchmarks/gpu/compile once committed);
+#   4. `bench-syncs` on the GPU: each decoder's waits for the device as the CPU counts them,
+#      beside CUDA's own count of synchronising calls (benchmarks/gpu/syncs once committed).
 # Each step's log goes to $OUT; a failed step is recorded and the next one still runs.
 # One device call may run 10 minutes at most: name the steps to run in this call, e.g.
-#   bash benchmarks/gpu/run.sh test-gpu      then      bash benchmarks/gpu/run.sh batch compile
-# (default: all three).
+#   bash benchmarks/gpu/run.sh test-gpu   then   bash benchmarks/gpu/run.sh batch compile syncs
+# (default: all four).
 set -u -o pipefail
-STEPS=" ${*:-test-gpu batch compile} "
+STEPS=" ${*:-test-gpu batch compile syncs} "
 OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -48,4 +50,8 @@ fi
 if [[ $STEPS == *" compile "* ]]; then
 $PY -m minikv bench-compile --device cuda --out "$OUT/compile" 2>&1 | tee "$OUT/bench-compile.log"
 echo "bench-compile: rc ${PIPESTATUS[0]}" | tee -a "$OUT/summary.txt"
+fi
+if [[ $STEPS == *" syncs "* ]]; then
+$PY -m minikv bench-syncs --device cuda --out "$OUT/syncs" 2>&1 | tee "$OUT/bench-syncs.log"
+echo "bench-syncs: rc ${PIPESTATUS[0]}" | tee -a "$OUT/summary.txt"
 fi

@@ -53,6 +53,14 @@ def device_and_out(parser, args, command: str) -> tuple:
     return device, out
 
 
+def checked_device(parser, args) -> torch.device:
+    """A bench command's --device, or the parser's error before any model is loaded."""
+    try:
+        return resolve_device(args.device)
+    except (RuntimeError, ValueError) as e:
+        parser.error(str(e))
+
+
 def claimed_out(parser, args, command: str) -> Path:
     """A bench command's --out (default: runs/<command>, runs/<command>-quick with --quick),
     checked before any work: new, empty, or the command's own, never anyone else's folder."""

@@ -37,7 +37,7 @@ from ..course import arguments
 from ..course.files import write_atomically
 from ..engine import Engine, Request, generate
 from ..engine.static import GraphDecode, forward, static_generate
-from . import alternate_all, claimed_out, publish, read_bandwidth, run_record
+from . import alternate_all, checked_device, claimed_out, publish, read_bandwidth, run_record
 from .weights import step_bytes
 
 
@@ -168,12 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=arguments.positive, default=1)
     parser.add_argument("--repeats", type=arguments.positive, default=7)
     args = parser.parse_args(argv)
-    from ..course.device import resolve_device
-    try:
-        device = resolve_device(args.device)
-    except (RuntimeError, ValueError) as e:
-        parser.error(str(e))
-    out = claimed_out(parser, args, "bench-compile")
+    device, out = checked_device(parser, args), claimed_out(parser, args, "bench-compile")
     from ..course.checkpoint import load_course_model
     from . import random_model
     threads = torch.get_num_threads()

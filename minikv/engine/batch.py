@@ -23,7 +23,8 @@ def generate_batch(model, prompts, max_new_tokens: int, temperature: float = 0.0
                    top_k: int | None = None, seed: int = 0, eos_id: int | None = None, *,
                    pad_id: int = 0) -> list[GenerationOutput]:
     """One output per prompt, in order, from one forward pass per step for all of them;
-    greedy tokens equal each prompt's alone. A row past `eos_id` decodes pads, dropped."""
+    greedy tokens equal each prompt's alone. A row past `eos_id` decodes on with the rest
+    (rows do not mix), what it makes dropped."""
     sp = SamplingParams(temperature, top_k, seed, eos_id)
     rows = _checked_rows(model, prompts, max_new_tokens, sp, pad_id)
     B, width = len(rows), max(len(r) for r in rows)
@@ -33,7 +34,7 @@ def generate_batch(model, prompts, max_new_tokens: int, temperature: float = 0.0
     cache = KVCache.for_model(model, batch_size=B, max_len=width + max(max_new_tokens - 1, 0))
     generator = torch.Generator(device=device).manual_seed(sp.seed)
     new: list[list[int]] = [[] for _ in rows]
-    done = torch.zeros(B, dtype=torch.bool, device=device)
+    done = [False] * B  # on the host: the step reads its tokens back once, and no more
     stats = [Stats(prompt_len=len(r)) for r in rows]
     with torch.inference_mode():
         for step in range(max_new_tokens):
@@ -45,17 +46,15 @@ def generate_batch(model, prompts, max_new_tokens: int, temperature: float = 0.0
             # 2. One pass for the whole batch; the mask hides every row's padding.
             logits = model(idx, cache=cache, positions=positions, last_only=True,
                            attention=lambda q, k, v: padded_attention(q, k, v, pad))[:, -1]
-            # 3. One token per row; rows that have finished feed a pad from now on.
+            # 3. One token per row, read back once; a finished row's are dropped.
             tokens = sp.sample(logits, generator)                                       # (B,)
-            tokens = torch.where(done, torch.full_like(tokens, pad_id), tokens)
             for b, t in enumerate(tokens.tolist()):
                 if not done[b]:
                     new[b].append(t)
                     stats[b].forward_passes += 1
                     stats[b].positions_processed += len(rows[b]) if step == 0 else 1
-            if eos_id is not None:
-                done |= tokens == eos_id
-            if bool(done.all()):
+                    done[b] = t == eos_id
+            if all(done):
                 break
             idx = tokens.view(B, 1)
     for b, s in enumerate(stats):

@@ -246,6 +246,14 @@ class KVCache(Cache):
 
 
 # --- checks shared by the cache kinds that hold (B, n_head, positions, head_dim) per layer ---
+def upload(data, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Python data as a tensor on `device`, its copy queued behind the kernels already
+    launched rather than waited for, as torch.tensor(data, device=...) waits (from pinned
+    host memory on a GPU, as nano-vllm's runner uploads; bench/syncs.py counts waits)."""
+    host = torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
 def zeros(count: int, shape: tuple, device, dtype: torch.dtype) -> list[torch.Tensor]:
     """`count` zeroed buffers of `shape`. An unknown or absent device, or a size this machine
     cannot hold, is a clear error before any buffer is kept (torch's would not say what to do)."""

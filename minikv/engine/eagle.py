@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from .attention import masked_attention
-from .cache import KVCache
+from .cache import KVCache, upload
 from .config import GPTConfig
 from .model import Block, causal_attention
 from .records import GenerationOutput, TraceEvent
@@ -108,7 +108,7 @@ class FeatureProposer(Proposer):
         #    output predicts the feature at the last committed token.
         n, m = len(seq), self.cache.get_seq_length()
         wte = self.target.transformer.wte
-        pending = torch.tensor(seq[m + 1:n], device=self.target.device)
+        pending = upload(seq[m + 1:n], self.target.device)
         feats = self.features[m:n - 1][None]
         h = self.head(feats, wte(pending)[None], self.cache)[0, -1]
         events = [self._event(seq[m + 1:n], m)]
@@ -140,27 +140,27 @@ class FeatureProposer(Proposer):
             self.features[pos] = f[prefix + node]
             pos += 1
 
-    def _choose(self, h: torch.Tensor, how_many: int) -> tuple[list[int], torch.Tensor]:
-        """Tokens to follow a node whose predicted feature is h, and their q."""
+    def _choose(self, h: torch.Tensor, how_many: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens to follow a node whose predicted feature is h (on the device), and q."""
         logits = self.target.lm_head(h)
         if self.sampling.greedy:
             q = torch.softmax(logits.float(), dim=-1)
-            return torch.topk(q, how_many).indices.tolist(), q
+            return torch.topk(q, how_many).indices, q
         q = self.sampling.probabilities(logits)
-        return torch.multinomial(q, how_many, replacement=True,
-                                 generator=self.generator).tolist(), q
+        return torch.multinomial(q, how_many, replacement=True, generator=self.generator), q
 
     def _chain(self, h: torch.Tensor, k: int, events: list[TraceEvent]) -> Proposal:
-        tokens, probs = [], []
+        chosen, probs, starts = [], [], []  # the guesses stay on the device until the end
         for _ in range(k):
             token, q = self._choose(h, 1)
-            tokens += token
+            chosen.append(token)
             probs.append(q)
-            if len(tokens) < k:  # the next feature, from this guess
-                start = self.cache.get_seq_length()
-                emb = self.target.transformer.wte(torch.tensor(token, device=h.device))
+            if len(chosen) < k:  # the next feature, from this guess
+                starts.append(self.cache.get_seq_length())
+                emb = self.target.transformer.wte(token)
                 h = self.head(h[None, None], emb[None], self.cache)[0, -1]
-                events.append(self._event(token, start))
+        tokens = torch.cat(chosen).tolist()  # the round's one read back
+        events += [self._event([t], start) for t, start in zip(tokens, starts)]
         probs = None if self.sampling.greedy else torch.stack(probs)
         return Proposal(tokens, probs, events)
 
@@ -172,15 +172,17 @@ class FeatureProposer(Proposer):
         feature = {-1: h_root}     # node -> its predicted feature
         frontier = [(-1, 0.0)]     # (node, log q of its whole path)
         for depth in range(1, k + 1):
-            # 1. Every growing node gets `branch` children.
+            # 1. Every growing node gets `branch` children, read back once a depth.
+            drawn = [self._choose(feature[node], branch) for node, _ in frontier]
+            picks = torch.cat([p for p, _ in drawn]).tolist()
+            log_q = torch.cat([torch.log(q[p]) for p, q in drawn]).tolist()
             born = []
-            for node, score in frontier:
-                picks, q = self._choose(feature[node], branch)
-                for t in picks:
-                    tokens.append(t)
-                    parents.append(node)
-                    probs.append(q)
-                    born.append((len(tokens) - 1, score + float(torch.log(q[t]))))
+            for j, (t, lq) in enumerate(zip(picks, log_q)):
+                (node, score), q = frontier[j // branch], drawn[j // branch][1]
+                tokens.append(t)
+                parents.append(node)
+                probs.append(q)
+                born.append((len(tokens) - 1, score + lq))
             if depth == k:
                 break
             # 2. The `width` most likely paths grow: one head pass over their ends, each
@@ -191,8 +193,7 @@ class FeatureProposer(Proposer):
             slot.update({node: start + j for j, node in enumerate(grow)})
             mask = self._mask(grow, parents, slot, committed)
             feats = torch.stack([feature[parents[node]] for node in grow])
-            emb = self.target.transformer.wte(torch.tensor([tokens[n] for n in grow],
-                                                           device=h_root.device))
+            emb = self.target.transformer.wte(upload([tokens[n] for n in grow], h_root.device))
             out = self.head(feats[None], emb[None], self.cache,
                             lambda q_, k_, v_: masked_attention(q_, k_, v_, mask))[0]
             feature.update({node: out[j] for j, node in enumerate(grow)})
@@ -205,13 +206,12 @@ class FeatureProposer(Proposer):
         """(rows, cache length after the pass) booleans: row j (a node) sees the
         committed positions, the slots of its ancestors, and its own slot."""
         end = max(slot[n] for n in rows) + 1
-        mask = torch.zeros(len(rows), end, dtype=torch.bool, device=self.target.device)
-        mask[:, :committed] = True
+        mask = [[i < committed for i in range(end)] for _ in rows]  # on the host: one upload
         for j, node in enumerate(rows):
             while node >= 0:
-                mask[j, slot[node]] = True
+                mask[j][slot[node]] = True
                 node = parents[node]
-        return mask
+        return upload(mask, self.target.device, torch.bool)
 
     def _event(self, fed: list[int], start: int) -> TraceEvent:
         n = len(fed)

@@ -17,7 +17,7 @@ from .attention import Attention, sdpa
 from .cache import Cache, check_cache
 from .config import LLAMA, GPTConfig
 from .rope import rope_angles, rotate
-from .validate import check_flags, is_int_tensor
+from .validate import check_flags, is_int_tensor, reads_are_free
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -366,7 +366,7 @@ def _check_inputs(model: GPT, idx, cache, positions) -> None:
                              f"shorten the prompt")
     elif not (is_int_tensor(positions) and positions.shape in ((T,), (B, T))):
         raise ValueError("positions must be an integer (T,) or (B, T) tensor in [0, block_size)")
-    if idx.device.type == "cpu":
+    if reads_are_free(idx):  # on a GPU, reading ids back would wait for it
         _check_values(cfg, idx, positions)
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import Cache, zeros
+from .cache import Cache, upload, zeros
 from .config import GPTConfig
 from .validate import int_at_least
 
@@ -226,7 +226,7 @@ class PagedCache(Cache):
         """(blocks, slots) of the positions in spans, [(table, positions)], in order."""
         ps = self.pool.page_size
         pairs = [(t.blocks[p // ps], p % ps) for t, positions in spans for p in positions]
-        index = torch.tensor(pairs, dtype=torch.long, device=self.pool.keys[0].device)
+        index = upload(pairs, self.pool.keys[0].device)  # mid-pass: queued, not waited for
         return tuple(index.view(-1, 2).T)
 
     # --- checks: raise before anything is written -------------------------------------

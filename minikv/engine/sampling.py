@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .validate import int_at_least
+from .validate import int_at_least, reads_are_free
 
 # Below this, logits / temperature overflows float32 for ordinary logits, and sampling is
 # greedy in all but name anyway: ask for 0.
@@ -47,8 +47,9 @@ class SamplingParams:
             kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        if not torch.isfinite(probs).all():
-            raise ValueError("sampling failed (probabilities not finite): use a larger temperature")
+        if reads_are_free(probs) and not torch.isfinite(probs).all():  # a GPU would wait
+            raise ValueError("sampling failed: the model's logits hold inf or nan (check its "
+                             "weights; float16 can overflow: try float32)")
         return probs
 
     def sample(self, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -64,10 +65,21 @@ class SamplingParams:
         draw from a generator seeded by (seed, position). So "the same request" gives the
         same token wherever and with whomever it runs (deterministic requests rely on
         it)."""
+        return int(self.draw(logits, position))
+
+    def draw(self, logits: torch.Tensor, position: int) -> torch.Tensor:
+        """choose()'s token left on the device, so that many are read back at once."""
         if self.greedy:
-            return int(logits.argmax())
+            return logits.argmax()
         seed = (self.seed * 1_000_003 + position) % 2**63
-        return int(self.sample(logits, torch.Generator(logits.device).manual_seed(seed)))
+        return self.sample(logits, torch.Generator(logits.device).manual_seed(seed))
+
+    def choose_rows(self, logits: torch.Tensor, positions) -> list[int]:
+        """choose() for each row of `logits` (n, vocab) at its position, read back at once
+        (a GPU waits once, not n times)."""
+        if self.greedy:
+            return logits.argmax(dim=-1).tolist()
+        return torch.stack([self.draw(row, p) for row, p in zip(logits, positions)]).tolist()
 
 
 @dataclass

@@ -21,6 +21,7 @@ from functools import partial
 import torch
 
 from .attention import masked_attention, num_kv_splits, packed_causal_mask, paged_attention
+from .cache import upload
 from .flash import splits_of
 from .lookup import PromptLookup
 from .paged import BlockPool, PagedBatch, PagedCache
@@ -229,9 +230,9 @@ class Runner:
                                else [a, *tree_positions(parents, a)])]
         masks = [None if p is None else tree_mask(p).to(device) for p in trees]
         mask = packed_causal_mask(past, counts, device, masks)
-        ids = torch.tensor([[t for x in inputs for t in x]], device=device)
+        ids = upload([[t for x in inputs for t in x]], device)  # behind the mask's kernels
         kwargs = dict(cache=PagedCache(self.pool, [s.table for s in seqs], counts),
-                      positions=torch.tensor(positions, device=device),
+                      positions=upload(positions, device),
                       attention=partial(masked_attention, mask=mask))
         wants = [getattr(s.proposer, "wants_features", False) for s in seqs]
         if any(wants):  # a head on the target's features: its rows' features
@@ -242,7 +243,7 @@ class Runner:
             logits = self.model.lm_head(f)
         else:
             logits = self.model(ids, **kwargs)[0]  # (sum counts, vocab)
-        ends = torch.tensor(counts, device=device).cumsum(0) - 1
+        ends = upload(counts, device).cumsum(0) - 1  # queued behind the pass, not waited for
         return logits if every_row else logits[ends]
 
     def prefill(self, prompts: list[Sequence], step: int,
@@ -256,12 +257,13 @@ class Runner:
             return {}
         logits = self.packed(rows, [(s.tokens + s.proposals)[-1:] for s in decoding]
                              + [s.tokens[s.table.length:][:s.chunk] for s in prompts])
-        out = {s: [self.decoded(s, row, step, len(rows), 1)]
-               for s, row in zip(decoding, logits)}
-        for s, row, first in zip(prompts, logits[len(decoding):], firsts):
+        tokens = self.choices(rows, logits)  # a prompt still prefilling drops its own
+        out = {s: [self.decoded(s, row, step, len(rows), 1, token)]
+               for s, row, token in zip(decoding, logits, tokens)}
+        for s, first, token in zip(prompts, firsts, tokens[len(decoding):]):
             if chunked:
                 s.stats.prefill_chunks += 1
-            out[s] = [] if s.prefilling else [s.sampling.choose(row, len(s.tokens))]
+            out[s] = [] if s.prefilling else [token]
             self.prefilled(s, step, first, len(rows), (out[s] or [None])[0])
         return out
 
@@ -275,9 +277,9 @@ class Runner:
         tables, fed = [s.table for s in batch], [(s.tokens + s.proposals)[-1] for s in batch]
         graphs = self.graphs is not None and self.graphs.fits(tables)  # static.py: replayed
         logits, splits = (self.graphs(tables, fed), 1) if graphs else self.split_kv(batch, fed)
-        tops = logits.argmax(-1).tolist()  # the greedy rows' tokens: ONE read-back, not B
-        return {s: [self.decoded(s, row, step, len(batch), splits, top)]
-                for s, row, top in zip(batch, logits, tops)}
+        tokens = self.choices(batch, logits)  # every row's token: ONE read-back, not B
+        return {s: [self.decoded(s, row, step, len(batch), splits, token)]
+                for s, row, token in zip(batch, logits, tokens)}
 
     def split_kv(self, batch: list[Sequence], fed: list[int]) -> tuple[torch.Tensor, int]:
         """The decode pass eagerly: logits (B, vocab), split-KV as sized to the batch."""
@@ -329,12 +331,18 @@ class Runner:
             out[s] = seq[len(s.tokens):]
         return out
 
+    def choices(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """Each row's token, chosen as its request chooses at its next position, all read
+        back at once: a GPU waits once a pass, not once a row."""
+        top = logits.argmax(-1)  # every greedy row's token, in one launch
+        return torch.stack([top[i] if s.sampling.greedy else s.sampling.draw(
+            logits[i], len(s.tokens) + len(s.proposals)) for i, s in enumerate(seqs)]).tolist()
+
     # --- what a row did, for the trace ------------------------------------------------
     def decoded(self, s: Sequence, row: torch.Tensor, step: int, batch: int,
-                splits: int, top: int | None = None) -> int:
-        """A decode row's token (`top`: its argmax, if read already) and its event."""
+                splits: int, token: int) -> int:
+        """A decode row's event; its token, chosen already (Runner.choices)."""
         fed = s.tokens + s.proposals
-        token = top if top is not None and s.sampling.greedy else s.sampling.choose(row, len(fed))
         s.stats.fast_steps += 1
         if self.record_logits:
             s.fast_logits.append(row.clone())

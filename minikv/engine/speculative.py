@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from .cache import KVCache
+from .cache import KVCache, upload
 from .model import causal_attention
 from .records import GenerationOutput, SpeculativeStats, TraceEvent
 from .sampling import SamplingParams
@@ -183,8 +183,8 @@ def scores(model, rows: list[int], cache: KVCache, positions: list[int] | None =
     gives its rows' positions and mask. A proposer that reads the target's features
     (Proposer.wants_features) is handed them."""
     start = cache.get_seq_length()
-    ids = torch.tensor([rows], device=model.device)
-    pos = None if positions is None else torch.tensor(positions, device=model.device)
+    ids = upload([rows], model.device)  # behind the proposer's kernels, not waiting for them
+    pos = None if positions is None else upload(positions, model.device)
     if proposer is None or not proposer.wants_features:
         return model(ids, cache=cache, positions=pos, attention=attention)[0]
     f = model.features(ids, cache=cache, positions=pos, attention=attention)[0]
@@ -282,23 +282,27 @@ class DraftProposer(Proposer):
         return DraftProposer(self.draft, self.sampling, torch.Generator(self.draft.device))
 
     def propose(self, seq: list[int], k: int) -> Proposal:
-        tokens: list[int] = []
+        chosen: list[torch.Tensor] = []  # each proposal stays on the device until the end
         probs: list[torch.Tensor] = []
-        events: list[TraceEvent] = []
+        # Feed what the draft's cache has not seen yet (the last committed token(s)), then
+        # each pass its own previous proposal.
+        before = self.cache.get_seq_length()
+        ids = torch.tensor([seq[before:]], device=self.draft.device)
         for _ in range(k):
-            # Feed what the draft's cache has not seen yet: the last committed token(s),
-            # then its own previous proposal.
-            before = self.cache.get_seq_length()
-            pending = (seq + tokens)[before:]
-            logits = self.draft(torch.tensor([pending], device=self.draft.device),
-                                cache=self.cache, last_only=True)[0, -1]
-            tokens.append(int(self.sampling.sample(logits, self.generator)))
+            logits = self.draft(ids, cache=self.cache, last_only=True)[0, -1]
+            chosen.append(self.sampling.sample(logits, self.generator))
             if not self.sampling.greedy:
                 probs.append(self.sampling.probabilities(logits))
+            ids = chosen[-1].view(1, 1)
+        tokens = torch.stack(chosen).tolist() if chosen else []  # the round's one read back
+        events, start = [], before
+        for i, token in enumerate(tokens):
+            fed = seq[before:] if i == 0 else [tokens[i - 1]]
             events.append(TraceEvent(
-                kind="draft", step=0, input_ids=tuple(pending), kv_computed=len(pending),
-                positions=tuple(range(before, before + len(pending))), token=tokens[-1],
-                cache_len_before=before, cache_len_after=self.cache.get_seq_length()))
+                kind="draft", step=0, input_ids=tuple(fed), kv_computed=len(fed),
+                positions=tuple(range(start, start + len(fed))), token=token,
+                cache_len_before=start, cache_len_after=start + len(fed)))
+            start += len(fed)
         if self.sampling.greedy:
             return Proposal(tokens, None, events)
         # q even for no proposal, (0, vocab): a sampled round is then still judged by

@@ -33,6 +33,16 @@ def number_in(name: str, value, low: float, high: float = math.inf, hint: str = 
     return value
 
 
+# Value checks run only where reading a tensor costs nothing: on a GPU each read makes the host
+# wait for the device. bench/syncs.py turns this off to count a GPU's waits on a CPU.
+FREE_READS = True
+
+
+def reads_are_free(t: torch.Tensor) -> bool:
+    """Whether reading t's values is free (host memory): then its values are checked."""
+    return FREE_READS and t.device.type == "cpu"
+
+
 def is_int_tensor(x) -> bool:
     return isinstance(x, torch.Tensor) and not (
         x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool)

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from .cache import KVCache
+from .cache import KVCache, upload
 from .records import TraceEvent
 from .sampling import SamplingParams
 from .tree import check_parents, children, is_chain, tree_attention, tree_mask, tree_positions
@@ -38,19 +38,22 @@ def accept_matching(logits: torch.Tensor, proposals: list[int], sampling: Sampli
     (γ + 1, vocab) scores the position of proposal i; the last row gives the bonus. In a
     tree (`parents`), row 0 scores the root's children and row 1 + i node i's; the walk
     goes down to the child that holds the authority's choice, while there is one."""
+    # Every row's choice is made and read back at once: a GPU waits once a round.
     if parents is None:
-        for i, proposed in enumerate(proposals):
-            mine = sampling.choose(logits[i], first_position + i)
-            if mine != proposed:
-                return Verdict(i, mine)
         n = len(proposals)
-        return Verdict(n, sampling.choose(logits[n], first_position + n))
-    kids, path = children(parents), []
+        mine = sampling.choose_rows(logits[:n + 1], range(first_position, first_position + n + 1))
+        for i, proposed in enumerate(proposals):
+            if mine[i] != proposed:
+                return Verdict(i, mine[i])
+        return Verdict(n, mine[n])
+    # Row 0 is at the first position; row 1 + i at node i's depth past it.
+    rows = [first_position] + tree_positions(parents, first_position)
+    mine, kids, path = sampling.choose_rows(logits[:len(rows)], rows), children(parents), []
     while True:
-        mine = sampling.choose(logits[1 + path[-1] if path else 0], first_position + len(path))
-        match = [c for c in kids[path[-1] if path else -1] if proposals[c] == mine]
+        here = mine[1 + path[-1] if path else 0]
+        match = [c for c in kids[path[-1] if path else -1] if proposals[c] == here]
         if not match:
-            return Verdict(len(path), mine, tuple(path))
+            return Verdict(len(path), here, tuple(path))
         path.append(match[0])
 
 
@@ -68,12 +71,15 @@ def accept_by_rejection_sampling(logits: torch.Tensor, proposals: list[int],
     probability min(1, p(x) / q(x)); on the first refusal draw from norm(max(0, p - q));
     after γ acceptances draw the bonus token from p."""
     p = sampling.probabilities(logits)  # (γ + 1, vocab)
-    u = torch.rand(len(proposals), generator=generator, device=p.device)
-    for i, x in enumerate(proposals):
-        if u[i] * draft_probs[i, x] >= p[i, x]:  # u >= p/q, without dividing by zero: refused
-            residual = residual_distribution(p[i], draft_probs[i])
-            return Verdict(i, int(torch.multinomial(residual, 1, generator=generator)))
-    return Verdict(len(proposals), int(torch.multinomial(p[-1], 1, generator=generator)))
+    n = len(proposals)
+    u = torch.rand(n, generator=generator, device=p.device)
+    refused = []  # u >= p/q without dividing by zero; all γ tests read back at once
+    if n:
+        x, i = upload(proposals, p.device), torch.arange(n, device=p.device)
+        refused = (u * draft_probs[i, x] >= p[i, x]).tolist()
+    first = refused.index(True) if True in refused else n
+    left = residual_distribution(p[first], draft_probs[first]) if first < n else p[-1]
+    return Verdict(first, int(torch.multinomial(left, 1, generator=generator)))
 
 
 def accept_tree_by_rejection_sampling(logits: torch.Tensor, proposals: list[int],
