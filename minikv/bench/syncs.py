@@ -56,10 +56,6 @@ class Waits:
     skipped: tuple = ()   # functions whose reads are not counted (a GPU never ran them)
     cuda_syncs: float | None = None  # per token, as CUDA counted them (a GPU run only)
 
-    @property
-    def total(self) -> int:
-        return sum(self.reads.values()) + sum(self.uploads.values())
-
 
 def _site(skipped: tuple = ()) -> str | None:
     """The innermost line of minikv (outside this file) on the stack: where the wait is;
