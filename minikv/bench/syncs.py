@@ -6,8 +6,9 @@ needs a value the device computed (`int(t)`, `t.item()`, `t.tolist()`, `if t:`, 
 depends on values: `nonzero`, a boolean mask) and when it copies Python data to the device
 (`torch.tensor(ids, device=...)`: from pageable memory, the copy waits for the queue). Each
 wait empties the queue, so a step that waits ten times pays the launch latency ten times. On a
-CPU none of this costs anything, which is why no CPU timing shows it; counting shows it, and
-the counts are the code's own, the same on any machine that makes the same tokens.
+CPU every operation has finished when it returns, so there is nothing to wait for and no CPU
+timing shows it; counting shows it, and the counts are the code's own, the same on any machine
+that makes the same tokens.
 
 For each decoder: the reads and uploads per generated token in steady state (the count for 2n
 new tokens minus the count for n, over n: prefill and set-up cancel), and where they happen.
@@ -292,8 +293,8 @@ def write_report(results: dict, out: Path) -> None:
     lines = [
         "# What each decoder makes the host wait for (`python -m minikv bench-syncs`)", "",
         "On a GPU the host waits for the device at every read of a value it computed and "
-        "at every blocking upload made while kernels are queued; on a CPU these waits cost "
-        "nothing, so no CPU timing shows them. Counted here per new token in steady state "
+        "at every blocking upload made while kernels are queued; on a CPU there is nothing to "
+        "wait for, so no CPU timing shows them. Counted here per new token in steady state "
         f"((count at {2 * m['new']} tokens - count at {m['new']}) / tokens made), with the "
         f"{m['models']} models, on {m['device']}. The counts are the code's, the same on any "
         "machine that makes the same tokens (a speculative decoder's also depend on how many "
