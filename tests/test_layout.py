@@ -57,7 +57,7 @@ ENGINE_STATEMENT_BUDGET = sum({
     "issue 56, item 1: the host's waits for a GPU cut (value checks where reads are free; a "
     "round's choices, a draft's and a feature head's tokens, a tree depth's picks read back "
     "once, and a server pass's tokens, sampled rows too; uploads queued behind launches; a "
-    "tree's mask built on the host)": 30,
+    "tree's mask built on the host)": 29,
     "issue 56, item 4: the server's decode pass at fixed shapes, replayed as a CUDA graph a "
     "batch size (static.py: StaticBatch, GraphDecode, padding rows; Engine(graphs=)); the eager "
     "decode's blocks in use from the host, not read back from a GPU once a layer; the greedy "
@@ -346,10 +346,11 @@ def test_the_fit_rule_is_written_once():
 # eager split-KV pass (now a method of its own; the graphs are in static.py); two reads back
 # from a GPU gone from a decode step: the blocks in use handed to attention from the host
 # (each layer read them back), the greedy rows' tokens read at once (each row read its own).
-# Issue 56 (item 1) added 8 more: Runner.choices, every row's token of a pass (sampled and
-# deterministic rows too, and the decodes riding in a chunked prefill) read back at once;
-# a packed pass's ids, positions and row ends uploaded queued (cache.upload), not waited for.
-SERVING_PATH_LINES, SERVING_PATH_CLASSES = 1049, 9
+# Issue 56 (item 1) added 7 more: serving.chosen, every row's token of a pass (sampled and
+# deterministic rows too, and the decodes riding in a chunked prefill) read back at once by
+# sampling.choose_rows; a packed pass's ids, positions and row ends uploaded queued
+# (cache.upload), not waited for.
+SERVING_PATH_LINES, SERVING_PATH_CLASSES = 1048, 9
 
 
 def test_the_serving_path_is_small():

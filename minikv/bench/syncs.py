@@ -97,13 +97,13 @@ class _Calls(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs, waits = kwargs or {}, self.waits
         name = getattr(func, "__name__", "")
+        blocks = name in READS or _waiting_upload(name, args, kwargs)
         if name in READS:
             _read(waits, name)
-        elif _waiting_upload(name, args, kwargs):
-            if waits.queued:
-                waits.uploads[(name, _site())] += 1
+        elif blocks and waits.queued:
+            waits.uploads[(name, _site())] += 1
         out = func(*args, **kwargs)
-        if name in READS or _waiting_upload(name, args, kwargs):
+        if blocks:
             waits.queued = False  # the host caught up with the device
         elif name in FROM_DATA and isinstance(out, torch.Tensor):
             out._minikv_host = True  # Python data in host memory, for an upload later

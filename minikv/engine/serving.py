@@ -27,7 +27,7 @@ from .lookup import PromptLookup
 from .paged import BlockPool, PagedBatch, PagedCache
 from .radix import Radix, check_prefix_caching
 from .records import ServeOutputs, TraceEvent
-from .sampling import Request, SamplingParams
+from .sampling import Request, SamplingParams, choose_rows
 from .scheduler import FirstComeFirstServed, Scheduler, Sequence, check_policy
 from .speculative import DraftProposer, Speculation, as_proposal, check_speculation
 from .static import GraphDecode
@@ -257,7 +257,7 @@ class Runner:
             return {}
         logits = self.packed(rows, [(s.tokens + s.proposals)[-1:] for s in decoding]
                              + [s.tokens[s.table.length:][:s.chunk] for s in prompts])
-        tokens = self.choices(rows, logits)  # a prompt still prefilling drops its own
+        tokens = chosen(rows, logits)  # a prompt still prefilling drops its own
         out = {s: [self.decoded(s, row, step, len(rows), 1, token)]
                for s, row, token in zip(decoding, logits, tokens)}
         for s, first, token in zip(prompts, firsts, tokens[len(decoding):]):
@@ -277,7 +277,7 @@ class Runner:
         tables, fed = [s.table for s in batch], [(s.tokens + s.proposals)[-1] for s in batch]
         graphs = self.graphs is not None and self.graphs.fits(tables)  # static.py: replayed
         logits, splits = (self.graphs(tables, fed), 1) if graphs else self.split_kv(batch, fed)
-        tokens = self.choices(batch, logits)  # every row's token: ONE read-back, not B
+        tokens = chosen(batch, logits)  # every row's token: ONE read-back, not B
         return {s: [self.decoded(s, row, step, len(batch), splits, token)]
                 for s, row, token in zip(batch, logits, tokens)}
 
@@ -331,17 +331,10 @@ class Runner:
             out[s] = seq[len(s.tokens):]
         return out
 
-    def choices(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        """Each row's token, chosen as its request chooses at its next position, all read
-        back at once: a GPU waits once a pass, not once a row."""
-        top = logits.argmax(-1)  # every greedy row's token, in one launch
-        return torch.stack([top[i] if s.sampling.greedy else s.sampling.draw(
-            logits[i], len(s.tokens) + len(s.proposals)) for i, s in enumerate(seqs)]).tolist()
-
     # --- what a row did, for the trace ------------------------------------------------
     def decoded(self, s: Sequence, row: torch.Tensor, step: int, batch: int,
                 splits: int, token: int) -> int:
-        """A decode row's event; its token, chosen already (Runner.choices)."""
+        """A decode row's event; its token, chosen already (chosen)."""
         fed = s.tokens + s.proposals
         s.stats.fast_steps += 1
         if self.record_logits:
@@ -362,6 +355,12 @@ class Runner:
             kind=kind, step=step, input_ids=tuple(fed), token=token, batch=batch,
             positions=tuple(range(first, len(fed))), cache_len_before=first,
             cache_len_after=len(fed), kv_computed=len(fed) - first))
+
+
+def chosen(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+    """Each row's token, as its request chooses at its next position, read back at once."""
+    return choose_rows([s.sampling for s in seqs], logits,
+                       [len(s.tokens) + len(s.proposals) for s in seqs])
 
 
 # --- checks: raise before anything is allocated ------------------------------------

@@ -14,7 +14,7 @@ import torch
 
 from .cache import KVCache, upload
 from .records import TraceEvent
-from .sampling import SamplingParams
+from .sampling import SamplingParams, choose_rows
 from .tree import check_parents, children, is_chain, tree_attention, tree_mask, tree_positions
 
 
@@ -41,14 +41,16 @@ def accept_matching(logits: torch.Tensor, proposals: list[int], sampling: Sampli
     # Every row's choice is made and read back at once: a GPU waits once a round.
     if parents is None:
         n = len(proposals)
-        mine = sampling.choose_rows(logits[:n + 1], range(first_position, first_position + n + 1))
+        mine = choose_rows([sampling] * (n + 1), logits[:n + 1],
+                           range(first_position, first_position + n + 1))
         for i, proposed in enumerate(proposals):
             if mine[i] != proposed:
                 return Verdict(i, mine[i])
         return Verdict(n, mine[n])
     # Row 0 is at the first position; row 1 + i at node i's depth past it.
     rows = [first_position] + tree_positions(parents, first_position)
-    mine, kids, path = sampling.choose_rows(logits[:len(rows)], rows), children(parents), []
+    mine = choose_rows([sampling] * len(rows), logits[:len(rows)], rows)
+    kids, path = children(parents), []
     while True:
         here = mine[1 + path[-1] if path else 0]
         match = [c for c in kids[path[-1] if path else -1] if proposals[c] == here]
